@@ -1,0 +1,7 @@
+"""moe-vlm-harness: measure what inference optimisations of MoE / vision-language models buy and cost.
+
+Only the standard library is imported here so that ``import harness.kernels.x`` on a GPU machine
+pulls in nothing beyond torch/triton.
+"""
+
+__version__ = "0.1.0"
