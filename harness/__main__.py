@@ -1,0 +1,6 @@
+"""Entry point of ``python -m harness``."""
+
+from harness.cli import main
+
+if __name__ == "__main__":
+    main()

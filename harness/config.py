@@ -1,0 +1,147 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+Why dataclasses: Hydra validates a composed config against them, so ``sere.kk=2`` (a misspelt key) or
+``engine.batch_size=two`` (a wrong type) stops the run with Hydra's own error before any model loads.
+Each group's YAML in ``conf/<group>/`` extends ``<group>_schema`` (see its defaults list) and the
+top-level ``conf/config.yaml`` extends ``base_config``. Only ``hydra-core``/``omegaconf`` and the standard
+library are imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load. ``embedded: true`` builds the tiny seeded model on first use."""
+
+    name: str = "tiny"
+    path: Optional[str] = None  # HF repo id or local directory; None with embedded=true
+    embedded: bool = False
+    seed: int = 0  # seed of the embedded model's weights
+    weights: str = "real"  # "real" | "random-init": recorded in every result file
+    trust_remote_code: bool = False
+    max_images_per_prompt: int = 64
+
+
+@dataclass
+class DatasetConfig:
+    """Where samples come from. ``name`` selects the loader in ``harness.datasets``."""
+
+    name: str = MISSING
+    path: Optional[str] = None  # data file or directory; relative paths resolve from the project root
+    image_root: Optional[str] = None  # where image files live (default: beside the data file)
+    split: Optional[str] = None  # e.g. "dev" for RAG-IGBench; None = every row
+    limit: Optional[int] = None  # first N samples after split selection
+    language: str = "zh"  # prompt language where the benchmark has variants ("zh" | "en")
+    n_per_source: Optional[int] = None  # mixes: samples drawn from each source
+    images_per_request: int = 1  # mixes: images per request (sources compete for one budget)
+    circular: bool = True  # multiple choice: circular evaluation
+    seed: int = 0
+    sources: dict[str, Any] = field(default_factory=dict)  # mixes: per-source dataset settings
+
+
+@dataclass
+class EngineConfig:
+    """The inference engine and how it runs."""
+
+    name: str = "hf"
+    device: str = "auto"  # "auto" = CUDA when present, else CPU
+    dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 | bfloat16 | float16
+    batch_size: int = 4
+    attn_implementation: str = "sdpa"
+    experts_implementation: Optional[str] = None  # transformers experts registry; None = its default
+    warmup: int = 1  # untimed warm-up batches before measurement (compilation, allocator)
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding parameters (greedy, as the benchmarks' reference generations)."""
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+
+
+@dataclass
+class VisionZipConfig:
+    """VisionZip visual-token pruning (prefill/TTFT). ``keep=1.0`` is off."""
+
+    keep: float = 1.0
+    contextual: float = 0.0  # fraction of the kept budget spent on merged contextual tokens
+    scope: str = "request"  # "request" = one budget for all images of a request; "image" = per image
+    layer: int = -1  # vision layer whose attention scores tokens (-1 = last)
+    min_per_image: int = 1
+
+
+@dataclass
+class SereConfig:
+    """SERE expert re-routing in decode (TPOT). ``k=null`` is off."""
+
+    k: Optional[int] = None  # number of primary experts per token
+    rho: float = 0.1  # similarity threshold
+    protect: int = 0  # protected (never re-routed) experts per layer
+    similarity_path: Optional[str] = None  # calibrated [E, E] matrices; None = compute and cache
+    protection_path: Optional[str] = None
+
+
+@dataclass
+class ScoringConfig:
+    """Scoring options (the definitions are in ``harness.metrics``)."""
+
+    rouge_variant: str = "reference"  # "reference" (jieba words minus stopwords, sets) | "rouge_score"
+    clip_model: Optional[str] = None  # e.g. "ViT-L-14"; None = skip the CLIP score
+    clip_pretrained: Optional[str] = None  # e.g. "openai" or a local checkpoint path
+    embed_model: Optional[str] = None  # e.g. "TencentBAC/Conan-embedding-v1"; None = skip alignment
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging. ``offline`` needs no network; ``wandb sync`` uploads later."""
+
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "moe-vlm-harness"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    job_type: str = "eval"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    """One experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    visionzip: VisionZipConfig = field(default_factory=VisionZipConfig)
+    sere: SereConfig = field(default_factory=SereConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    seed: int = 0
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "dataset": DatasetConfig,
+    "engine": EngineConfig,
+    "generation": GenerationConfig,
+    "visionzip": VisionZipConfig,
+    "sere": SereConfig,
+    "scoring": ScoringConfig,
+    "wandb": WandbConfig,
+}
+
+
+def register_configs() -> None:
+    """Put the schemas into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)

@@ -1,0 +1,60 @@
+"""The contract between the run and an inference engine.
+
+An engine takes :class:`Request` objects (chat content + decoded images) and returns one
+:class:`Generation` per request, in order, with the timings it measured. Engines never score and never
+write files: the run does that, the same way for every engine, which is what makes HF and vLLM results
+comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Request:
+    """One prompt: ordered content parts (text / image index) and the decoded images they point to."""
+
+    uid: str
+    content: list[dict[str, Any]]
+    images: list[Any] = field(default_factory=list)  # PIL images, in the order of the image parts
+
+
+@dataclass
+class Generation:
+    """What an engine produced for one request, and how long it took.
+
+    Times are milliseconds from the moment the request's batch started (pre-processing included) —
+    TTFT to the first generated token, E2E to the last; ``tpot_ms`` = (E2E − TTFT)/(tokens − 1), None for
+    one-token outputs. ``error`` is set (and text empty) when the engine failed on this request.
+    """
+
+    uid: str
+    text: str = ""
+    prompt_tokens: int = 0
+    visual_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the run needs from an engine."""
+
+    name: str
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        """Greedy generations for ``requests`` (one per request, same order)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Engine name, version, device, dtype: recorded in ``summary.json`` ``run``."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and its memory."""
+        ...

@@ -1,0 +1,187 @@
+"""Hugging Face transformers engine: batched greedy generation with per-request TTFT/TPOT.
+
+Why it exists beside vLLM: it runs anywhere (CPU CI included) and it is the reference against which every
+other engine's tokens are checked. Timing: a stopping criterion that never stops records a timestamp
+after every generated token (after a device synchronisation on GPU), so for each request of a batch
+
+- TTFT = time from the batch's start (chat template and image pre-processing included) to its first token,
+- E2E  = time to its last token (its end-of-sequence token, or the last allowed one),
+- TPOT = (E2E − TTFT) / (output tokens − 1), undefined for one-token outputs,
+
+exactly the serving definitions, applied to a static batch: every request of a batch shares the batch's
+prefill, so TTFT includes the whole batch's prefill (state the batch size next to any TTFT).
+Padding is on the left, as generation requires; the processor expands each ``<|image_pad|>``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harness.engines.base import Generation, Request
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """``auto`` → bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow or unsupported on many CPUs)."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"engine.dtype={dtype!r}: expected auto or one of {sorted(_DTYPES)}")
+    return getattr(torch, _DTYPES[dtype])
+
+
+class _StepClock:
+    """A ``StoppingCriteria`` that only records when each generation step finished."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class HFEngine:
+    """Generate with a ``transformers`` image-text-to-text model loaded from a local path or hub id."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.cfg = engine_cfg
+        self.gen_cfg = generation_cfg
+        self.device = resolve_device(engine_cfg.device)
+        self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
+        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.processor.tokenizer.padding_side = "left"
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
+        if engine_cfg.experts_implementation:
+            kwargs["experts_implementation"] = engine_cfg.experts_implementation
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code, **kwargs
+        ).to(self.device).eval()
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id = self.processor.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = next(iter(self.eos_ids))
+        self.image_token_id = getattr(self.model.config, "image_token_id", None)
+        self._torch = torch
+
+    # -- public API -------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        from harness.envinfo import device_name, package_version
+
+        return {
+            "engine": self.name,
+            "engine_version": package_version("transformers"),
+            "device": self.device,
+            "device_name": device_name(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attn_implementation": self.cfg.attn_implementation,
+            "experts_implementation": self.cfg.experts_implementation,
+            "batch_size": self.cfg.batch_size,
+        }
+
+    def warmup(self, request: Request) -> None:
+        """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
+        self._generate_batch([request], max_new_tokens=2)
+
+    def generate(self, requests: list[Request]) -> list[Generation]:
+        """Generate in batches of ``engine.batch_size``; a failing batch is retried request by request so
+        one bad request costs only itself."""
+        out: list[Generation] = []
+        bs = max(1, self.cfg.batch_size)
+        for i in range(0, len(requests), bs):
+            out.extend(self.generate_batch(requests[i : i + bs]))
+        return out
+
+    def generate_batch(self, batch: list[Request]) -> list[Generation]:
+        try:
+            return self._generate_batch(batch, self.gen_cfg.max_new_tokens)
+        except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            if len(batch) == 1:
+                return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
+            return [g for r in batch for g in self.generate_batch([r])]
+
+    def close(self) -> None:
+        self.model = None
+        if self._torch.cuda.is_available():
+            self._torch.cuda.empty_cache()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _prompt(self, request: Request) -> str:
+        parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
+                 for p in request.content]
+        return self.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+        )
+
+    def _generate_batch(self, batch: list[Request], max_new_tokens: int) -> list[Generation]:
+        torch = self._torch
+        clock = _StepClock(self.device)
+        clock.sync()
+        t0 = time.perf_counter()
+        texts = [self._prompt(r) for r in batch]
+        images = [img for r in batch for img in r.images]
+        inputs = self.processor(text=texts, images=images or None, return_tensors="pt", padding=True)
+        inputs = inputs.to(self.device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                stopping_criteria=[clock],
+                pad_token_id=self.pad_id,
+            )
+        prompt_len = inputs["input_ids"].shape[1]
+        new_tokens = out[:, prompt_len:].tolist()
+        mask = inputs["attention_mask"]
+        results = []
+        for row, req in enumerate(batch):
+            ids = new_tokens[row]
+            n = next((j + 1 for j, t in enumerate(ids) if t in self.eos_ids), len(ids))
+            ids = ids[:n]
+            ttft = (clock.times[0] - t0) * 1e3 if clock.times else None
+            e2e = (clock.times[n - 1] - t0) * 1e3 if n and len(clock.times) >= n else None
+            tpot = (e2e - ttft) / (n - 1) if n > 1 and ttft is not None and e2e is not None else None
+            n_visual = 0
+            if self.image_token_id is not None:
+                n_visual = int((inputs["input_ids"][row][mask[row].bool()] == self.image_token_id).sum())
+            results.append(Generation(
+                uid=req.uid,
+                text=self.processor.tokenizer.decode(ids, skip_special_tokens=True),
+                prompt_tokens=int(mask[row].sum()),
+                visual_tokens=n_visual,
+                output_tokens=n,
+                ttft_ms=ttft,
+                tpot_ms=tpot,
+                e2e_ms=e2e,
+                extra={"batch_size": len(batch)},
+            ))
+        return results

@@ -1,0 +1,59 @@
+"""Weights & Biases logging of a finished run: config, summary metrics, a samples table, result files.
+
+``wandb.mode`` is ``offline`` by default (no network; ``wandb sync results/.../wandb/offline-run-*`` uploads
+later) and ``disabled`` in tests. wandb is imported only when a run logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SAMPLE_COLUMNS = ("uid", "prompt_tokens", "visual_tokens", "output_tokens", "ttft_ms", "tpot_ms", "answer",
+                  "error")
+
+
+def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    for key, value in data.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            _flatten(name, value, out)
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[name] = value
+    return out
+
+
+def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
+            run_dir: Path, name: str) -> str | None:
+    """Log one finished run; returns the W&B run directory (None when disabled)."""
+    if wandb_cfg.mode == "disabled":
+        return None
+    import wandb
+
+    run = wandb.init(
+        mode=wandb_cfg.mode,
+        project=wandb_cfg.project,
+        entity=wandb_cfg.entity,
+        group=wandb_cfg.group,
+        job_type=wandb_cfg.job_type,
+        tags=list(wandb_cfg.tags),
+        name=name,
+        dir=str(run_dir),
+        config=config,
+    )
+    try:
+        run.summary.update(_flatten("", {"metrics": summary["metrics"], "latency": summary["latency"]}, {}))
+        score_keys = sorted({k for r in records for k in r.get("scores", {})})
+        table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])
+        for r in records:
+            table.add_data(*[r.get(c) if c != "answer" else r.get("answer", "") for c in SAMPLE_COLUMNS],
+                           *[r.get("scores", {}).get(k) for k in score_keys])
+        run.log({"samples": table})
+        artifact = wandb.Artifact(name=f"results-{run.id}", type="results")
+        for fname in ("summary.json", "samples.jsonl", "config.yaml"):
+            if (run_dir / fname).exists():
+                artifact.add_file(str(run_dir / fname))
+        run.log_artifact(artifact)
+        return run.dir
+    finally:
+        run.finish()
