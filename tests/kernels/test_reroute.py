@@ -1,0 +1,163 @@
+"""The fused SERE re-routing op equals the torch reference id for id (Triton's interpreter on CPU)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.kernels.reroute import reroute_op, reroute_triton
+from harness.techniques.sere import reroute
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+POISON = -7_777
+
+# (T, E, k): T = 1 and odd T; E = 16 and 128 (32 x 4-word bitmask, one and several words); k = 4 and 8.
+SHAPES = [(1, 16, 4), (7, 16, 8), (33, 16, 8), (1, 128, 8), (5, 128, 4), (3, 100, 6)]
+K_PRIMARY = [1, 2, 4]
+RHOS = [0.0, 0.1, 0.5, 1.0]
+
+
+def make_case(num_tokens, num_experts, k, seed, levels=4, dtype=torch.int64):
+    """Distinct ids per row (as a top-k), a similarity with few levels (ties, values equal to rho)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(num_tokens, num_experts, generator=g).topk(k).indices.to(dtype)
+    sim = torch.randint(0, levels + 1, (num_experts, num_experts), generator=g) / levels
+    sim.fill_diagonal_(1.0)
+    protected = torch.rand(num_experts, generator=g) < 0.25
+    row_mask = torch.rand(num_tokens, generator=g) < 0.7
+    return ids.to(DEVICE), sim.to(DEVICE), protected.to(DEVICE), row_mask.to(DEVICE)
+
+
+def run_poisoned(ids, sim, k_primary, rho, protected=None, row_mask=None):
+    out = torch.full_like(ids, POISON)
+    got = reroute_triton(ids, sim, k_primary, rho, protected, row_mask, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    return got
+
+
+@pytest.mark.parametrize("use_row_mask", [False, True])
+@pytest.mark.parametrize("use_protected", [False, True])
+@pytest.mark.parametrize("k_primary", K_PRIMARY)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}".format(*s))
+def test_matches_reference(shape, k_primary, use_protected, use_row_mask):
+    ids, sim, protected, row_mask = make_case(*shape, seed=sum(shape) + k_primary)
+    protected = protected if use_protected else None
+    row_mask = row_mask if use_row_mask else None
+    for rho in RHOS:
+        want = reroute(ids, sim, k_primary, rho, protected, row_mask)
+        got = run_poisoned(ids, sim, k_primary, rho, protected, row_mask)
+        assert got.dtype == ids.dtype
+        assert torch.equal(got, want), f"rho={rho}\n{ids}\n{got}\n{want}"
+
+
+def test_reroutes_something():
+    """Guard against a vacuous grid: the cases above do move slots."""
+    ids, sim, _, _ = make_case(7, 16, 8, seed=0)
+    assert (reroute_triton(ids, sim, 2, 0.5) != ids).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_dtype_and_continuous_similarity(dtype):
+    ids, _, protected, _ = make_case(9, 128, 8, seed=3, dtype=dtype)
+    sim = torch.rand(128, 128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for rho in (0.0, 0.9):
+        got = run_poisoned(ids, sim, 2, rho, protected)
+        assert got.dtype == dtype and torch.equal(got, reroute(ids, sim, 2, rho, protected))
+
+
+@pytest.mark.parametrize("sim_dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_similarity_dtypes(sim_dtype):
+    ids, sim, _, _ = make_case(6, 16, 8, seed=4, levels=1000)
+    sim = sim.to(sim_dtype)
+    for rho in (0.1, 0.5):
+        assert torch.equal(run_poisoned(ids, sim, 2, rho), reroute(ids, sim, 2, rho))
+
+
+def test_strided_inputs():
+    ids, sim, protected, row_mask = make_case(5, 16, 8, seed=5)
+    wide = torch.full((5, 12), 3, dtype=ids.dtype, device=DEVICE)
+    wide[:, 2:10] = ids
+    ids_view = wide[:, 2:10]                              # row stride 12
+    sim_t = sim.t().contiguous().t()                      # column-major similarity
+    want = reroute(ids, sim, 2, 0.25, protected, row_mask)
+    assert torch.equal(run_poisoned(ids_view, sim_t, 2, 0.25, protected, row_mask), want)
+    out_t = torch.full((8, 5), POISON, dtype=ids.dtype, device=DEVICE).t()   # strided output
+    reroute_triton(ids, sim, 2, 0.25, protected, row_mask, out=out_t)
+    assert torch.equal(out_t, want)
+
+
+def test_invalid_ids_nan_and_inf():
+    ids, sim, _, _ = make_case(6, 16, 8, seed=6)
+    ids[0, 0], ids[1, 3], ids[2, 5] = -1, -1, 99
+    for rho in (0.0, 0.5, float("-inf")):
+        assert torch.equal(run_poisoned(ids, sim, 2, rho), reroute(ids, sim, 2, rho))
+    # Hand-made: P = {0, 1}.
+    ids = torch.tensor([[0, 5, 6, 7], [1, 8, 9, 10], [-1, 11, 99, 12]], device=DEVICE)
+    sim = make_case(1, 16, 1, seed=6)[1]
+    sim[5, 0], sim[5, 1] = float("nan"), 0.25          # NaN beside a finite candidate: 5 -> 1
+    sim[6] = float("nan")                               # no finite candidate: 6 stays
+    sim[7, :2] = float("-inf")                          # only -inf candidates: 7 stays, even at rho=-inf
+    for rho in (0.0, 0.25, float("-inf")):
+        want = reroute(ids, sim, 1, rho)
+        assert want[0].tolist() == [0, 1, 6, 7]
+        assert torch.equal(run_poisoned(ids, sim, 1, rho), want)
+
+
+def test_empty_primary_set_moves_nothing():
+    ids, sim, _, _ = make_case(4, 16, 8, seed=7)
+    row_mask = torch.zeros(4, dtype=torch.bool, device=DEVICE)
+    assert torch.equal(run_poisoned(ids, sim, 2, float("-inf"), row_mask=row_mask), ids)
+    ids[:, :2] = -1                                     # no valid primary: P is empty
+    assert torch.equal(run_poisoned(ids, sim, 2, float("-inf")), ids)
+
+
+def test_edge_shapes():
+    ids, sim, _, _ = make_case(3, 16, 4, seed=8)
+    assert torch.equal(run_poisoned(ids, sim, 4, 0.0), ids)            # k_primary >= k: copy
+    assert torch.equal(run_poisoned(ids, sim, 9, 0.0), ids)
+    empty = ids[:0]
+    assert reroute_triton(empty, sim, 1, 0.0).shape == (0, 4)
+    one = ids[:, :1]                                                    # k = 1: nothing secondary
+    assert torch.equal(run_poisoned(one, sim, 1, 0.0), one)
+
+
+def test_reroute_op_dispatch(monkeypatch):
+    ids, sim, protected, row_mask = make_case(5, 16, 8, seed=9)
+    want = reroute(ids, sim, 2, 0.5, protected, row_mask)
+    assert torch.equal(reroute_op(ids, sim, 2, 0.5, protected, row_mask), want)
+    if DEVICE == "cpu":                       # without the interpreter, CPU tensors take the reference
+        import harness.kernels.reroute as mod
+
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.setattr(mod, "reroute_triton", lambda *a, **k: pytest.fail("kernel used on CPU"))
+        assert torch.equal(reroute_op(ids, sim, 2, 0.5, protected, row_mask), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_tokens=st.integers(1, 9), num_experts=st.integers(2, 40), k=st.integers(1, 8),
+       k_primary=st.integers(1, 4), rho=st.sampled_from([0.0, 0.25, 0.3, 0.75, 1.0]),
+       flags=st.tuples(st.booleans(), st.booleans()), seed=st.integers(0, 2**16))
+def test_random_cases(num_tokens, num_experts, k, k_primary, rho, flags, seed):
+    k = min(k, num_experts)
+    ids, sim, protected, row_mask = make_case(num_tokens, num_experts, k, seed)
+    protected = protected if flags[0] else None
+    row_mask = row_mask if flags[1] else None
+    want = reroute(ids, sim, k_primary, rho, protected, row_mask)
+    assert torch.equal(run_poisoned(ids, sim, k_primary, rho, protected, row_mask), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay():
+    ids, sim, protected, row_mask = make_case(64, 128, 8, seed=10)
+    out = torch.full_like(ids, POISON)
+    reroute_triton(ids, sim, 2, 0.5, protected, row_mask, out=out)     # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reroute_triton(ids, sim, 2, 0.5, protected, row_mask, out=out)
+    for seed in (11, 12):                     # new routing in the same buffers, then replay
+        new_ids, _, _, _ = make_case(64, 128, 8, seed=seed)
+        ids.copy_(new_ids)
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, reroute(ids, sim, 2, 0.5, protected, row_mask))
