@@ -54,7 +54,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.engines import make_engine
     from harness.engines.base import Request
     from harness.metrics.latency import latency_summary
-    from harness.scoring import aggregate, score_sample
+    from harness.scoring import Scorer, aggregate
     from harness.tracking import log_run
 
     check_techniques(cfg)
@@ -70,6 +70,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
                          trust_remote_code=cfg.model.trust_remote_code)
 
+    scorer = Scorer(cfg.scoring)
     samples_log = SamplesLog(run_dir / "samples.jsonl")
     records: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
@@ -77,7 +78,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     def record(sample, gen=None, error: str | None = None) -> None:
         error = error or (gen.error if gen else None)
         answer = gen.text if gen and not error else ""
-        scores = {} if error else score_sample(sample, answer, cfg.scoring)
+        scores = scorer(sample, answer, error)
         rec = {
             "uid": sample.uid,
             "dataset": sample.dataset,
@@ -107,16 +108,18 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
                 runnable.append((sample, Request(sample.uid, sample.content, sample.load_images())))
             except Exception as e:  # noqa: BLE001 - a bad image costs its sample, never the run
                 record(sample, error=f"{type(e).__name__}: {e}")
-        if runnable and cfg.engine.warmup > 0 and hasattr(engine, "warmup"):
-            for _ in range(cfg.engine.warmup):
-                engine.warmup(runnable[0][1])
         bs = max(1, cfg.engine.batch_size)
+        if runnable and hasattr(engine, "warmup"):
+            for _ in range(cfg.engine.warmup):  # a full first batch, so batch-size-dependent set-up is paid
+                engine.warmup([r for _, r in runnable[:bs]])
+        gen0 = time.perf_counter()
         with tqdm(total=len(runnable), desc=f"{cfg.engine.name} · {cfg.dataset.name}", unit="sample") as bar:
             for i in range(0, len(runnable), bs):
                 chunk = runnable[i : i + bs]
                 for (sample, _), gen in zip(chunk, engine.generate_batch([r for _, r in chunk])):
                     record(sample, gen)
                 bar.update(len(chunk))
+        gen_s = time.perf_counter() - gen0
     finally:
         samples_log.close()
         engine_info = engine.describe()
@@ -129,7 +132,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
                 "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir)},
         "config": config,
         "metrics": aggregate(task, records),
-        "latency": latency_summary(records),
+        "latency": latency_summary(records, duration_s=gen_s),
     }
     write_json(run_dir / "summary.json", summary)
     wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)

@@ -1,9 +1,10 @@
 """Which metrics apply to a sample, by its ``task``: the glue between datasets and ``harness.metrics``.
 
-Each scorer takes the sample, the engine's answer and the scoring config and returns a flat dict of
-per-sample scores (with ``format_invalid`` / ``hallucinated_image`` flags and a ``reason`` where the
-answer is unusable); ``aggregate`` turns the per-sample records into ``summary.json`` ``metrics``.
-A sample that failed before scoring (bad image, engine error) has ``error`` set and counts 0 everywhere.
+A :class:`Scorer` is built once per run (it owns the optional CLIP and text-embedding models, loaded on
+first use) and turns (sample, answer) into a flat dict of per-sample scores with the benchmark's flags
+(``format_invalid``, ``hallucinated_image``) and a ``reason`` where the answer is unusable;
+:func:`aggregate` turns the per-sample records into ``summary.json`` ``metrics``. A sample that failed
+before scoring (bad image, engine error) carries ``error`` and counts 0 everywhere.
 """
 
 from __future__ import annotations
@@ -13,18 +14,44 @@ from typing import Any
 from harness.datasets.base import Sample
 
 
-def score_sample(sample: Sample, answer: str, scoring_cfg: Any) -> dict[str, Any]:
-    """Per-sample scores of ``answer`` under the sample's benchmark definition."""
-    if sample.task == "rag_igbench":
-        from harness.metrics import rag_igbench
+class Scorer:
+    """Per-sample scoring under each benchmark's definition."""
 
-        return rag_igbench.score_sample(
-            answer,
-            sample.reference["answer"],
-            n_candidates=sample.reference["n_candidates"],
-            rouge_variant=scoring_cfg.rouge_variant,
-        )
-    raise KeyError(f"no scorer for task {sample.task!r}")
+    def __init__(self, scoring_cfg: Any):
+        self.cfg = scoring_cfg
+        self._clip = self._embed = None
+
+    @property
+    def clip(self):
+        if self._clip is None and self.cfg.clip_model:
+            from harness.metrics.encoders import ClipScorer
+
+            self._clip = ClipScorer(self.cfg.clip_model, self.cfg.clip_pretrained)
+        return self._clip
+
+    @property
+    def embed(self):
+        if self._embed is None and self.cfg.embed_model:
+            from harness.metrics.encoders import TextEmbedder
+
+            self._embed = TextEmbedder(self.cfg.embed_model)
+        return self._embed
+
+    def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
+        if sample.task == "rag_igbench":
+            from harness.metrics import rag_igbench
+
+            return rag_igbench.score_sample(
+                answer if error is None else None,
+                sample.reference["answer"],
+                n_candidates=sample.reference["n_candidates"],
+                candidate_images=[img.path or img.key for img in sample.images] if self.clip else None,
+                clip=self.clip,
+                embed=self.embed,
+                error=error,
+                rouge_variant=self.cfg.rouge_variant,
+            )
+        raise KeyError(f"no scorer for task {sample.task!r}")
 
 
 def aggregate(task: str, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -32,5 +59,5 @@ def aggregate(task: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     if task == "rag_igbench":
         from harness.metrics import rag_igbench
 
-        return rag_igbench.aggregate([{**r.get("scores", {}), "error": r.get("error")} for r in records])
+        return rag_igbench.aggregate([r["scores"] for r in records])
     raise KeyError(f"no aggregation for task {task!r}")

@@ -106,9 +106,9 @@ class HFEngine:
             "batch_size": self.cfg.batch_size,
         }
 
-    def warmup(self, request: Request) -> None:
+    def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
-        self._generate_batch([request], max_new_tokens=2)
+        self._generate_batch(batch, max_new_tokens=2)
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         """Generate in batches of ``engine.batch_size``; a failing batch is retried request by request so

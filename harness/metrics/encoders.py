@@ -1,0 +1,286 @@
+"""The two neural encoders behind RAG-IGBench's image-text metrics, loaded lazily and cached.
+
+* :class:`ClipScorer` — cosine(image, text) from an open_clip model. The default, ``('ViT-L-14', 'openai')``,
+  is OpenAI's CLIP ViT-L/14, the same weights as ``openai/clip-vit-large-patch14`` that the reference scorer
+  (zry13/RAG-IGBench ``score/eval.py``) loads through transformers; open_clip's preprocessing for the
+  ``openai`` tag (resize shortest side to 224 bicubic, centre crop, CLIP mean/std) matches the HF processor.
+  OpenAI's weights were trained with QuickGELU, which open_clip 3's plain ``ViT-L-14`` config lacks (it only
+  warns); the activation the pretrained tag declares is therefore forced. A local OpenAI checkpoint file
+  needs the ``ViT-L-14-quickgelu`` config name for the same reason.
+  One difference on purpose: open_clip truncates a text to the 77-token context, where the reference's HF
+  processor (``padding=True``, no truncation) raises for longer texts and the sample silently disappears.
+* :class:`TextEmbedder` — sentence embeddings from a transformers checkpoint (default
+  ``TencentBAC/Conan-embedding-v1``). The reference calls ``SentenceTransformer(path).encode``, which runs the
+  checkpoint's own module pipeline (``modules.json``: Transformer → Pooling → Dense → Normalize). We read that
+  pipeline from the checkpoint instead of depending on sentence-transformers: the pooling mode comes from
+  ``1_Pooling/config.json`` and the ``Dense`` projection (Conan: 1024 → 1792, with bias, which changes cosines)
+  is applied when present. A checkpoint without ``modules.json`` gets mean pooling, which is also what
+  SentenceTransformer falls back to for a plain transformers model.
+
+Both take a hub name or a local path, load on first use (never at import or construction), and
+:func:`get_clip_scorer` / :func:`get_text_embedder` keep one instance per configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_CLIP_MODEL = "ViT-L-14"
+DEFAULT_CLIP_PRETRAINED = "openai"
+DEFAULT_EMBED_MODEL = "TencentBAC/Conan-embedding-v1"
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load_image(image: Any):
+    """A PIL image in RGB from a PIL image or a path; raises FileNotFoundError for a missing file."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(image) as im:
+            return im.convert("RGB")
+    raise TypeError(f"an image must be a PIL image or a path, not {type(image).__name__}")
+
+
+class ClipScorer:
+    """Cosine similarity of images and texts under an open_clip model.
+
+    ``model_name``/``pretrained`` are open_clip's: a tag (``'openai'``), a local checkpoint file, or
+    ``model_name='hf-hub:org/repo'`` with ``pretrained=None``. The model is built on the first call.
+    """
+
+    def __init__(
+        self,
+        model_name: str = DEFAULT_CLIP_MODEL,
+        pretrained: str | None = DEFAULT_CLIP_PRETRAINED,
+        device: str | None = None,
+        *,
+        cache_dir: str | None = None,
+        batch_size: int = 16,
+    ):
+        self.model_name, self.pretrained = model_name, pretrained
+        self.device, self.cache_dir, self.batch_size = device, cache_dir, batch_size
+        self._loaded: tuple[Any, Callable, Callable] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            if self._loaded is None:
+                import open_clip
+
+                self.device = self.device or _default_device()
+                tag = open_clip.get_pretrained_cfg(self.model_name, self.pretrained) if self.pretrained else {}
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    self.model_name, pretrained=self.pretrained, device=self.device, cache_dir=self.cache_dir,
+                    force_quick_gelu=bool(tag.get("quick_gelu", False)),
+                )
+                model.eval()
+                self._loaded = (model, preprocess, open_clip.get_tokenizer(self.model_name))
+        return self._loaded
+
+    def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
+        """cos(image_i, text_i) for each pair (images: PIL images or paths)."""
+        if len(images) != len(texts):
+            raise ValueError(f"{len(images)} images but {len(texts)} texts")
+        if not images:
+            return []
+        import torch
+
+        model, preprocess, tokenizer = self._load()
+        out: list[float] = []
+        for i in range(0, len(images), self.batch_size):
+            ims = torch.stack([preprocess(_load_image(im)) for im in images[i : i + self.batch_size]])
+            toks = tokenizer([str(t) for t in texts[i : i + self.batch_size]])
+            with torch.no_grad():
+                img = model.encode_image(ims.to(self.device)).float()
+                txt = model.encode_text(toks.to(self.device)).float()
+            out.extend(torch.nn.functional.cosine_similarity(img, txt, dim=-1).tolist())
+        return out
+
+    def __repr__(self) -> str:
+        return f"ClipScorer({self.model_name!r}, {self.pretrained!r}, device={self.device!r})"
+
+
+def _resolve(name_or_path: str, relpath: str) -> str | None:
+    """Local path of a file of a checkpoint directory or hub repository, or None when it has none."""
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, relpath)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(repo_id=name_or_path, filename=relpath)
+    except Exception:  # absent file, offline, unknown repository: treated alike as "not there"
+        return None
+
+
+_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+# torch.nn class name in a Dense config → torch.nn.functional name (None: identity)
+_ACTIVATIONS = {"Identity": None, "Tanh": "tanh", "ReLU": "relu", "Sigmoid": "sigmoid", "GELU": "gelu"}
+
+
+def _pool(mode: str, hidden, mask):
+    import torch
+
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode in ("mean", "mean_sqrt_len"):
+        summed, n = (hidden * m).sum(1), m.sum(1).clamp(min=1e-9)
+        return summed / (n if mode == "mean" else n.sqrt())
+    if mode == "max":
+        return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(1).values
+    if mode == "lasttoken":
+        last = mask.sum(1).clamp(min=1) - 1  # right padding assumed, as the tokenizers here pad right
+        return hidden[torch.arange(hidden.shape[0]), last]
+    if mode == "weightedmean":
+        w = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)[None, :, None] * m
+        return (hidden * w).sum(1) / w.sum(1).clamp(min=1e-9)
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+class TextEmbedder:
+    """Sentence embeddings from a transformers checkpoint following its sentence-transformers modules.
+
+    ``pooling`` ('cls', 'mean', …) overrides what the checkpoint declares. Loaded on first :meth:`encode`.
+    """
+
+    def __init__(
+        self,
+        name_or_path: str = DEFAULT_EMBED_MODEL,
+        device: str | None = None,
+        *,
+        pooling: str | None = None,
+        max_length: int | None = None,
+        batch_size: int = 32,
+    ):
+        self.name_or_path, self.device, self.pooling = name_or_path, device, pooling
+        self.max_length, self.batch_size = max_length, batch_size
+        self._loaded: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _read_pipeline(self) -> tuple[list[str], Any, bool, int | None]:
+        """(pooling modes, Dense layer or None, normalize, max_seq_length) declared by the checkpoint."""
+        modes, dense, normalize, max_len = ["mean"], None, False, None
+        bert_cfg = _resolve(self.name_or_path, "sentence_bert_config.json")
+        if bert_cfg:
+            with open(bert_cfg) as f:
+                max_len = json.load(f).get("max_seq_length")
+        modules_path = _resolve(self.name_or_path, "modules.json")
+        if not modules_path:
+            return modes, dense, normalize, max_len
+        with open(modules_path) as f:
+            modules = sorted(json.load(f), key=lambda m: int(m.get("idx", 0)))
+        for mod in modules:
+            kind, sub = mod.get("type", "").rsplit(".", 1)[-1], mod.get("path", "")
+            if kind == "Pooling":
+                cfg_path = _resolve(self.name_or_path, f"{sub}/config.json")
+                if cfg_path:
+                    with open(cfg_path) as f:
+                        cfg = json.load(f)
+                    modes = [v for k, v in _POOLING_KEYS.items() if cfg.get(k)] or ["mean"]
+            elif kind == "Dense":
+                dense = self._load_dense(sub)
+            elif kind == "Normalize":
+                normalize = True
+        return modes, dense, normalize, max_len
+
+    def _load_dense(self, sub: str):
+        import torch
+
+        with open(_resolve(self.name_or_path, f"{sub}/config.json")) as f:
+            cfg = json.load(f)
+        st_path = _resolve(self.name_or_path, f"{sub}/model.safetensors")
+        if st_path:
+            from safetensors.torch import load_file
+
+            state = load_file(st_path)
+        else:
+            bin_path = _resolve(self.name_or_path, f"{sub}/pytorch_model.bin")
+            if not bin_path:
+                raise FileNotFoundError(f"{self.name_or_path}: Dense module {sub!r} has no weights")
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        layer = torch.nn.Linear(cfg["in_features"], cfg["out_features"], bias=cfg.get("bias", True))
+        layer.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+        act_name = str(cfg.get("activation_function", "Identity")).rsplit(".", 1)[-1]
+        if act_name not in _ACTIVATIONS:
+            raise NotImplementedError(f"Dense activation {act_name!r} is not supported")
+        return layer, _ACTIVATIONS[act_name]
+
+    def _load(self) -> dict[str, Any]:
+        with self._lock:
+            if self._loaded is None:
+                from transformers import AutoModel, AutoTokenizer
+
+                self.device = self.device or _default_device()
+                modes, dense, normalize, max_len = self._read_pipeline()
+                model = AutoModel.from_pretrained(self.name_or_path).to(self.device).eval()
+                tokenizer = AutoTokenizer.from_pretrained(self.name_or_path)
+                limit = self.max_length or max_len or min(tokenizer.model_max_length, 512)
+                if dense is not None:
+                    dense = (dense[0].to(self.device).eval(), dense[1])
+                self._loaded = dict(model=model, tokenizer=tokenizer, modes=[self.pooling] if self.pooling
+                                    else modes, dense=dense, normalize=normalize, max_length=limit)
+        return self._loaded
+
+    def encode(self, texts: Sequence[str]):
+        """Embeddings, a float32 tensor of shape [len(texts), dim] on the CPU."""
+        import torch
+
+        parts = self._load()
+        if not texts:
+            return torch.zeros(0, 0)
+        chunks = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = parts["tokenizer"]([str(t) for t in texts[i : i + self.batch_size]], padding=True,
+                                       truncation=True, max_length=parts["max_length"], return_tensors="pt")
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with torch.no_grad():
+                hidden = parts["model"](**batch).last_hidden_state
+                emb = torch.cat([_pool(m, hidden, batch["attention_mask"]) for m in parts["modes"]], dim=-1)
+                if parts["dense"] is not None:
+                    layer, act = parts["dense"]
+                    emb = layer(emb)
+                    if act is not None:
+                        emb = getattr(torch.nn.functional, act)(emb)
+                if parts["normalize"]:
+                    emb = torch.nn.functional.normalize(emb, dim=-1)
+            chunks.append(emb.float().cpu())
+        return torch.cat(chunks)
+
+    def __call__(self, texts: Sequence[str]):
+        return self.encode(texts)
+
+    def __repr__(self) -> str:
+        return f"TextEmbedder({self.name_or_path!r}, device={self.device!r})"
+
+
+@functools.lru_cache(maxsize=4)
+def get_clip_scorer(model_name: str = DEFAULT_CLIP_MODEL, pretrained: str | None = DEFAULT_CLIP_PRETRAINED,
+                    device: str | None = None) -> ClipScorer:
+    """One shared :class:`ClipScorer` per configuration (still loaded only on first use)."""
+    return ClipScorer(model_name, pretrained, device)
+
+
+@functools.lru_cache(maxsize=4)
+def get_text_embedder(name_or_path: str = DEFAULT_EMBED_MODEL, device: str | None = None) -> TextEmbedder:
+    """One shared :class:`TextEmbedder` per configuration (still loaded only on first use)."""
+    return TextEmbedder(name_or_path, device)

@@ -1,0 +1,610 @@
+"""RAG-IGBench scoring: Rouge-1, image-list edit and Kendall scores, CLIP and alignment scores.
+
+Definitions follow the paper (NeurIPS 2025 D&B, arXiv 2512.05119) and its public scorer
+(zry13/RAG-IGBench ``score/eval.py``, "the reference" below); /work/shared/notes/benchmarks.md has the summary.
+A model answer is JSON ``{"reason", "category", "answer"}`` whose ``answer`` is markdown: image ``k`` of the
+candidates (1-based over all notes' images, flattened) is placed as ``![...](IMG#k)``, a citation is
+``<sup>[n](DOC#n)</sup>``.
+
+Per sample (:func:`score_sample`): Rouge-1 on the text without citations and image tags; edit and Kendall
+scores on the lists of image numbers; CLIP score (each placed image against the text around it) and alignment
+(the text around an image in the model's answer against the text around the same image in the reference),
+each only when an encoder is given. :func:`aggregate` averages, :func:`comprehensive` is the paper's "Mean"
+of the five (check: GPT-4o 57.42, 51.28, 46.50, 38.81, 36.04 → 46.01).
+
+Where this module deliberately differs from the public scorer, and why:
+
+* **Comprehensive score** = mean of rouge1, edit, kendall, alignment, clip (the paper). The public scorer
+  prints ``(align + edit + kendall + align + clip) / 5`` — alignment twice, Rouge-1 missing. That number is
+  still reported, as ``public_integrated_valid_only``, to compare with figures produced by it.
+* **Failed samples count.** The public scorer drops a sample from every average when its JSON cannot be
+  repaired, when it places an image number above the candidate count, or on any exception. Here such samples
+  are flagged (``format_invalid``, ``hallucinated_image``, ``error``), score 0 on every metric and count in the
+  main means; the ``*_valid_only`` means (over scored samples only) are the public scorer's convention.
+  ``IMG#0`` is also a hallucination here (the public scorer reads it as the last candidate through index -1).
+* **Reference text** is whatever the caller passes: the current data has ``gt_clean_answer``; the public scorer
+  reads ``gt_answer`` (the field of older releases).
+* **Edge cases on which the public scorer raises** (and the sample vanishes) get a defined value: both image
+  lists empty → edit 1.0 and Kendall 1.0 (identical, empty lists); reference without images but the model
+  placed some → Kendall 0.0, edit 0.0; no words left after stopwords on either side → Rouge-1 0.0; a CLIP
+  text over 77 tokens is truncated (see :mod:`harness.metrics.encoders`).
+* **Answer extraction** is more lenient (``"answer":"`` without a space, single quotes, trailing commas, text
+  around the object, several code fences) and keeps the answer text as written: the public ``fix_json`` turns
+  newlines into ``<br>`` and inner ``"`` into ``'`` in the model answer only, which lengthens the model's
+  context windows and adds ``br`` to its Rouge words but not to the reference's.
+* **Stopwords**: see :data:`DEFAULT_STOPWORDS`. **Rouge F1** is exact ``2|A∩B|/(|A|+|B|)``; the ``rouge``
+  package used by the reference adds 1e-8 to the denominator of ``2PR/(P+R)`` (difference < 1e-8).
+
+Only the standard library is imported at module level; jieba, rapidfuzz, rouge_score, scipy, numpy and the
+encoders are imported on first use.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import logging
+import math
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+METRICS = ("rouge1", "edit_score", "kendall", "alignment", "clip_score")
+
+#: ``![anything](IMG#k)`` as the reference matches it (lazy alt text, no line break inside).
+IMAGE_TAG = re.compile(r"!\[.*?\]\(IMG#(\d+)\)")
+#: ``<sup>[n](DOC#n)</sup>`` citations, removed from the text before anything else.
+CITATION = re.compile(r"<sup>\[.*?\]\(.*?\)</sup>")
+#: Characters taken on each side of an image tag for its context (reference: ``context_length = 20``).
+CONTEXT_WINDOW = 20
+#: Characters of the context given to CLIP (reference: ``context[:25]``).
+CLIP_TEXT_CHARS = 25
+#: Kendall scaling weight (reference: ``beta = 0.5``).
+BETA = 0.5
+
+#: The Chinese stopword list shipped beside this module, written for this project: ASCII and full-width
+#: punctuation, digits, pronouns, demonstratives, question words, particles, conjunctions, prepositions,
+#: adverbs and light verbs (448 entries; lines starting with ``"# "`` are comments). The reference uses its
+#: own ``score/cn_stopwords.txt`` (the widely used ~750-entry ``cn_stopwords.txt`` list plus a few punctuation
+#: lines), which is not redistributed here, so Rouge-1 can differ slightly from the paper's. For exact parity
+#: pass ``stopwords=<path to that file>`` (read the same way: one word per line, kept verbatim).
+DEFAULT_STOPWORDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cn_stopwords.txt")
+
+
+# ---------------------------------------------------------------------------------------------------- answer
+
+_FENCED = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n?(.*?)(?:```|\Z)", re.S)
+_TRAILING_COMMA = re.compile(r",(\s*[}\]])")
+_ANSWER_KEY = re.compile(r"""(["'])answer\1\s*:\s*(["'])""", re.I)
+_NEXT_FIELD = re.compile(r"""\s*,\s*["'][\w -]+["']\s*:""")
+_CLOSE = re.compile(r"\s*(?:}|(?:```)?\s*\Z)")
+_DECODER = json.JSONDecoder(strict=False)  # strict=False: raw newlines/tabs inside strings are accepted
+_MISSING = object()
+
+
+def _answer_of(obj: Any) -> Any:
+    """The ``answer`` field of a parsed object (key matched case-insensitively), or _MISSING."""
+    if not isinstance(obj, dict):
+        return _MISSING
+    if "answer" in obj:
+        return obj["answer"]
+    for key, value in obj.items():
+        if isinstance(key, str) and key.strip().lower() == "answer":
+            return value
+    return _MISSING
+
+
+def _from_json(text: str) -> tuple[Any, bool]:
+    """(answer or _MISSING, whether any JSON object parsed) scanning every ``{`` of the text."""
+    parsed_any, i = False, text.find("{")
+    while i != -1:
+        try:
+            obj, end = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            i = text.find("{", i + 1)
+            continue
+        parsed_any = parsed_any or isinstance(obj, dict)
+        answer = _answer_of(obj)
+        if answer is not _MISSING:
+            return answer, True
+        i = text.find("{", max(end, i + 1))
+    return _MISSING, parsed_any
+
+
+def _from_python_literal(text: str) -> Any:
+    """The answer of a Python-literal dict (single quotes, trailing commas) between the outer braces."""
+    start, end = text.find("{"), text.rfind("}")
+    if start == -1 or end <= start:
+        return _MISSING
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences in model text
+            return _answer_of(ast.literal_eval(text[start : end + 1]))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _MISSING
+
+
+def _unescape(value: str, quote: str) -> str:
+    """Decode a string literal's body whose inner quotes may be unescaped."""
+    if quote == '"':
+        escaped = re.sub(r'(?<!\\)((?:\\\\)*)"', r'\1\\"', value)
+        try:
+            return json.loads(f'"{escaped}"', strict=False)
+        except ValueError:
+            pass
+    table = {"n": "\n", "t": "\t", "r": "\r"}
+    return re.sub(r"\\(.)", lambda m: table.get(m.group(1), m.group(1)), value, flags=re.S)
+
+
+def _from_field(text: str) -> Any:
+    """Last resort: the text after ``"answer": "`` up to the quote that closes the field.
+
+    The closing quote is the first unescaped one followed by another quoted key, else the last one followed
+    by ``}`` or the end of the text. Without either the output was cut (e.g. by the token limit) and the
+    answer runs to the end of the text, as the reference's ``fix_json`` also accepts.
+    """
+    m = _ANSWER_KEY.search(text)
+    if not m:
+        return _MISSING
+    quote, start = m.group(2), m.end()
+    closing = None
+    for j in (i for i in range(start, len(text)) if text[i] == quote):
+        body = text[start:j]
+        if (len(body) - len(body.rstrip("\\"))) % 2:
+            continue  # an escaped quote
+        if _NEXT_FIELD.match(text, j + 1):
+            return _unescape(body, quote)
+        if _CLOSE.match(text, j + 1):
+            closing = body
+    if closing is None:
+        closing = text[start:].rstrip().removesuffix("```").rstrip().rstrip("\\")
+    return _unescape(closing, quote)
+
+
+def parse_answer(raw: str | None) -> str | None:
+    """The ``answer`` markdown of a model's JSON output, or None when the format is invalid.
+
+    Reference: strip code fences, repair the JSON, take ``answer``. Tried in order, first on the whole text
+    and then on each fenced block: strict JSON at every ``{`` (raw newlines in strings allowed); the same
+    with trailing commas removed; a Python literal (single quotes); and, only if no JSON object parsed at all,
+    the raw ``answer`` field (unescaped inner quotes, output cut before the closing quote). None when nothing
+    yields an ``answer``, when a JSON object parses but has no ``answer`` key, or when the answer is not a
+    string (null, a number, a list).
+    """
+    if not isinstance(raw, str):
+        return None
+    text = raw.strip()
+    candidates = [text] + ([m.group(1) for m in _FENCED.finditer(text)] if "```" in text else [])
+    answer, parsed_any = _MISSING, False
+    for stage in ("json", "commas", "literal"):
+        for cand in candidates:
+            if stage == "json":
+                answer, parsed = _from_json(cand)
+                parsed_any = parsed_any or parsed
+            elif stage == "commas":
+                answer, _ = _from_json(_TRAILING_COMMA.sub(r"\1", cand))
+            else:
+                answer = _from_python_literal(cand)
+            if answer is not _MISSING:
+                return answer if isinstance(answer, str) else None
+    if not parsed_any:
+        for cand in candidates:
+            answer = _from_field(cand)
+            if answer is not _MISSING:
+                return answer
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+
+
+def image_ids(markdown: str | None) -> list[int]:
+    """The ``k`` of every ``![...](IMG#k)`` in order of appearance, repeats kept (reference: ``images``)."""
+    return [int(k) for k in IMAGE_TAG.findall(markdown)] if isinstance(markdown, str) else []
+
+
+def clean_text(markdown: str | None) -> str:
+    """The answer text for Rouge: citations removed, then image tags removed, then stripped."""
+    if not isinstance(markdown, str):
+        return ""
+    return IMAGE_TAG.sub("", CITATION.sub("", markdown)).strip()
+
+
+def image_contexts(markdown: str | None, window: int = CONTEXT_WINDOW, unique: bool = True
+                   ) -> list[tuple[int, str]]:
+    """(k, text around image k) for the placed images, as the reference defines the context.
+
+    Citations are removed first; the context is the ``window`` characters before the tag's start and after
+    its end in that text (fewer at the edges), with the complete image tags inside it removed (so it may
+    hold fewer than 2·window characters). With ``unique`` (the reference, which keys a dict by ``k``) each
+    image appears once, in order of first appearance, with the context of its **last** occurrence; without
+    it every occurrence is listed. CLIP reads the first :data:`CLIP_TEXT_CHARS` characters of a context,
+    i.e. mostly the text just before the image.
+    """
+    if not isinstance(markdown, str):
+        return []
+    text, window = CITATION.sub("", markdown), max(0, int(window))
+    pairs = [
+        (int(m.group(1)), IMAGE_TAG.sub("", text[max(0, m.start() - window) : m.end() + window]))
+        for m in IMAGE_TAG.finditer(text)
+    ]
+    return list(dict(pairs).items()) if unique else pairs
+
+
+# ------------------------------------------------------------------------------------------------- Rouge-1
+
+_jieba_lock = threading.Lock()
+_jieba_module = None
+
+
+def _jieba():
+    """jieba, initialised once with its start-up messages silenced."""
+    global _jieba_module
+    with _jieba_lock:
+        if _jieba_module is None:
+            import jieba
+
+            jieba.setLogLevel(logging.WARNING)
+            jieba.initialize()
+            _jieba_module = jieba
+    return _jieba_module
+
+
+@functools.lru_cache(maxsize=8)
+def _read_stopwords(path: str) -> frozenset[str]:
+    with open(path, encoding="utf-8") as f:
+        return frozenset(w for w in f.read().splitlines() if not w.startswith("# "))
+
+
+def load_stopwords(stopwords: str | os.PathLike | Collection[str] | None = None) -> frozenset[str]:
+    """A stopword set from a file (one word per line, read once) or a collection; None = the default file."""
+    if stopwords is None or isinstance(stopwords, (str, os.PathLike)):
+        return _read_stopwords(os.fspath(stopwords or DEFAULT_STOPWORDS))
+    return frozenset(stopwords)
+
+
+def words(text: str | None, stopwords: str | os.PathLike | Collection[str] | None = None) -> list[str]:
+    """jieba words of ``text`` that are not stopwords, split further at ``.`` and whitespace.
+
+    The reference joins the kept jieba words with spaces and hands them to the ``rouge`` package, which
+    splits sentences at ``.`` and words at whitespace; the second split reproduces that (``3.5`` → ``3``,
+    ``5``; whitespace tokens vanish). No case folding or width normalisation (``Ａ`` ≠ ``A``), as there.
+    """
+    if not isinstance(text, str) or not text:
+        return []
+    stop = load_stopwords(stopwords)
+    return [p for w in _jieba().lcut(text) if w not in stop for p in w.replace(".", " ").split()]
+
+
+class _WordTokenizer:
+    """rouge_score tokenizer interface over :func:`words`."""
+
+    def __init__(self, stopwords):
+        self.stopwords = stopwords
+
+    def tokenize(self, text: str) -> list[str]:
+        return words(text, self.stopwords)
+
+
+def rouge1(pred_text: str | None, ref_text: str | None, variant: str = "reference",
+           stopwords: str | os.PathLike | Collection[str] | None = None) -> float:
+    """Rouge-1 F1 of the model's text against the reference text, in [0, 1].
+
+    ``variant="reference"`` (default): F1 over the **sets** of :func:`words` — what the reference computes with
+    the ``rouge`` package (``Rouge().get_scores``, exclusive n-grams), so repeating a word changes nothing.
+    ``variant="rouge_score"``: Google's rouge-score ``rouge1`` with the same words as tokenizer, i.e. clipped
+    unigram **counts**. Either side without words → 0.0 (the ``rouge`` package raises there).
+    """
+    a, b = words(pred_text, stopwords), words(ref_text, stopwords)
+    if not a or not b:
+        return 0.0
+    if variant == "reference":
+        sa, sb = set(a), set(b)
+        return 2.0 * len(sa & sb) / (len(sa) + len(sb))
+    if variant == "rouge_score":
+        from rouge_score import rouge_scorer
+
+        scorer = rouge_scorer.RougeScorer(["rouge1"], tokenizer=_WordTokenizer(stopwords))
+        return float(scorer.score(ref_text, pred_text)["rouge1"].fmeasure)
+    raise ValueError(f"unknown Rouge variant {variant!r} (reference, rouge_score)")
+
+
+# ------------------------------------------------------------------------------------------- image lists
+
+
+def edit_score(pred_ids: Sequence[int] | None, ref_ids: Sequence[int] | None) -> float:
+    """1 − Levenshtein(model list, reference list) / max(len): reference ``edit_distance``, in [0, 1].
+
+    Both lists empty → 1.0 (identical sequences; the reference divides by zero there). Repeated ids are
+    ordinary elements.
+    """
+    from rapidfuzz.distance import Levenshtein
+
+    a, b = list(pred_ids or []), list(ref_ids or [])
+    if not a and not b:
+        return 1.0
+    return 1.0 - Levenshtein.distance(a, b) / max(len(a), len(b))
+
+
+def kendall_scale(score: float, n_candidates: int | None, n_ref: int, beta: float = BETA) -> float:
+    """``score · (1 + β(N − n)/N) / (1 + β)``, N candidates, n reference images (reference, β = 0.5).
+
+    Harder selections (many candidates, few reference images) keep more of the score. ``n_candidates``
+    None or ≤ 0 → unscaled; (N − n)/N is clipped to [0, 1] for impossible inputs (n > N).
+    """
+    if n_candidates is None or n_candidates <= 0:
+        return score
+    frac = min(1.0, max(0.0, (n_candidates - n_ref) / n_candidates))
+    return score * (1.0 + beta * frac) / (1.0 + beta)
+
+
+def kendall_score(pred_ids: Sequence[int] | None, ref_ids: Sequence[int] | None,
+                  n_candidates: int | None = None, beta: float = BETA, variant: str = "reference") -> float:
+    """Order agreement of the model's image list with the reference's, in [0, 1], scaled by :func:`kendall_scale`.
+
+    ``shared`` = the model's images that the reference contains, in the model's order (repeats kept).
+    Rules of the reference ``Kendall_Score``, checked in this order:
+
+    * model list empty → 0 (both empty → 1.0, defined here; the reference divides by zero);
+    * reference empty (model not) → 0.0 (defined here; the reference gives 0 or divides by zero);
+    * reference has one image → |shared| / |model|; model has one image → |shared| / |reference|;
+    * else concordant pairs of ``shared`` (ordered by reference position; equal positions — a repeated id —
+      are not concordant) divided by m(m−1)/2 with m = |model list|, so wrong or extra images cost too.
+
+    ``variant="paper"`` divides by the pairs among ``shared`` instead (pure order agreement), and
+    ``variant="scipy_tau_b"`` takes scipy's τ-b between model and reference positions of ``shared`` mapped to
+    [0, 1] by (τ + 1)/2 (reversed order 0, unrelated 0.5; τ undefined, all tied → 0). Both keep the rules
+    above and give 0 with fewer than two shared images (no pair to order).
+    Worked example: model [1, 2, 4] vs reference [1, 2, 3] → 1/3 before scaling.
+    """
+    if variant not in ("reference", "paper", "scipy_tau_b"):
+        raise ValueError(f"unknown Kendall variant {variant!r} (reference, paper, scipy_tau_b)")
+    pred, ref = list(pred_ids or []), list(ref_ids or [])
+    position = {k: i for i, k in enumerate(ref)}  # a repeated reference id keeps its last position
+    shared = [k for k in pred if k in position]
+    if not pred:
+        raw = 1.0 if not ref else 0.0
+    elif not ref:
+        raw = 0.0
+    elif len(ref) == 1:
+        raw = len(shared) / len(pred)
+    elif len(pred) == 1:
+        raw = len(shared) / len(ref)
+    elif variant == "scipy_tau_b":
+        raw = 0.0
+        if len(shared) >= 2:
+            from scipy.stats import kendalltau
+
+            tau = kendalltau(range(len(shared)), [position[k] for k in shared]).statistic
+            raw = 0.0 if tau is None or math.isnan(tau) else (float(tau) + 1.0) / 2.0
+    else:
+        concordant = sum(position[shared[i]] < position[shared[j]]
+                         for i in range(len(shared)) for j in range(i + 1, len(shared)))
+        m = len(pred) if variant == "reference" else len(shared)
+        raw = concordant / (m * (m - 1) / 2) if m >= 2 else 0.0
+    return kendall_scale(raw, n_candidates, len(ref), beta)
+
+
+# ------------------------------------------------------------------------------------------ image-text
+
+
+def linear_map(x: float, lo: float, hi: float) -> float:
+    """(x − lo)/(hi − lo) clipped to [0, 1]; NaN → 0."""
+    if x is None or math.isnan(x):
+        return 0.0
+    return min(1.0, max(0.0, (x - lo) / (hi - lo)))
+
+
+def clip_map(cosine: float) -> float:
+    """CLIP cosine → score: 0.1 → 0, 0.4 → 1, linear between, clipped (reference)."""
+    return linear_map(cosine, 0.1, 0.4)
+
+
+def align_map(cosine: float) -> float:
+    """Embedding cosine → alignment score: 0.7 → 0, 1 → 1, linear between, clipped (reference)."""
+    return linear_map(cosine, 0.7, 1.0)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def clip_score(images: Sequence[Any], contexts: Sequence[str], scorer: Any = None, *,
+               model_name: str | None = None, pretrained: str | None = None, device: str | None = None,
+               n_chars: int = CLIP_TEXT_CHARS) -> float:
+    """Mean over placed images of :func:`clip_map` (cosine(image, first ``n_chars`` of its context)); 0 if none.
+
+    ``images[i]`` (PIL image or path) goes with ``contexts[i]`` (from :func:`image_contexts`). ``scorer`` is a
+    :class:`~harness.metrics.encoders.ClipScorer` (or anything with ``cosines(images, texts)``, or a callable
+    of the same signature); without one, the shared scorer for ``model_name``/``pretrained`` (default OpenAI
+    ViT-L/14, the reference's weights) is loaded on first use.
+    """
+    if len(images) != len(contexts):
+        raise ValueError(f"{len(images)} images but {len(contexts)} contexts")
+    if not images:
+        return 0.0
+    if scorer is None:
+        from harness.metrics.encoders import DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, get_clip_scorer
+
+        scorer = get_clip_scorer(model_name or DEFAULT_CLIP_MODEL,
+                                 pretrained if model_name else DEFAULT_CLIP_PRETRAINED, device)
+    texts = [str(c)[:n_chars] for c in contexts]
+    cos = scorer.cosines(list(images), texts) if hasattr(scorer, "cosines") else scorer(list(images), texts)
+    return _mean([clip_map(float(c)) for c in cos])
+
+
+def _cosines(a, b) -> list[float]:
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    dots = (a * b).sum(axis=1)
+    return [float(d / n) if n > 0 else 0.0 for d, n in zip(dots, norms)]
+
+
+def alignment_score(pred_markdown: str | None, ref_markdown: str | None, embed: Any = None, *,
+                    window: int = CONTEXT_WINDOW, model_name: str | None = None, device: str | None = None
+                    ) -> float:
+    """Mean over images placed in both answers of :func:`align_map` (cosine of their contexts' embeddings).
+
+    For each image k in both answers (model order), the model's ±``window``-character context of k and the
+    reference's (:func:`image_contexts`, full contexts, not cut to 25) are embedded and compared; 0 if no
+    image is shared. ``embed`` maps a list of texts to a [n, d] array (a
+    :class:`~harness.metrics.encoders.TextEmbedder` does); without one the shared embedder for
+    ``model_name`` (default ``TencentBAC/Conan-embedding-v1``, the reference's) is loaded on first use.
+    """
+    pred_ctx, ref_ctx = dict(image_contexts(pred_markdown, window)), dict(image_contexts(ref_markdown, window))
+    shared = [k for k in pred_ctx if k in ref_ctx]
+    if not shared:
+        return 0.0
+    if embed is None:
+        from harness.metrics.encoders import DEFAULT_EMBED_MODEL, get_text_embedder
+
+        embed = get_text_embedder(model_name or DEFAULT_EMBED_MODEL, device)
+    vectors = embed([pred_ctx[k] for k in shared] + [ref_ctx[k] for k in shared])
+    return _mean([align_map(c) for c in _cosines(vectors[: len(shared)], vectors[len(shared) :])])
+
+
+def comprehensive(rouge1: float, edit: float, kendall: float, alignment: float, clip: float) -> float:
+    """The paper's comprehensive score ("Mean"): the plain mean of the five metrics (any common scale)."""
+    return (rouge1 + edit + kendall + alignment + clip) / 5.0
+
+
+# -------------------------------------------------------------------------------------------- per sample
+
+
+def _candidate(candidate_images: Any, k: int) -> Any:
+    image = candidate_images(k) if callable(candidate_images) else candidate_images[k - 1]
+    if image is None or (isinstance(image, (str, os.PathLike)) and not os.path.isfile(image)):
+        raise FileNotFoundError(f"image IMG#{k} is missing" + (f" ({image})" if image is not None else ""))
+    return image
+
+
+def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidates: int | None = None, *,
+                 candidate_images: Sequence[Any] | Callable[[int], Any] | None = None, clip: Any = None,
+                 embed: Any = None, error: str | None = None, beta: float = BETA,
+                 kendall_variant: str = "reference", rouge_variant: str = "reference",
+                 stopwords: str | os.PathLike | Collection[str] | None = None) -> dict[str, Any]:
+    """Every per-sample score and flag of one RAG-IGBench answer, as a flat dict.
+
+    ``raw_answer`` is the model's raw output, ``gt_clean_answer`` the reference markdown, ``n_candidates`` the
+    number of candidate images (N, for the hallucination check and the Kendall scaling). CLIP is computed
+    only with ``clip`` (a scorer, see :func:`clip_score`) and ``candidate_images`` (index k−1 → PIL image or
+    path, or a callable k → image); alignment only with ``embed``. A metric not computed is None.
+
+    Keys: ``rouge1, edit, kendall, alignment, clip`` (float or None); ``format_invalid``,
+    ``hallucinated_image`` (bool); ``error`` and ``reason`` (str or None); ``pred_image_ids``,
+    ``ref_image_ids``, ``n_candidates``. A sample is scored 0 on every computed metric, with a ``reason``,
+    when: ``error`` is given (e.g. the engine failed) or ``raw_answer`` is None → ``error``; the answer
+    cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k < 1 or k > N →
+    ``hallucinated_image``; an image is missing or an encoder raises → ``error``. Never raises for bad data.
+    """
+    if clip is not None and candidate_images is None:
+        raise ValueError("a CLIP scorer needs candidate_images")
+    ref = gt_clean_answer if isinstance(gt_clean_answer, str) else ""
+    out: dict[str, Any] = {
+        "rouge1": 0.0, "edit_score": 0.0, "kendall": 0.0,
+        "alignment": 0.0 if embed is not None else None, "clip_score": 0.0 if clip is not None else None,
+        "format_invalid": False, "hallucinated_image": False, "error": None, "reason": None,
+        "pred_image_ids": [], "ref_image_ids": image_ids(ref), "n_candidates": n_candidates,
+    }
+    if error is not None or raw_answer is None:
+        out["error"] = out["reason"] = str(error) if error is not None else "no model answer"
+        return out
+    answer = parse_answer(raw_answer)
+    if answer is None:
+        out["format_invalid"] = True
+        out["reason"] = "format_invalid: no JSON object with a string 'answer' field"
+        return out
+    pred_ids = out["pred_image_ids"] = image_ids(answer)
+    bad = [k for k in pred_ids if k < 1 or (n_candidates is not None and k > n_candidates)]
+    if bad:
+        out["hallucinated_image"] = True
+        upper = n_candidates if n_candidates is not None else "N"
+        out["reason"] = f"hallucinated_image: IMG#{bad[0]} outside 1..{upper}"
+        return out
+    try:
+        scores = {
+            "rouge1": rouge1(clean_text(answer), clean_text(ref), rouge_variant, stopwords),
+            "edit_score": edit_score(pred_ids, out["ref_image_ids"]),
+            "kendall": kendall_score(pred_ids, out["ref_image_ids"], n_candidates, beta, kendall_variant),
+        }
+        if embed is not None:
+            scores["alignment"] = alignment_score(answer, ref, embed)
+        if clip is not None:
+            placed = image_contexts(answer)
+            scores["clip_score"] = clip_score([_candidate(candidate_images, k) for k, _ in placed],
+                                        [c for _, c in placed], clip)
+    except Exception as exc:  # a missing image or a failing encoder: the sample counts as an error
+        out["error"] = out["reason"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out.update(scores)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- aggregate
+
+
+def _status(sample: Mapping[str, Any]) -> str:
+    """'error' > 'format_invalid' > 'hallucinated_image' > 'scored' (each sample counts once)."""
+    if sample.get("error"):
+        return "error"
+    if sample.get("format_invalid"):
+        return "format_invalid"
+    if sample.get("hallucinated_image"):
+        return "hallucinated_image"
+    return "scored"
+
+
+def _number(x: Any) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) else x
+
+
+def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Benchmark means and counts over per-sample dicts (from :func:`score_sample`, or ``{"error": ...}``).
+
+    For each metric that some sample carries: ``<metric>`` = mean over **all** samples, a sample that is not
+    scored (error, format_invalid, hallucinated_image) counting 0; ``<metric>_valid_only`` = mean over scored
+    samples (the public scorer's printed figure); a scored sample without that metric counts 0 in both and
+    is counted in ``incomplete``. ``comprehensive`` (and ``comprehensive_valid_only``) only when all five
+    metrics are present; ``public_integrated_valid_only`` = (2·alignment + edit + kendall + clip)/5 over
+    scored samples, the public scorer's defective integrated score, for comparison. Counts: ``n_samples``,
+    ``n_scored``, ``format_invalid``, ``hallucinated_image``, ``errors`` (each sample in one class, first of
+    error > format_invalid > hallucinated_image) and their ``*_rate``s. Empty input → counts 0, means None.
+    """
+    samples = list(per_sample)
+    status = [_status(s) for s in samples]
+    n, scored = len(samples), [s for s, st in zip(samples, status) if st == "scored"]
+    out: dict[str, Any] = {"n_samples": n, "n_scored": len(scored)}
+    for key, name in (("format_invalid", "format_invalid"), ("hallucinated_image", "hallucinated_image"),
+                      ("errors", "error")):
+        out[key] = status.count(name)
+        out[f"{key}_rate"] = status.count(name) / n if n else None
+    incomplete: dict[str, int] = {}
+    for m in METRICS:
+        if not any(_number(s.get(m)) is not None for s in samples):
+            continue
+        valid = [_number(s.get(m)) for s in scored]
+        if None in valid:
+            incomplete[m] = valid.count(None)
+        total = sum(v or 0.0 for v in valid)
+        out[m] = total / n if n else None
+        out[f"{m}_valid_only"] = total / len(scored) if scored else None
+    if incomplete:
+        out["incomplete"] = incomplete
+    if all(m in out for m in METRICS):
+        out["comprehensive"] = comprehensive(*(out[m] for m in METRICS)) if n else None
+        out["comprehensive_valid_only"] = (
+            comprehensive(*(out[f"{m}_valid_only"] for m in METRICS)) if scored else None)
+        out["public_integrated_valid_only"] = (
+            (2 * out["alignment_valid_only"] + out["edit_score_valid_only"] + out["kendall_valid_only"]
+             + out["clip_score_valid_only"]) / 5.0 if scored else None)
+    return out

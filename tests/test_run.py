@@ -1,0 +1,143 @@
+"""The whole path: python -m harness on the embedded default, and the bookkeeping of bad samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from harness.config import register_configs
+from harness.engines import ENGINES
+from harness.engines.base import Generation
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "harness/datasets/bundled/rag_igbench_sample"
+LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+def harness_cmd(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "harness", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_embedded_default_run_writes_the_three_files(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = harness_cmd(f"hydra.run.dir={run_dir}", "wandb.mode=disabled", "generation.max_new_tokens=12",
+                       cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) >= {"run", "config", "metrics", "latency"}
+    run = summary["run"]
+    for key in ("harness_version", "git_commit", "engine", "engine_version", "torch_version",
+                "transformers_version", "device_name", "dtype", "weights", "seed", "start_time", "end_time"):
+        assert key in run, key
+    assert run["engine"] == "hf" and run["weights"] == "random-init" and run["dtype"] == "float32"
+    metrics = summary["metrics"]
+    for key in ("rouge1", "edit_score", "kendall", "n_samples", "n_scored", "format_invalid",
+                "hallucinated_image", "errors"):
+        assert key in metrics, key
+    assert metrics["n_samples"] == 12
+    for key in LATENCY_KEYS:
+        assert set(summary["latency"][key]) >= {"mean", "p50", "p90", "p99"}
+    assert summary["latency"]["ttft_ms"]["mean"] > 0
+    assert summary["latency"]["output_tokens_per_s"] > 0
+    lines = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 12
+    for rec in lines:
+        assert {"uid", "prompt_tokens", "answer", "scores", "ttft_ms", "tpot_ms", "error"} <= set(rec)
+        assert rec["visual_tokens"] > 0 and rec["prompt_tokens"] > rec["visual_tokens"]
+    assert "sere" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = harness_cmd(f"hydra.run.dir={run_dir}", "wandb.mode=offline", "dataset.limit=2",
+                       "generation.max_new_tokens=4", "engine.warmup=0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert offline and list(offline[0].glob("*.wandb"))
+    assert json.loads((run_dir / "summary.json").read_text())["run"]["wandb_dir"]
+
+
+@pytest.mark.parametrize("override,name", [("sere.k=2", "SERE"), ("visionzip.keep=0.6", "VisionZip")])
+def test_unavailable_technique_stops_the_run(tmp_path, override, name):
+    proc = harness_cmd(f"hydra.run.dir={tmp_path / 'run'}", "wandb.mode=disabled", override, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert name in proc.stderr and "not available yet" in proc.stderr
+
+
+def test_missing_dataset_path_names_path_and_key(tmp_path):
+    proc = harness_cmd(f"hydra.run.dir={tmp_path / 'run'}", "wandb.mode=disabled",
+                       f"dataset.path={tmp_path}/missing.jsonl", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "missing.jsonl" in proc.stderr and "dataset.path" in proc.stderr
+
+
+class ScriptedEngine:
+    """Answers from a script keyed by uid: lets a test decide which answers are valid JSON."""
+
+    name = "scripted"
+    script: dict[str, str] = {}
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def generate_batch(self, requests):
+        return [Generation(uid=r.uid, text=self.script.get(r.uid, "not json at all"), prompt_tokens=10,
+                           output_tokens=5, ttft_ms=1.0, tpot_ms=0.5, e2e_ms=3.0) for r in requests]
+
+    def describe(self):
+        return {"engine": "scripted", "engine_version": "0", "device": "cpu", "dtype": "float32"}
+
+    def close(self):
+        pass
+
+
+def test_bad_samples_are_scored_and_counted_never_dropped(tmp_path, monkeypatch):
+    from harness.run import run_experiment
+
+    data = tmp_path / "sample"
+    shutil.copytree(SAMPLE, data)
+    rows = [json.loads(l) for l in (data / "data.jsonl").read_text(encoding="utf-8").splitlines()]
+    corrupt = data / rows[0]["images"][0][0]
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n garbage")  # sample 1: undecodable image -> error
+    good = json.dumps({"reason": "r", "category": "how-to", "answer": rows[2]["gt_clean_answer"]},
+                      ensure_ascii=False)
+    ScriptedEngine.script = {
+        str(rows[1]["id"]): "这不是JSON",  # invalid JSON -> format_invalid
+        str(rows[2]["id"]): f"```json\n{good}\n```",  # perfect answer in a code fence
+        str(rows[3]["id"]): json.dumps({"answer": "见图 ![x](IMG#99)"}),  # beyond the candidates
+    }
+    monkeypatch.setitem(ENGINES, "scripted", f"{__name__}:ScriptedEngine")
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "engine.name=scripted", "wandb.mode=disabled", f"dataset.path={data / 'data.jsonl'}",
+            "model.embedded=false", "model.path=unused"])
+    GlobalHydra.instance().clear()
+    summary = run_experiment(cfg, tmp_path / "run")
+    m = summary["metrics"]
+    assert m["n_samples"] == 12
+    assert m["errors"] == 1
+    assert m["hallucinated_image"] == 1
+    assert m["format_invalid"] == 9  # 8 unscripted answers + the Chinese non-JSON one
+    lines = [json.loads(l) for l in (tmp_path / "run/samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 12
+    by_uid = {r["uid"]: r for r in lines}
+    assert "cannot be decoded" in by_uid[str(rows[0]["id"])]["error"]
+    perfect = by_uid[str(rows[2]["id"])]["scores"]
+    assert perfect["rouge1"] == pytest.approx(1.0) and perfect["edit_score"] == 1.0
+    # averages are over all 12 samples: the single perfect answer contributes 1/12 of the Rouge-1 mean
+    assert m["rouge1"] == pytest.approx(1.0 / 12)
+    assert summary["latency"]["ttft_ms"]["n"] == 11  # the errored sample has no timing
