@@ -37,6 +37,7 @@ class DatasetConfig:
     image_root: Optional[str] = None  # where image files live (default: beside the data file)
     split: Optional[str] = None  # e.g. "dev" for RAG-IGBench; None = every row
     limit: Optional[int] = None  # first N samples after split selection
+    format: Optional[str] = None  # layout hint where a loader reads several ("json" | "tsv" | "hf"); None = detect
     language: str = "zh"  # prompt language where the benchmark has variants ("zh" | "en")
     n_per_source: Optional[int] = None  # mixes: samples drawn from each source
     images_per_request: int = 1  # mixes: images per request (sources compete for one budget)

@@ -126,12 +126,11 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
         engine.close()
 
     wall_s = time.perf_counter() - wall0
-    task = samples[0].task
     summary = {
         "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
                 "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir)},
         "config": config,
-        "metrics": aggregate(task, records),
+        "metrics": aggregate(records),
         "latency": latency_summary(records, duration_s=gen_s),
     }
     write_json(run_dir / "summary.json", summary)

@@ -51,13 +51,53 @@ class Scorer:
                 error=error,
                 rouge_variant=self.cfg.rouge_variant,
             )
+        if sample.task == "ocrbench":
+            from harness.metrics.ocrbench import score_one
+
+            ref = sample.reference
+            return {"score": 0 if error else score_one(answer, ref["answers"], ref.get("dataset_name")),
+                    "type": ref.get("type"), "error": error}
+        if sample.task == "mcq":
+            from harness.metrics.mcq import extract_choice
+
+            ref = sample.reference
+            pred = None if error else extract_choice(answer, ref["options"])
+            return {"pred": pred, "gold": ref["answer"], "correct": pred == ref["answer"],
+                    "group": ref.get("group"), "category": ref.get("category"), "error": error}
         raise KeyError(f"no scorer for task {sample.task!r}")
 
 
-def aggregate(task: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """``summary.json`` ``metrics`` over every record (errors included, as zeros)."""
+def _aggregate_task(task: str, scores: list[dict[str, Any]]) -> dict[str, Any]:
     if task == "rag_igbench":
         from harness.metrics import rag_igbench
 
-        return rag_igbench.aggregate([r["scores"] for r in records])
+        return rag_igbench.aggregate(scores)
+    if task == "ocrbench":
+        from harness.metrics import ocrbench
+
+        return ocrbench.aggregate(scores)
+    if task == "mcq":
+        from harness.metrics.mcq import circular_accuracy
+
+        return circular_accuracy(scores)
     raise KeyError(f"no aggregation for task {task!r}")
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary.json`` ``metrics`` over every record (errors included, as zeros).
+
+    One task: its metrics at the top level. Several tasks (the OCRBench + CCBench mix): each task's
+    metrics at the top level too (their key names do not collide: ``ocrbench_*`` / ``mcq_*``), and the
+    per-task blocks under ``per_task`` with ``n_samples`` for each.
+    """
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        tasks.setdefault(r["task"], []).append(r["scores"])
+    blocks = {task: _aggregate_task(task, scores) for task, scores in tasks.items()}
+    if len(blocks) == 1:
+        return next(iter(blocks.values()))
+    out: dict[str, Any] = {"n_samples": len(records)}
+    for block in blocks.values():
+        out.update({k: v for k, v in block.items() if k not in out})
+    out["per_task"] = {task: {"n_samples": len(tasks[task]), **block} for task, block in blocks.items()}
+    return out

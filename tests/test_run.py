@@ -141,3 +141,53 @@ def test_bad_samples_are_scored_and_counted_never_dropped(tmp_path, monkeypatch)
     # averages are over all 12 samples: the single perfect answer contributes 1/12 of the Rouge-1 mean
     assert m["rouge1"] == pytest.approx(1.0 / 12)
     assert summary["latency"]["ttft_ms"]["n"] == 11  # the errored sample has no timing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset,key", [("ocrbench_sample", "ocrbench_score"), ("ccbench_sample", "mcq_accuracy"),
+                                         ("ocr_cc_mix_sample", "per_task")])
+def test_every_bundled_dataset_runs_end_to_end(tmp_path, dataset, key):
+    run_dir = tmp_path / "run"
+    proc = harness_cmd(f"dataset={dataset}", f"hydra.run.dir={run_dir}", "wandb.mode=disabled",
+                       "generation.max_new_tokens=4", "engine.warmup=0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert key in summary["metrics"]
+    lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(lines) >= 6 and all(json.loads(l)["error"] is None for l in lines)
+
+
+def run_scripted(tmp_path, monkeypatch, dataset: str, answer_for) -> dict:
+    """Run the real pipeline on ``dataset`` with answers computed from each sample by ``answer_for``."""
+    from harness.datasets import load_samples
+    from harness.run import run_experiment
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            f"dataset={dataset}", "engine.name=scripted", "wandb.mode=disabled", "model.embedded=false",
+            "model.path=unused"])
+    GlobalHydra.instance().clear()
+    ScriptedEngine.script = {s.uid: answer_for(s) for s in load_samples(cfg.dataset)}
+    monkeypatch.setitem(ENGINES, "scripted", f"{__name__}:ScriptedEngine")
+    return run_experiment(cfg, tmp_path / "run")["metrics"]
+
+
+def test_ocrbench_scoring_through_the_run(tmp_path, monkeypatch):
+    # right answer for every sample but the first, which answers nonsense
+    m = run_scripted(tmp_path, monkeypatch, "ocrbench_sample",
+                     lambda s: "xyzzy" if s.uid == "0" else f"The text says: {s.reference['answers'][0]}")
+    assert m["n"] == 10 and m["correct"] == 9 and m["ocrbench_score"] == pytest.approx(900.0)
+
+
+def test_circular_mcq_scoring_through_the_run(tmp_path, monkeypatch):
+    # every rotation right except rotation 1 of the first question: that whole question counts wrong
+    def answer(s):
+        wrong = s.reference["group"] == "0" and s.reference["rotation"] == 1
+        gold = s.reference["answer"]
+        return f"答案是{'A' if wrong and gold != 'A' else 'B' if wrong else gold}"
+
+    m = run_scripted(tmp_path, monkeypatch, "ccbench_sample", answer)
+    assert m["n_questions"] == 6 and m["mcq_accuracy"] == pytest.approx(5 / 6)
+    assert m["mcq_row_accuracy"] == pytest.approx((m["n_rows"] - 1) / m["n_rows"])

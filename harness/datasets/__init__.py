@@ -19,6 +19,9 @@ from harness.datasets.base import DatasetError, ImageInput, Sample
 
 LOADERS: dict[str, str] = {
     "rag_igbench": "harness.datasets.rag_igbench:load",
+    "ocrbench": "harness.datasets.ocrbench:load",
+    "ccbench": "harness.datasets.ccbench:load",
+    "ocr_cc_mix": "harness.datasets.mix:load",
 }
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

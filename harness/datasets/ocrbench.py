@@ -1,0 +1,308 @@
+"""OCRBench v1 (Liu et al., 2023; Yuliang-Liu/MultimodalOCR): 1,000 OCR questions, one image each.
+
+Three layouts are read, chosen by the file extension, by what a folder holds, or by a ``format`` hint
+(``json`` | ``tsv`` | ``hf``; read from ``cfg.format`` when the config has such a key, e.g. a mix source):
+
+* ``json`` — the original release: ``OCRBench.json`` (a JSON array of ``dataset_name, id, image_path,
+  question, answers, type``) and the image folder; ``image_path`` is resolved under ``dataset.image_root``
+  (default: an ``OCRBench_Images`` folder beside the JSON file if there is one, else the JSON file's folder)
+  and can never leave it. ``answers`` is a string in 851 rows and a list in 149: always a list here.
+* ``tsv`` — VLMEvalKit's ``OCRBench.tsv``: ``index, image`` (base64), ``question, answer`` (a Python-literal
+  list, read with ``ast.literal_eval``), ``category`` (the type). The TSV has no ``dataset_name``: it is
+  set to ``HME100k`` for the handwritten-formula type (the one rule that needs it) and ``unknown`` otherwise.
+* ``hf`` — the Hugging Face layout (``echo840/OCRBench``): ``question, question_type, answer, image,
+  dataset``, from a ``save_to_disk`` folder, a folder of parquet/arrow files or one such file. Needs the
+  optional ``datasets`` library.
+
+Upstream ``id`` is not unique (857 distinct values in 1,000 rows), so a sample's ``uid`` is its 0-based row
+position (``json``, ``hf``) or the TSV ``index`` (VLMEvalKit's own key, which equals the position there).
+
+Prompt: the image, then the question verbatim — what the official OCRBench scripts send
+(``MultimodalOCR/OCRBench/scripts/*.py``), image first as in VLMEvalKit's ``build_prompt``.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from harness.datasets._io import (
+    blank,
+    cfg_get,
+    data_path,
+    decode_b64,
+    image_root_of,
+    is_image_ref,
+    iter_json_rows,
+    iter_tsv,
+)
+from harness.datasets.base import DatasetError, ImageInput, PathEscapeError, Sample, resolve_under
+
+SOURCE = "ocrbench"
+HME_TYPE = "Handwritten Mathematical Expression Recognition"
+JSON_FIELDS = ("dataset_name", "id", "image_path", "question", "answers", "type")
+TSV_FIELDS = ("index", "image", "question", "answer", "category")
+HF_FIELDS = ("question", "question_type", "answer", "image", "dataset")
+FORMATS = ("json", "tsv", "hf")
+
+
+def normalise_answers(value: Any, where: str, field: str = "answers") -> list[str]:
+    """A string or a list of strings → a non-empty list of strings."""
+    if isinstance(value, str):
+        answers = [value]
+    elif isinstance(value, (list, tuple)):
+        answers = [str(a) for a in value]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        answers = [str(value)]
+    else:
+        raise DatasetError(f"{where}: field {field!r} must be a string or a list, got {type(value).__name__}")
+    if not answers:
+        raise DatasetError(f"{where}: field {field!r} is empty")
+    return answers
+
+
+def make_sample(uid: str, dataset: str, question: str, answers: list[str], dataset_name: str, qtype: str,
+                image: ImageInput, error: str | None = None, **meta: Any) -> Sample:
+    """One OCRBench sample in the project's convention (image first, then the question)."""
+    return Sample(
+        uid=uid,
+        dataset=dataset,
+        task="ocrbench",
+        content=[{"type": "image", "index": 0}, {"type": "text", "text": question}],
+        images=[image],
+        reference={"answers": answers, "dataset_name": dataset_name, "type": qtype},
+        meta={"source": SOURCE, "category": qtype, "type": qtype, "dataset_name": dataset_name, **meta},
+        error=error,
+    )
+
+
+def detect_format(path: Path, hint: str | None) -> tuple[str, Path]:
+    """``(format, file or folder to read)`` from the hint, the extension or the folder's content."""
+    if hint:
+        if hint not in FORMATS:
+            raise DatasetError(f"unknown OCRBench format {hint!r} (dataset.format); known: {FORMATS}")
+        if path.is_dir() and hint == "json":
+            return hint, _find_one(path, ("OCRBench.json",), "*.json")
+        if path.is_dir() and hint == "tsv":
+            return hint, _find_one(path, ("OCRBench.tsv",), "*.tsv")
+        return hint, path
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in {".json", ".jsonl"}:
+            return "json", path
+        if suffix == ".tsv":
+            return "tsv", path
+        if suffix in {".parquet", ".arrow"}:
+            return "hf", path
+        raise DatasetError(f"cannot tell the OCRBench layout of {path} from its extension; "
+                           f"set dataset.format to one of {FORMATS}")
+    if (path / "OCRBench.json").is_file():
+        return "json", path / "OCRBench.json"
+    if (path / "OCRBench.tsv").is_file():
+        return "tsv", path / "OCRBench.tsv"
+    if any((path / m).exists() for m in ("dataset_info.json", "dataset_dict.json", "state.json")) or \
+            any(path.rglob("*.parquet")) or any(path.rglob("*.arrow")):
+        return "hf", path
+    raise DatasetError(f"{path}: no OCRBench.json, OCRBench.tsv or Hugging Face files found (dataset.path)")
+
+
+def _find_one(folder: Path, names: tuple[str, ...], pattern: str) -> Path:
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    found = sorted(folder.glob(pattern))
+    if len(found) != 1:
+        raise DatasetError(f"{folder}: expected one {pattern} file, found {len(found)} (dataset.path)")
+    return found[0]
+
+
+# --- original JSON + image folder -----------------------------------------------------------------
+
+def iter_json(path: Path, image_root: Path, dataset: str) -> Iterator[Sample]:
+    for pos, row in iter_json_rows(path):
+        where = f"{path}: row {pos}"
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where} is not a JSON object")
+        for key in JSON_FIELDS:
+            if key not in row or row[key] is None:
+                raise DatasetError(f"{where} (id={row.get('id', '?')}) has no field {key!r}")
+        where = f"{where} (id={row['id']})"
+        answers = normalise_answers(row["answers"], where)
+        rel = str(row["image_path"])
+        error = None
+        try:
+            file = resolve_under(image_root, rel)
+            if not file.is_file():
+                error = f"image file missing: {file} (image_path {rel!r} under {image_root})"
+        except PathEscapeError as e:
+            file, error = None, f"rejected image path: {e}"
+        yield make_sample(
+            uid=str(pos), dataset=dataset, question=str(row["question"]), answers=answers,
+            dataset_name=str(row["dataset_name"]), qtype=str(row["type"]),
+            image=ImageInput(source=SOURCE, path=file, key=rel), error=error,
+            id=row["id"], position=pos,
+        )
+
+
+# --- VLMEvalKit TSV -------------------------------------------------------------------------------
+
+def parse_literal_answers(value: str, where: str) -> list[str]:
+    """VLMEvalKit stores ``answer`` as a Python literal list (``"['CENTRE']"``); a bare string is accepted."""
+    text = value.strip()
+    if text.startswith(("[", "(")):
+        try:
+            parsed = ast.literal_eval(text)
+        except (ValueError, SyntaxError) as e:
+            raise DatasetError(f"{where}: field 'answer' is not a Python literal list: {e}") from e
+        return normalise_answers(parsed, where, "answer")
+    return [value]
+
+
+def iter_tsv_samples(path: Path, dataset: str) -> Iterator[Sample]:
+    images: dict[str, bytes | None] = {}  # index → decoded image (None: bad), for rows that refer to it
+    deferred: list[tuple[str, dict, str]] = []
+    seen: dict[str, int] = {}
+
+    def build(row: dict, n: int, image: ImageInput, error: str | None) -> Sample:
+        idx = row["index"].strip()
+        where = f"{path}: row {n} (index={idx})"
+        qtype = row["category"].strip()
+        dataset_name = (row.get("dataset_name") or "").strip() or ("HME100k" if qtype == HME_TYPE else "unknown")
+        uid = idx
+        count = seen.get(uid, 0)
+        seen[uid] = count + 1
+        if count:
+            uid = f"{uid}#{count}"
+        return make_sample(
+            uid=uid, dataset=dataset, question=row["question"],
+            answers=parse_literal_answers(row["answer"], where), dataset_name=dataset_name, qtype=qtype,
+            image=image, error=error, index=idx,
+        )
+
+    for n, row in iter_tsv(path, TSV_FIELDS):
+        idx = (row.get("index") or "").strip()
+        for key in ("index", "question", "answer", "category"):
+            if blank(row.get(key)):
+                raise DatasetError(f"{path}: row {n} (index={idx or '?'}) has no field {key!r}")
+        raw = row.get("image") or ""
+        key = f"{path.name}:index={idx}"
+        if is_image_ref(raw):
+            ref = raw.strip()
+            if ref in images:
+                data = images[ref]
+                error = None if data is not None else f"image of row {key} refers to index {ref}, whose image is bad"
+                yield build(row, n, ImageInput(source=SOURCE, data=data, key=key), error)
+            else:
+                deferred.append((ref, row, str(n)))
+            continue
+        try:
+            data = decode_b64(raw)
+            error = None
+        except ValueError as e:
+            data, error = None, f"image of row {key} cannot be decoded: {e}"
+        images[idx] = data
+        yield build(row, n, ImageInput(source=SOURCE, data=data, key=key), error)
+    for ref, row, n in deferred:  # references to rows further down the file
+        key = f"{path.name}:index={row['index'].strip()}"
+        data = images.get(ref)
+        error = None if data is not None else (
+            f"image of row {key} refers to index {ref}, which has no image in the file")
+        yield build(row, int(n), ImageInput(source=SOURCE, data=data, key=key), error)
+
+
+# --- Hugging Face layout --------------------------------------------------------------------------
+
+def _hf_dataset(path: Path, split: str | None):
+    try:
+        import datasets
+
+        if not hasattr(datasets, "load_dataset"):  # a bare ``datasets/`` folder on sys.path (this repo has one)
+            raise ImportError("only a namespace package named 'datasets' was found")
+    except ImportError as e:
+        raise DatasetError(
+            f"{path}: reading the Hugging Face layout of OCRBench needs the `datasets` library: "
+            "pip install datasets (or convert the data to OCRBench.json + images, or use VLMEvalKit's "
+            "OCRBench.tsv, which need nothing extra)"
+        ) from e
+    markers = ("dataset_info.json", "dataset_dict.json", "state.json")
+    if path.is_dir() and any((path / m).exists() for m in markers):
+        ds = datasets.load_from_disk(str(path))
+    else:
+        files = [path] if path.is_file() else (sorted(path.rglob("*.parquet")) or sorted(path.rglob("*.arrow")))
+        if not files:
+            raise DatasetError(f"{path}: no parquet or arrow files (dataset.path)")
+        builder = "parquet" if files[0].suffix == ".parquet" else "arrow"
+        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds)
+        name = split if split in ds else ("test" if "test" in ds else names[0])
+        if split and split not in ds:
+            raise DatasetError(f"{path}: no split {split!r} (dataset.split); splits: {names}")
+        ds = ds[name]
+    if "image" in ds.column_names:
+        ds = ds.cast_column("image", datasets.Image(decode=False))
+    return ds
+
+
+def hf_image_bytes(value: Any) -> bytes | None:
+    """The encoded bytes of a Hugging Face image cell ({bytes, path} dict, raw bytes or a PIL image)."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        if value.get("path") and Path(value["path"]).is_file():
+            return Path(value["path"]).read_bytes()
+        return None
+    if hasattr(value, "save"):  # a decoded PIL image
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    return None
+
+
+def hf_row_to_sample(pos: int, row: dict, where: str, dataset: str) -> Sample:
+    """One Hugging Face row → one sample (pure: testable without the ``datasets`` library)."""
+    for key in HF_FIELDS:
+        if key not in row or row[key] is None:
+            raise DatasetError(f"{where}: row {pos} has no field {key!r}")
+    answers = normalise_answers(row["answer"], f"{where}: row {pos}", "answer")
+    key = f"{Path(where).name}:row={pos}"
+    data = hf_image_bytes(row["image"])
+    error = None if data else f"image of row {key} is missing"
+    return make_sample(
+        uid=str(pos), dataset=dataset, question=str(row["question"]), answers=answers,
+        dataset_name=str(row["dataset"]), qtype=str(row["question_type"]),
+        image=ImageInput(source=SOURCE, data=data, key=key), error=error, position=pos,
+    )
+
+
+def iter_hf(path: Path, split: str | None, dataset: str) -> Iterator[Sample]:
+    for pos, row in enumerate(_hf_dataset(path, split)):
+        yield hf_row_to_sample(pos, row, str(path), dataset)
+
+
+# --- entry point ----------------------------------------------------------------------------------
+
+def load(cfg, root: Path) -> Iterator[Sample]:
+    """OCRBench samples in file order, cut at ``limit`` (streamed)."""
+    path = data_path(cfg, root)
+    fmt, file = detect_format(path, cfg_get(cfg, "format"))
+    name = cfg_get(cfg, "name", "ocrbench")
+    if fmt == "json":
+        beside = file.parent / "OCRBench_Images"
+        samples = iter_json(file, image_root_of(cfg, root, beside if beside.is_dir() else file.parent), name)
+    elif fmt == "tsv":
+        samples = iter_tsv_samples(file, name)
+    else:
+        samples = iter_hf(file, cfg_get(cfg, "split"), name)
+    limit = cfg_get(cfg, "limit")
+    for n, sample in enumerate(samples):
+        if limit is not None and n >= limit:
+            return
+        yield sample
