@@ -19,16 +19,45 @@ class TechniqueNotAvailable(RuntimeError):
 
 def check_techniques(cfg: Any) -> None:
     """Refuse, loudly, techniques that would otherwise be silently ignored."""
-    if cfg.visionzip.keep < 1.0:
+    if cfg.visionzip.keep < 1.0 and cfg.engine.name != "hf":
         raise TechniqueNotAvailable(
             f"visionzip.keep={cfg.visionzip.keep}: VisionZip is not available yet in engine "
             f"{cfg.engine.name!r} (issue 5). Use visionzip.keep=1.0."
         )
-    if cfg.sere.k is not None:
+    if cfg.sere.k is not None and cfg.engine.name != "hf":
         raise TechniqueNotAvailable(
             f"sere.k={cfg.sere.k}: SERE is not available yet in engine {cfg.engine.name!r} (issue 6). "
             "Use sere.k=null."
         )
+
+
+def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
+    (the OCRBench+CCBench budget competition) and the time spent on importance."""
+    from harness.engines.hf_visionzip import keep_rate_by_source
+    from harness.metrics.latency import summarize
+
+    per_request = []
+    for r in records:
+        v = r.get("visionzip")
+        if not v:
+            continue
+        sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
+            v["tokens_per_image"])
+        per_request.append((sources, v["tokens_per_image"], v["kept_per_image"]))
+    tokens_in = sum(sum(t) for _, t, _ in per_request)
+    kept = sum(sum(k) for _, _, k in per_request)
+    image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
+    return {
+        "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
+        "min_per_image": vz_cfg.min_per_image, "requests": len(per_request),
+        "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
+        "keep_rate": kept / tokens_in if tokens_in else None,
+        "image_keep_rate": summarize(image_rates),
+        "by_source": keep_rate_by_source(per_request),
+        # each request carries its share of its batch's importance time: the sum is the run's total
+        "importance_ms_total": sum(r["visionzip"]["importance_ms"] for r in records if r.get("visionzip")),
+    }
 
 
 def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
@@ -67,8 +96,10 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     if not samples:
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
     model_path, model_info = resolve_model(cfg.model)
+    extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
+             if cfg.engine.name == "hf" else {})
     engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
-                         trust_remote_code=cfg.model.trust_remote_code)
+                         trust_remote_code=cfg.model.trust_remote_code, **extra)
 
     scorer = Scorer(cfg.scoring)
     samples_log = SamplesLog(run_dir / "samples.jsonl")
@@ -93,6 +124,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
             "tpot_ms": gen.tpot_ms if gen else None,
             "e2e_ms": gen.e2e_ms if gen else None,
             "error": error,
+            "visionzip": gen.extra.get("visionzip") if gen else None,
             "meta": sample.meta,
         }
         records.append(rec)
@@ -123,6 +155,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     finally:
         samples_log.close()
         engine_info = engine.describe()
+        technique_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
         engine.close()
 
     wall_s = time.perf_counter() - wall0
@@ -132,7 +165,10 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
         "config": config,
         "metrics": aggregate(records),
         "latency": latency_summary(records, duration_s=gen_s),
+        **technique_stats,
     }
+    if cfg.visionzip.keep < 1.0:
+        summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
     write_json(run_dir / "summary.json", summary)
     wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
     if wandb_dir:

@@ -70,10 +70,32 @@ def test_wandb_offline_logs_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("override,name", [("sere.k=2", "SERE"), ("visionzip.keep=0.6", "VisionZip")])
-def test_unavailable_technique_stops_the_run(tmp_path, override, name):
-    proc = harness_cmd(f"hydra.run.dir={tmp_path / 'run'}", "wandb.mode=disabled", override, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert name in proc.stderr and "not available yet" in proc.stderr
+def test_technique_an_engine_lacks_stops_the_run(override, name):
+    from omegaconf import OmegaConf
+
+    from harness.config import Config
+    from harness.run import TechniqueNotAvailable, check_techniques
+
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([override, "engine.name=other"]))
+    with pytest.raises(TechniqueNotAvailable, match=f"{name} is not available yet in engine 'other'"):
+        check_techniques(cfg)
+    check_techniques(OmegaConf.merge(cfg, {"engine": {"name": "hf"}}))  # the HF engine has both
+
+
+@pytest.mark.slow
+def test_sere_and_visionzip_run_together_and_report_statistics(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = harness_cmd("sere.k=2", "visionzip.keep=0.6", f"hydra.run.dir={run_dir}", "wandb.mode=disabled",
+                       "generation.max_new_tokens=8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    vz, sere = summary["visionzip"], summary["sere"]
+    assert vz["keep"] == 0.6 and vz["visual_tokens_kept"] == pytest.approx(0.6 * vz["visual_tokens_in"], abs=12)
+    assert vz["image_keep_rate"]["n"] == 59 and "rag_igbench" in vz["by_source"]
+    assert sere["k_primary"] == 2 and sere["steps"] > 0
+    assert sere["expert_union_after"] <= sere["expert_union_before"]
+    lines = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert all(r["visionzip"]["visual_tokens_after"] == r["visual_tokens"] for r in lines)
 
 
 def test_missing_dataset_path_names_path_and_key(tmp_path):

@@ -15,6 +15,7 @@ Padding is on the left, as generation requires; the processor expands each ``<|i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -61,12 +62,22 @@ class _StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _visionzip_generation(model, ctx):
+    """The VisionZip generation context, or a no-op one when VisionZip is off."""
+    if ctx is None:
+        return contextlib.nullcontext()
+    from harness.engines.hf_visionzip import visionzip_generation
+
+    return visionzip_generation(model, ctx)
+
+
 class HFEngine:
     """Generate with a ``transformers`` image-text-to-text model loaded from a local path or hub id."""
 
     name = "hf"
 
-    def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False):
+    def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
+                 sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -90,6 +101,17 @@ class HFEngine:
             self.pad_id = next(iter(self.eos_ids))
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         self._torch = torch
+        self.vz_cfg = visionzip_cfg if visionzip_cfg is not None and visionzip_cfg.keep < 1.0 else None
+        if self.vz_cfg is not None:
+            from harness.engines.hf_visionzip import supports_visionzip
+
+            if not supports_visionzip(self.model):
+                raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
+        self.sere = None
+        if sere_cfg is not None and sere_cfg.k is not None:
+            from harness.engines.hf_sere import sere_from_config
+
+            self.sere = sere_from_config(self.model, self.processor.tokenizer, sere_cfg, model_id or model_path)
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -109,6 +131,12 @@ class HFEngine:
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
+        if self.sere is not None:
+            self.sere.reset_stats()
+
+    def technique_stats(self) -> dict[str, Any]:
+        """Statistics of the installed techniques, for ``summary.json`` (``sere``)."""
+        return {"sere": self.sere.stats()} if self.sere is not None else {}
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         """Generate in batches of ``engine.batch_size``; a failing batch is retried request by request so
@@ -128,6 +156,9 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
+        if self.sere is not None:
+            self.sere.remove()
+            self.sere = None
         self.model = None
         if self._torch.cuda.is_available():
             self._torch.cuda.empty_cache()
@@ -151,14 +182,20 @@ class HFEngine:
         inputs = inputs.to(self.device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        vz_ctx = None
         with torch.inference_mode():
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                stopping_criteria=[clock],
-                pad_token_id=self.pad_id,
-            )
+            if self.vz_cfg is not None:  # inside the timed region: importance and selection count in TTFT
+                from harness.engines.hf_visionzip import prepare_visionzip_inputs
+
+                inputs, vz_ctx = prepare_visionzip_inputs(self.model, inputs, self.vz_cfg, pad_token_id=self.pad_id)
+            with _visionzip_generation(self.model, vz_ctx):
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    stopping_criteria=[clock],
+                    pad_token_id=self.pad_id,
+                )
         prompt_len = inputs["input_ids"].shape[1]
         new_tokens = out[:, prompt_len:].tolist()
         mask = inputs["attention_mask"]
@@ -182,6 +219,9 @@ class HFEngine:
                 ttft_ms=ttft,
                 tpot_ms=tpot,
                 e2e_ms=e2e,
-                extra={"batch_size": len(batch)},
+                extra={"batch_size": len(batch),
+                       **({"visionzip": {**vz_ctx.requests[row].as_dict(),
+                                         "importance_ms": vz_ctx.importance_ms / len(batch)}}  # share of the batch's
+                          if vz_ctx else {})},
             ))
         return results
