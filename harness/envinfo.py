@@ -25,13 +25,16 @@ def package_version(name: str) -> str | None:
 
 
 def git_commit(cwd: str | None = None) -> str | None:
-    """The commit of the source tree (``-dirty`` appended when it has local changes), or None."""
+    """The commit of the source tree (``-dirty`` appended when it has local changes), or None.
+
+    ``HARNESS_GIT_COMMIT`` overrides it for copies of the tree that carry no ``.git``."""
+    if os.environ.get("HARNESS_GIT_COMMIT"):  # copies of the tree without .git (e.g. the GPU machine)
+        return os.environ["HARNESS_GIT_COMMIT"]
     here = cwd or os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        if not sha:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        sha = proc.stdout.strip()
+        if proc.returncode != 0 or len(sha) != 40:
             return None
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
