@@ -42,13 +42,21 @@ def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], rec
         config=config,
     )
     try:
-        run.summary.update(_flatten("", {"metrics": summary["metrics"], "latency": summary["latency"]}, {}))
+        blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere") if summary.get(k)}
+        run.summary.update(_flatten("", blocks, {}))
         score_keys = sorted({k for r in records for k in r.get("scores", {})})
         table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])
         for r in records:
             table.add_data(*[r.get(c) if c != "answer" else r.get("answer", "") for c in SAMPLE_COLUMNS],
                            *[r.get("scores", {}).get(k) for k in score_keys])
         run.log({"samples": table})
+        per_layer = (summary.get("sere") or {}).get("per_layer")
+        if per_layer:  # the per-layer expert union, as a table and a bar chart
+            cols = ["layer", "expert_union_before", "expert_union_after", "moved_fraction", "critical_fraction"]
+            layers = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in per_layer])
+            run.log({"sere/per_layer": layers,
+                     "sere/union_after_by_layer": wandb.plot.bar(layers, "layer", "expert_union_after",
+                                                                 title="Distinct experts per decode step (SERE)")})
         artifact = wandb.Artifact(name=f"results-{run.id}", type="results")
         for fname in ("summary.json", "samples.jsonl", "config.yaml"):
             if (run_dir / fname).exists():

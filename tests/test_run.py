@@ -85,7 +85,7 @@ def test_technique_an_engine_lacks_stops_the_run(override, name):
 @pytest.mark.slow
 def test_sere_and_visionzip_run_together_and_report_statistics(tmp_path):
     run_dir = tmp_path / "run"
-    proc = harness_cmd("sere.k=2", "visionzip.keep=0.6", f"hydra.run.dir={run_dir}", "wandb.mode=disabled",
+    proc = harness_cmd("sere.k=2", "visionzip.keep=0.6", f"hydra.run.dir={run_dir}", "wandb.mode=offline",
                        "generation.max_new_tokens=8", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -94,6 +94,9 @@ def test_sere_and_visionzip_run_together_and_report_statistics(tmp_path):
     assert vz["image_keep_rate"]["n"] == 59 and "rag_igbench" in vz["by_source"]
     assert sere["k_primary"] == 2 and sere["steps"] > 0
     assert sere["expert_union_after"] <= sere["expert_union_before"]
+    # every secondary slot outside P either moved, or stayed as critical (no protection in this run)
+    assert sere["moved_fraction"] + sere["critical_fraction"] == pytest.approx(sere["outside_primary_fraction"])
+    assert sere["protected_hits"] == 0 and sere["by_batch_size"]
     lines = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
     assert all(r["visionzip"]["visual_tokens_after"] == r["visual_tokens"] for r in lines)
 

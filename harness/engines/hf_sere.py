@@ -55,6 +55,12 @@ def _default_op() -> Callable:
     return reroute_op
 
 
+# Per-layer device counters, summed over decode steps (read once by ``stats()``):
+# distinct experts before / after re-routing, |P|, moved secondary slots, secondary slots outside P,
+# of those the ones kept because no primary was similar enough (critical), and the ones kept because protected.
+COUNTERS = ("before", "after", "primary", "moved", "outside", "critical", "protected_hits")
+
+
 def _union_counts(old: torch.Tensor, new: torch.Tensor, kp: int, num_experts: int,
                   offsets: torch.Tensor) -> torch.Tensor:
     """[distinct ids of old, of new, of old's first kp columns] as one int64 [3] device tensor.
@@ -80,7 +86,8 @@ class _Layer:
     steps: int = 0
     tokens: int = 0
     secondary_slots: int = 0
-    acc: torch.Tensor | None = None  # int64 [4]: union before, union after, |P|, moved slots
+    acc: torch.Tensor | None = None  # int64 [N_COUNTERS], see COUNTERS
+    by_batch: dict = field(default_factory=dict)  # batch size -> [steps (host int), int64 [2] before/after]
     offsets: torch.Tensor | None = None
     offsets_key: tuple | None = None
     hooks: list = field(default_factory=list)
@@ -158,12 +165,26 @@ class SereHandle:
                                         torch.full((t * kp,), 2 * e1, dtype=torch.long, device=dev)])
             st.offsets_key = key
         counts = _union_counts(old, new, kp, st.num_experts, st.offsets)
-        moved = (old != new).sum()
+        sec_old, sec_new = old[:, kp:], new[:, kp:]
+        valid = (sec_old >= 0) & (sec_old < st.num_experts)
+        in_p = torch.zeros(st.num_experts + 1, dtype=torch.bool, device=old.device)
+        in_p[old[:, :kp].clamp(0, st.num_experts).reshape(-1)] = True
+        outside = valid & ~in_p[:-1][sec_old.clamp(0, st.num_experts - 1)]
+        stayed = outside & (sec_old == sec_new)
+        prot = st.protected[sec_old.clamp(0, st.num_experts - 1)] & stayed if st.protected is not None \
+            else torch.zeros_like(stayed)
+        extra = torch.stack([(old != new).sum(), outside.sum(), (stayed & ~prot).sum(), prot.sum()])
         if st.acc is None or st.acc.device != old.device:
             with torch.inference_mode(False):  # a normal tensor: updatable inside and outside inference mode
-                st.acc = torch.zeros(4, dtype=torch.long, device=old.device)
+                st.acc = torch.zeros(len(COUNTERS), dtype=torch.long, device=old.device)
         st.acc[:3] += counts
-        st.acc[3] += moved
+        st.acc[3:] += extra
+        entry = st.by_batch.get(t)
+        if entry is None:
+            with torch.inference_mode(False):
+                entry = st.by_batch[t] = [0, torch.zeros(2, dtype=torch.long, device=old.device)]
+        entry[0] += 1
+        entry[1] += counts[:2]
         st.steps += 1
         st.tokens += t
         st.secondary_slots += t * (k - kp)
@@ -173,14 +194,15 @@ class SereHandle:
         for st in self.layers:
             st.steps = st.tokens = st.secondary_slots = 0
             st.acc = None
+            st.by_batch = {}
 
     def _read_counters(self) -> list[list[int]]:
-        """Every layer's [before, after, |P|, moved] sums: one device-to-host copy per device."""
+        """Every layer's COUNTERS sums: one device-to-host copy per device."""
         by_device: dict[torch.device, list[int]] = {}
         for i, st in enumerate(self.layers):
             if st.acc is not None:
                 by_device.setdefault(st.acc.device, []).append(i)
-        rows = [[0, 0, 0, 0] for _ in self.layers]
+        rows = [[0] * len(COUNTERS) for _ in self.layers]
         for idx in by_device.values():
             for i, row in zip(idx, torch.stack([self.layers[i].acc for i in idx]).tolist(), strict=True):
                 rows[i] = row
@@ -191,13 +213,26 @@ class SereHandle:
 
         Means are over (step, layer) pairs: ``expert_union_before`` / ``_after`` = distinct experts a
         layer computes per step without / with SERE, ``primary_union`` = |P|, ``moved_fraction`` = moved
-        secondary slots / all secondary slots (B x (k - K) per step and layer).
+        secondary slots / all secondary slots (B x (k - K) per step and layer), ``outside_primary_fraction``
+        = secondary slots whose expert is not in P, ``critical_fraction`` = of all secondary slots, those
+        outside P kept because no primary expert was similar enough (sim < ρ), ``protected_hits`` = secondary
+        slots outside P kept because their expert is protected, ``by_batch_size`` = the unions per decode
+        batch size (rows of the step; finished rows of a static HF batch still count).
         """
         rows = self._read_counters()
         per_layer = []
         tot_steps = tot_slots = 0
-        sums = [0, 0, 0, 0]
-        for st, (before, after, prim, moved) in zip(self.layers, rows, strict=True):
+        sums = [0] * len(COUNTERS)
+        batch: dict[int, list[int]] = {}
+        for st in self.layers:
+            for t, (n, acc) in st.by_batch.items():
+                b = batch.setdefault(t, [0, 0, 0])
+                before_after = acc.tolist()
+                b[0] += n
+                b[1] += before_after[0]
+                b[2] += before_after[1]
+        for st, row in zip(self.layers, rows, strict=True):
+            before, after, prim, moved, outside, critical, prot_hits = row
             steps = st.steps
             per_layer.append({
                 "layer": st.layer,
@@ -209,11 +244,13 @@ class SereHandle:
                 "moved_slots": moved,
                 "secondary_slots": st.secondary_slots,
                 "moved_fraction": moved / st.secondary_slots if st.secondary_slots else None,
+                "critical_fraction": critical / st.secondary_slots if st.secondary_slots else None,
+                "protected_hits": prot_hits,
                 "protected": int(st.protected.sum()) if st.protected is not None else 0,
             })
             tot_steps += steps
             tot_slots += st.secondary_slots
-            sums = [a + b for a, b in zip(sums, (before, after, prim, moved), strict=True)]
+            sums = [a + b for a, b in zip(sums, row, strict=True)]
         n_steps = max((st.steps for st in self.layers), default=0)
         n_tokens = max((st.tokens for st in self.layers), default=0)
         mean = (lambda v: v / tot_steps) if tot_steps else (lambda v: None)
@@ -230,6 +267,12 @@ class SereHandle:
             "experts_saved": before - after if tot_steps else None,
             "primary_union": mean(sums[2]),
             "moved_fraction": sums[3] / tot_slots if tot_slots else None,
+            "outside_primary_fraction": sums[4] / tot_slots if tot_slots else None,
+            "critical_fraction": sums[5] / tot_slots if tot_slots else None,
+            "protected_hits": sums[6],
+            "by_batch_size": {str(t): {"steps": n // max(len(self.layers), 1),
+                                       "expert_union_before": bsum / n, "expert_union_after": asum / n}
+                              for t, (n, bsum, asum) in sorted(batch.items())},
             "per_layer": per_layer,
         }
 
