@@ -131,6 +131,22 @@ class WandbConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Generation cache (``harness.cache``): every finished generation is written as its batch returns.
+
+    ``read`` says when it is looked up: ``resume`` (default) only when the run directory holds an interrupted
+    attempt (``samples.jsonl`` without ``summary.json``: a killed run rerun with the same ``hydra.run.dir``, a
+    sweep rerun with the same ``hydra.sweep.dir``, a Slurm job requeued), and a directory that already holds
+    this configuration's ``summary.json`` is not run again; ``always`` replays any cached generation (quality
+    studies; latency partial); ``never`` generates and times everything. Latency is never taken from the cache:
+    ``summary.json`` ``latency.partial`` / ``n_measured`` / ``n_cached`` say what was timed in the run."""
+
+    enabled: bool = True
+    path: str = "results/cache/generations"  # a directory of JSONL shards (one per writing process)
+    read: str = "resume"  # resume | always | never
+
+
+@dataclass
 class Config:
     """One experiment."""
 
@@ -143,6 +159,7 @@ class Config:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     seed: int = 0
 
 

@@ -6,6 +6,8 @@ loaders, engines and scorers come from their registries.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,8 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
         "image_keep_rate": summarize(image_rates),
         "by_source": keep_rate_by_source(per_request),
         # each request carries its share of its batch's importance time: the sum is the run's total
-        "importance_ms_total": sum(r["visionzip"]["importance_ms"] for r in records if r.get("visionzip")),
+        "importance_ms_total": sum(r["visionzip"]["importance_ms"] or 0.0 for r in records
+                                   if r.get("visionzip") and not r.get("cached")),
     }
 
 
@@ -74,32 +77,107 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
     return model_cfg.path, {"name": model_cfg.name, "path": model_cfg.path, "weights": model_cfg.weights}
 
 
+def run_latency(records: list[dict[str, Any]], gen_s: float) -> dict[str, Any]:
+    """``summary.json`` ``latency`` over the requests generated and timed in this run (never the cache's).
+
+    ``partial`` is true when some requests were replayed from the generation cache; ``n_measured`` counts the
+    timed requests, ``n_cached`` the replayed ones."""
+    from harness.metrics.latency import latency_summary
+
+    measured = [r for r in records if not r.get("cached")]
+    n_cached = len(records) - len(measured)
+    out = latency_summary(measured, duration_s=gen_s if measured else None)
+    out.update({"partial": n_cached > 0, "n_measured": sum(1 for r in measured if not r.get("error")),
+                "n_cached": n_cached})
+    return out
+
+
+def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``summary.json`` already in ``run_dir`` when it was written for this very configuration (a resumed
+    sweep re-enters its finished jobs' directories), else None."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("config") == json.loads(json.dumps(config)) else None
+
+
+CACHE_READ = ("resume", "always", "never")
+
+
+def set_aside_interrupted(run_dir: Path) -> bool:
+    """A ``samples.jsonl`` already in this directory is renamed (never appended to). True when it was left by
+    an interrupted attempt (no ``summary.json`` beside it), i.e. this run resumes."""
+    path = run_dir / "samples.jsonl"
+    if not path.exists():
+        return False
+    interrupted = not (run_dir / "summary.json").exists()
+    n = len(list(run_dir.glob("samples.jsonl.interrupted-*"))) + len(list(run_dir.glob("samples.jsonl.old-*"))) + 1
+    path.rename(run_dir / f"samples.jsonl.{'interrupted' if interrupted else 'old'}-{n}")
+    return interrupted
+
+
 def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     """Run the configured experiment, write ``config.yaml``, ``samples.jsonl``, ``summary.json``."""
     from omegaconf import OmegaConf
-    from tqdm.auto import tqdm
 
-    from harness.datasets import load_samples
-    from harness.engines import make_engine
-    from harness.engines.base import Request
-    from harness.metrics.latency import latency_summary
-    from harness.scoring import Scorer, aggregate
-    from harness.tracking import log_run
+    from harness.progress import RunProgress
 
     check_techniques(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
+    if cfg.cache.read not in CACHE_READ:
+        raise ValueError(f"cache.read={cfg.cache.read!r}: expected one of {', '.join(CACHE_READ)}")
+    if cfg.cache.enabled and cfg.cache.read != "never":
+        done = finished_summary(run_dir, config)
+        if done is not None:
+            print(f"{run_dir}: finished earlier with this configuration, not run again (cache.read=never re-runs "
+                  "it)", file=sys.stderr)
+            return done
+    resuming = set_aside_interrupted(run_dir)
+    read_cache = cfg.cache.read == "always" or (cfg.cache.read == "resume" and resuming)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
+    progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
+    try:
+        return _run(cfg, run_dir, config, started, read_cache, progress)
+    finally:
+        progress.close()
 
-    samples = list(load_samples(cfg.dataset))
+
+def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any
+         ) -> dict[str, Any]:
+    """The run proper, phase by phase (``progress`` shows them): data → model → images → cache → warmup →
+    generate → finish."""
+    from omegaconf import OmegaConf
+
+    from harness.cache import GenerationCache, generation_from_cache, key_for, model_key
+    from harness.datasets import load_samples
+    from harness.engines import make_engine
+    from harness.engines.base import Request
+    from harness.scoring import Scorer, aggregate
+    from harness.tracking import log_run, sweep_info
+
+    with progress.phase("data") as bar:
+        samples = []
+        for sample in load_samples(cfg.dataset):
+            samples.append(sample)
+            bar.update(1)
     if not samples:
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
-    model_path, model_info = resolve_model(cfg.model)
-    extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
-             if cfg.engine.name == "hf" else {})
-    engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
-                         trust_remote_code=cfg.model.trust_remote_code, **extra)
+    with progress.phase("model", unit="step"):
+        model_path, model_info = resolve_model(cfg.model)
+        extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
+                 if cfg.engine.name == "hf" else {})
+        engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
+                             trust_remote_code=cfg.model.trust_remote_code, **extra)
+
+    cache = GenerationCache(cfg.cache.path, read=read_cache) if cfg.cache.enabled else None
+    cache_model_id = model_key(model_info, model_path, engine.describe()) if cache is not None else ""
+    cache_generation = {**OmegaConf.to_container(cfg.generation, resolve=True),
+                        **({"seed": cfg.seed} if cfg.generation.do_sample else {})}
+    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere}
 
     scorer = Scorer(cfg.scoring)
     samples_log = SamplesLog(run_dir / "samples.jsonl")
@@ -124,6 +202,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
             "tpot_ms": gen.tpot_ms if gen else None,
             "e2e_ms": gen.e2e_ms if gen else None,
             "error": error,
+            "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
             "visionzip": gen.extra.get("visionzip") if gen else None,
             "meta": sample.meta,
         }
@@ -132,46 +211,77 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     try:
         runnable: list[tuple[Any, Request]] = []
-        for sample in samples:
-            if sample.error:
-                record(sample, error=sample.error)
-                continue
-            try:
-                runnable.append((sample, Request(sample.uid, sample.content, sample.load_images())))
-            except Exception as e:  # noqa: BLE001 - a bad image costs its sample, never the run
-                record(sample, error=f"{type(e).__name__}: {e}")
+        with progress.phase("images", total=len(samples)) as bar:
+            for sample in samples:
+                bar.update(1)
+                if sample.error:
+                    record(sample, error=sample.error)
+                    continue
+                try:
+                    runnable.append((sample, Request(sample.uid, sample.content, sample.load_images())))
+                except Exception as e:  # noqa: BLE001 - a bad image costs its sample, never the run
+                    record(sample, error=f"{type(e).__name__}: {e}")
+        keys: dict[str, str] = {}
+        n_replayed = 0
+        if cache is None:
+            progress.skip("cache")
+        else:  # keys for writing; when reading, replay hits and generate only the misses
+            with progress.phase("cache", total=len(runnable)) as bar:
+                todo = []
+                for sample, req in runnable:
+                    keys[sample.uid] = key_for(cache_model_id, req, cache_generation, cache_techniques)
+                    hit = cache.get(keys[sample.uid])
+                    if hit is None:
+                        todo.append((sample, req))
+                    else:
+                        record(sample, generation_from_cache(hit, sample.uid))
+                        n_replayed += 1
+                    bar.update(1)
+                runnable = todo
         bs = max(1, cfg.engine.batch_size)
-        if runnable and hasattr(engine, "warmup"):
-            for _ in range(cfg.engine.warmup):  # a full first batch, so batch-size-dependent set-up is paid
-                engine.warmup([r for _, r in runnable[:bs]])
+        with progress.phase("warmup", total=cfg.engine.warmup if runnable else 0, unit="batch") as bar:
+            if runnable and hasattr(engine, "warmup"):
+                for _ in range(cfg.engine.warmup):  # a full first batch, so batch-size-dependent set-up is paid
+                    engine.warmup([r for _, r in runnable[:bs]])
+                    bar.update(1)
         gen0 = time.perf_counter()
-        with tqdm(total=len(runnable), desc=f"{cfg.engine.name} · {cfg.dataset.name}", unit="sample") as bar:
+        with progress.phase("generate", total=len(runnable)) as bar:
+            if n_replayed:
+                bar.set_postfix_str(f"{n_replayed} replayed from the cache")
             for i in range(0, len(runnable), bs):
                 chunk = runnable[i : i + bs]
                 for (sample, _), gen in zip(chunk, engine.generate_batch([r for _, r in chunk])):
+                    if cache is not None and not gen.error:
+                        cache.put(keys[sample.uid], gen)
                     record(sample, gen)
                 bar.update(len(chunk))
         gen_s = time.perf_counter() - gen0
     finally:
         samples_log.close()
+        if cache is not None:
+            cache.close()
         engine_info = engine.describe()
         technique_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
         engine.close()
 
-    wall_s = time.perf_counter() - wall0
-    summary = {
-        "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
-                "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir)},
-        "config": config,
-        "metrics": aggregate(records),
-        "latency": latency_summary(records, duration_s=gen_s),
-        **technique_stats,
-    }
-    if cfg.visionzip.keep < 1.0:
-        summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
-    write_json(run_dir / "summary.json", summary)
-    wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
-    if wandb_dir:
-        summary["run"]["wandb_dir"] = wandb_dir
+    with progress.phase("finish", unit="step"):  # aggregate, write summary.json, log to W&B
+        wall_s = time.perf_counter() - wall0
+        summary = {
+            "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
+                    "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info()},
+            "config": config,
+            "metrics": aggregate(records),
+            "latency": run_latency(records, gen_s),
+            **technique_stats,
+        }
+        if cfg.visionzip.keep < 1.0:
+            summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
+        if cache is not None:
+            summary["cache"] = cache.stats()
+        summary["run"]["phase_s"] = dict(progress.times)  # seconds per phase (not "finish", still running)
         write_json(run_dir / "summary.json", summary)
+        wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
+        if wandb_dir:
+            summary["run"]["wandb_dir"] = wandb_dir
+            write_json(run_dir / "summary.json", summary)
     return summary

@@ -95,7 +95,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         tasks.setdefault(r["task"], []).append(r["scores"])
     blocks = {task: _aggregate_task(task, scores) for task, scores in tasks.items()}
     if len(blocks) == 1:
-        return next(iter(blocks.values()))
+        return {"n_samples": len(records), **next(iter(blocks.values()))}
     out: dict[str, Any] = {"n_samples": len(records)}
     for block in blocks.values():
         out.update({k: v for k, v in block.items() if k not in out})

@@ -23,26 +23,87 @@ def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str
     return out
 
 
+def sweep_info() -> dict[str, Any] | None:
+    """The Hydra multirun this job belongs to, for ``summary.json`` ``run.sweep`` and the W&B group; None for a
+    single run. ``id`` is the sweep directory below ``multirun/`` (``visionzip_keep/2026-05-01_12-00-00``),
+    the same in every job of the sweep, whichever launcher (basic, submitit local or Slurm) ran it."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):  # not under @hydra.main (tests calling run_experiment)
+        return None
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    sweep_dir = Path(str(hc.sweep.dir))
+    parts = sweep_dir.parts
+    rel = parts[len(parts) - 1 - parts[::-1].index("multirun") + 1:] if "multirun" in parts else parts[-2:]
+    return {"id": "/".join(rel), "dir": str(sweep_dir), "name": hc.job.config_name, "job_num": hc.job.num,
+            "overrides": list(hc.overrides.task)}
+
+
+def technique_label(config: dict[str, Any]) -> str:
+    """baseline | visionzip | sere | visionzip+sere, from the settings (the W&B job type of sweep runs)."""
+    vz = float((config.get("visionzip") or {}).get("keep", 1.0)) < 1.0
+    sere = (config.get("sere") or {}).get("k") is not None
+    return "visionzip+sere" if vz and sere else "visionzip" if vz else "sere" if sere else "baseline"
+
+
+def technique_tags(config: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """W&B tags: dataset, engine, weights, technique settings (``keep=0.6``, ``scope=image``, ``sere.k=2``, …),
+    and ``latency-partial`` when some generations were replayed from the cache."""
+    vz, sere = config.get("visionzip") or {}, config.get("sere") or {}
+    tags = [f"dataset={(config.get('dataset') or {}).get('name')}", f"engine={summary['run'].get('engine')}",
+            f"weights={summary['run'].get('weights')}", technique_label(config)]
+    if float(vz.get("keep", 1.0)) < 1.0:
+        tags += [f"keep={float(vz['keep']):g}", f"scope={vz.get('scope')}"]
+        if vz.get("contextual"):
+            tags.append(f"contextual={float(vz['contextual']):g}")
+    if sere.get("k") is not None:
+        tags += [f"sere.k={sere['k']}", f"sere.rho={float(sere.get('rho') or 0):g}",
+                 f"sere.protect={int(sere.get('protect') or 0)}"]
+    if (summary.get("latency") or {}).get("partial"):
+        tags.append("latency-partial")
+    return [t[:64] for t in tags]  # W&B's tag length limit
+
+
+def run_name(config: dict[str, Any], run_dir: Path, sweep: dict[str, Any] | None) -> str:
+    """``visionzip_keep#3 rag_igbench keep=0.6 scope=image`` in a sweep (job directories are only numbers);
+    the run directory's name otherwise."""
+    if not sweep:
+        return run_dir.name
+    settings = [t for t in technique_tags(config, {"run": {}}) if t.split("=")[0] in
+                {"keep", "scope", "contextual", "sere.k", "sere.rho", "sere.protect"}]
+    dataset = (config.get("dataset") or {}).get("name")
+    return " ".join([f"{sweep['name']}#{sweep['job_num']}", str(dataset), *settings] or [run_dir.name])
+
+
 def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
             run_dir: Path, name: str) -> str | None:
-    """Log one finished run; returns the W&B run directory (None when disabled)."""
+    """Log one finished run; returns the W&B run directory (None when disabled).
+
+    Group: ``wandb.group`` when set, else the sweep id (``summary.json`` ``run.sweep.id``), so every job of a
+    sweep lands in one W&B group. Job type: ``wandb.job_type``, or the technique (``technique_label``) when it
+    is ``auto`` (the sweep configs set that). Tags: ``wandb.tags`` + :func:`technique_tags`."""
     if wandb_cfg.mode == "disabled":
         return None
     import wandb
 
+    sweep = summary["run"].get("sweep")
     run = wandb.init(
         mode=wandb_cfg.mode,
         project=wandb_cfg.project,
         entity=wandb_cfg.entity,
-        group=wandb_cfg.group,
-        job_type=wandb_cfg.job_type,
-        tags=list(wandb_cfg.tags),
-        name=name,
+        group=wandb_cfg.group or (sweep or {}).get("id"),
+        job_type=technique_label(config) if wandb_cfg.job_type in (None, "auto") else wandb_cfg.job_type,
+        tags=[*wandb_cfg.tags, *technique_tags(config, summary)],
+        name=run_name(config, run_dir, sweep) if sweep else name,
         dir=str(run_dir),
-        config=config,
+        config={**config, "sweep": sweep} if sweep else config,
     )
     try:
-        blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere") if summary.get(k)}
+        blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache") if summary.get(k)}
         run.summary.update(_flatten("", blocks, {}))
         score_keys = sorted({k for r in records for k in r.get("scores", {})})
         table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])

@@ -1,0 +1,131 @@
+"""Progress bars: one run (overall bar over its phases + one bar per phase) and a sweep (one bar over its jobs).
+
+* :class:`RunProgress` — ``run_experiment`` wraps each phase (``data``, ``model``, ``images``, ``cache``,
+  ``warmup``, ``generate``, ``finish``) in ``with progress.phase(name, total) as bar``; the overall bar shows
+  the phase being run, the phase bar its items. The seconds spent per phase go to ``summary.json``
+  ``run.phase_s`` (model load vs generation vs scoring at a glance).
+* :class:`SweepProgress` — a Hydra callback (``hydra.callbacks.progress`` in ``conf/config.yaml``): with the
+  basic launcher (jobs in this process) a bar over the sweep's jobs sits above the run bars; with any launcher
+  each finished job drops ``<sweep dir>/.progress/<job>.json`` (status, seconds), which
+  ``python -m harness.report SWEEP_DIR --status`` counts while a Slurm array runs.
+
+Bars go to stderr through tqdm. Where stderr is not a terminal (Slurm logs), they refresh at most once a
+minute instead of many times a second, so a log stays readable. ``HARNESS_PROGRESS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+POSITION_ENV = "HARNESS_PROGRESS_POSITION"  # set by SweepProgress so run bars sit below the sweep bar
+
+
+def _enabled() -> bool:
+    return os.environ.get("HARNESS_PROGRESS", "1") not in {"0", "false", "no"}
+
+
+def _tqdm(**kw: Any):
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    return tqdm(disable=not _enabled(), mininterval=0.1 if interactive else 60.0, dynamic_ncols=True, **kw)
+
+
+class RunProgress:
+    """The overall bar of one run and its phase bars."""
+
+    PHASES = ("data", "model", "images", "cache", "warmup", "generate", "finish")
+
+    def __init__(self, title: str):
+        self.base = int(os.environ.get(POSITION_ENV, "0"))
+        self.times: dict[str, float] = {}
+        self.overall = _tqdm(total=len(self.PHASES), desc=title, unit="phase", position=self.base, leave=True,
+                             bar_format="{desc}: {n_fmt}/{total_fmt} phases |{bar}| {elapsed} {postfix}")
+
+    @contextmanager
+    def phase(self, name: str, total: int | None = None, unit: str = "sample") -> Iterator[Any]:
+        self.overall.set_postfix_str(name)
+        t0 = time.perf_counter()
+        bar = _tqdm(total=total, desc=f"  {name}", unit=unit, position=self.base + 1, leave=False)
+        try:
+            yield bar
+        finally:
+            bar.close()
+            self.times[name] = round(self.times.get(name, 0.0) + time.perf_counter() - t0, 3)
+            self.overall.update(1)
+
+    def skip(self, name: str) -> None:
+        """A phase that has nothing to do in this run (e.g. ``cache`` when not reading)."""
+        self.overall.update(1)
+
+    def close(self) -> None:
+        self.overall.set_postfix_str("done")
+        self.overall.close()
+
+
+def _count_jobs(config: Any) -> int | None:
+    """Jobs of the sweep Hydra is about to launch (basic sweeper semantics: sweeper params, then overrides)."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
+    except Exception:  # noqa: BLE001 - another sweeper (optuna, …): no total, the bar still counts
+        return None
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra-core is a dependency
+    Callback = object  # type: ignore[misc,assignment]
+
+
+class SweepProgress(Callback):
+    """Hydra callback: a bar over the sweep's jobs and a ``.progress/<job>.json`` marker per finished job."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.t0: dict[int, float] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Launchers such as submitit pickle the callbacks into each job: the terminal bar stays behind (a
+        # pickled tqdm wrapper recurses forever on load); jobs still write their .progress markers.
+        return {**self.__dict__, "bar": None}
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        total = _count_jobs(config)
+        name = config.hydra.job.config_name
+        self.bar = _tqdm(total=total, desc=f"sweep {name}", unit="job", position=0, leave=True)
+        os.environ[POSITION_ENV] = "1"
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        self.t0[int(config.hydra.job.num)] = time.perf_counter()
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        num = int(config.hydra.job.num) if config.hydra.job.get("num") is not None else 0
+        status = "completed" if job_return.status == JobStatus.COMPLETED else "failed"
+        if config.hydra.mode is not None and str(config.hydra.mode).endswith("MULTIRUN"):
+            marker = Path(str(config.hydra.sweep.dir)) / ".progress" / f"{num}.json"
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            seconds = time.perf_counter() - self.t0.get(num, time.perf_counter())
+            marker.write_text(json.dumps({"job": num, "status": status, "seconds": round(seconds, 1),
+                                          "overrides": list(config.hydra.overrides.task)}) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+            if status == "failed":
+                self.bar.set_postfix_str(f"job {num} failed")
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        os.environ.pop(POSITION_ENV, None)
