@@ -55,7 +55,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 | bfloat16 | float16
     batch_size: int = 4
     attn_implementation: str = "sdpa"
-    experts_implementation: Optional[str] = None  # transformers experts registry; None = its default
+    # transformers experts registry: "auto" = the project's fused Triton MoE kernel on CUDA
+    # ("harness_fused_moe"), transformers' default elsewhere; or grouped_mm | batched_mm | eager | ...
+    experts_implementation: Optional[str] = "auto"
     warmup: int = 1  # untimed warm-up batches before measurement (compilation, allocator)
     # vLLM only
     max_model_len: int = 8192

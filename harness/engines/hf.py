@@ -45,6 +45,18 @@ def resolve_dtype(dtype: str, device: str):
     return getattr(torch, _DTYPES[dtype])
 
 
+def resolve_experts_implementation(name: str | None, device: str) -> str | None:
+    """``auto`` → the project's fused Triton MoE kernel on CUDA (its cost follows the active experts, so
+    SERE's smaller union shows in TPOT), transformers' default elsewhere. Registers the kernel when chosen."""
+    if name == "auto":
+        name = "harness_fused_moe" if device.startswith("cuda") else None
+    if name == "harness_fused_moe":
+        from harness.engines.hf_experts import register
+
+        register()
+    return name
+
+
 class _StepClock:
     """A ``StoppingCriteria`` that only records when each generation step finished."""
 
@@ -88,8 +100,9 @@ class HFEngine:
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.processor.tokenizer.padding_side = "left"
         kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
-        if engine_cfg.experts_implementation:
-            kwargs["experts_implementation"] = engine_cfg.experts_implementation
+        self.experts_impl = resolve_experts_implementation(engine_cfg.experts_implementation, self.device)
+        if self.experts_impl:
+            kwargs["experts_implementation"] = self.experts_impl
         self.model = AutoModelForImageTextToText.from_pretrained(
             model_path, trust_remote_code=trust_remote_code, **kwargs
         ).to(self.device).eval()
@@ -124,7 +137,7 @@ class HFEngine:
             "device_name": device_name(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attn_implementation": self.cfg.attn_implementation,
-            "experts_implementation": self.cfg.experts_implementation,
+            "experts_implementation": self.experts_impl or "transformers-default",
             "batch_size": self.cfg.batch_size,
         }
 
