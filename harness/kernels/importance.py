@@ -52,9 +52,10 @@ class ImportanceConfig:
     num_stages: int = 2
 
 
-# The best of the benchmark's tile sweep on an H200 at 8 and 30 images of 784 patches (bf16, 16 heads × 72):
-# 0.27 / 0.91 ms against 0.37 / 1.27 ms for 64×64 tiles (results/benchmarks/importance.json).
-GPU_CONFIG = ImportanceConfig(128, 64, 64, 128, num_warps=8, num_stages=2)
+# The 64×64 tiles verified on the H200. The benchmark's sweep timed larger tiles faster (0.91 ms against
+# 1.27 ms at 30 images) but (128, 64, 64, 128) failed the GPU correctness tests on short odd segments:
+# not adopted until the sweep also checks correctness per configuration.
+GPU_CONFIG = ImportanceConfig()
 # The interpreter runs one program at a time in numpy: small tiles keep the masked work small.
 INTERPRETER_CONFIG = ImportanceConfig(16, 16, 16, 16, num_warps=1, num_stages=1)
 
