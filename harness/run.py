@@ -21,16 +21,18 @@ class TechniqueNotAvailable(RuntimeError):
 
 def check_techniques(cfg: Any) -> None:
     """Refuse, loudly, techniques that would otherwise be silently ignored."""
-    if cfg.visionzip.keep < 1.0 and cfg.engine.name != "hf":
+    if cfg.visionzip.keep < 1.0 and cfg.engine.name not in ("hf", "vllm"):
         raise TechniqueNotAvailable(
             f"visionzip.keep={cfg.visionzip.keep}: VisionZip is not available yet in engine "
             f"{cfg.engine.name!r} (issue 5). Use visionzip.keep=1.0."
         )
-    if cfg.sere.k is not None and cfg.engine.name != "hf":
+    if cfg.sere.k is not None and cfg.engine.name not in ("hf", "vllm"):
         raise TechniqueNotAvailable(
             f"sere.k={cfg.sere.k}: SERE is not available yet in engine {cfg.engine.name!r} (issue 6). "
             "Use sere.k=null."
         )
+    if cfg.load.qps is not None and cfg.engine.name != "vllm":
+        raise TechniqueNotAvailable(f"load.qps={cfg.load.qps}: load mode needs engine=vllm")
 
 
 def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -169,9 +171,14 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
-                 if cfg.engine.name == "hf" else {})
-        engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
-                             trust_remote_code=cfg.model.trust_remote_code, **extra)
+                 if cfg.engine.name in ("hf", "vllm") else {})
+        if cfg.engine.name == "vllm":
+            extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
+        try:
+            engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
+                                 trust_remote_code=cfg.model.trust_remote_code, **extra)
+        except NotImplementedError as e:  # a technique setting this engine cannot honour
+            raise TechniqueNotAvailable(str(e)) from e
 
     cache = GenerationCache(cfg.cache.path, read=read_cache) if cfg.cache.enabled else None
     cache_model_id = model_key(model_info, model_path, engine.describe()) if cache is not None else ""
@@ -184,12 +191,12 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     records: list[dict[str, Any]] = []
     wall0 = time.perf_counter()
 
-    def record(sample, gen=None, error: str | None = None) -> None:
+    def record(sample, gen=None, error: str | None = None, uid: str | None = None) -> None:
         error = error or (gen.error if gen else None)
         answer = gen.text if gen and not error else ""
         scores = scorer(sample, answer, error)
         rec = {
-            "uid": sample.uid,
+            "uid": uid or sample.uid,
             "dataset": sample.dataset,
             "task": sample.task,
             "n_images": len(sample.images),
@@ -201,6 +208,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "ttft_ms": gen.ttft_ms if gen else None,
             "tpot_ms": gen.tpot_ms if gen else None,
             "e2e_ms": gen.e2e_ms if gen else None,
+            "itl_ms": gen.extra.get("itl_ms") if gen else None,  # load mode: gaps between streamed chunks
             "error": error,
             "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
             "visionzip": gen.extra.get("visionzip") if gen else None,
@@ -245,9 +253,17 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                     engine.warmup([r for _, r in runnable[:bs]])
                     bar.update(1)
         gen0 = time.perf_counter()
+        load_info = None
         with progress.phase("generate", total=len(runnable)) as bar:
             if n_replayed:
                 bar.set_postfix_str(f"{n_replayed} replayed from the cache")
+            if cfg.load.qps is not None and runnable:  # serving latency: Poisson arrivals at load.qps
+                by_uid = {s.uid: s for s, _ in runnable}
+                gens, load_info = engine.run_load([r for _, r in runnable], cfg.load)
+                for gen in gens:  # requests cycle through the dataset: uid#k is the k-th pass over uid
+                    record(by_uid[gen.extra.get("source_uid", gen.uid)], gen, uid=gen.uid)
+                bar.update(len(runnable))
+                runnable = []
             for i in range(0, len(runnable), bs):
                 chunk = runnable[i : i + bs]
                 for (sample, _), gen in zip(chunk, engine.generate_batch([r for _, r in chunk])):
@@ -255,7 +271,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                         cache.put(keys[sample.uid], gen)
                     record(sample, gen)
                 bar.update(len(chunk))
-        gen_s = time.perf_counter() - gen0
+        gen_s = load_info["duration_s"] if load_info else time.perf_counter() - gen0
     finally:
         samples_log.close()
         if cache is not None:
@@ -278,6 +294,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
         if cache is not None:
             summary["cache"] = cache.stats()
+        if load_info is not None:
+            summary["load"] = load_info
         summary["run"]["phase_s"] = dict(progress.times)  # seconds per phase (not "finish", still running)
         write_json(run_dir / "summary.json", summary)
         wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)

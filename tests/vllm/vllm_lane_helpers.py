@@ -1,0 +1,102 @@
+"""Requests, configs and the HF reference shared by the vLLM-lane tests (imported by name: this folder is
+on ``sys.path`` under pytest's default import mode)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+MAX_NEW = 32
+
+
+def engine_cfg(**over):
+    """An ``engine`` group for tests (what conf/engine/vllm.yaml + CPU settings give)."""
+    base = dict(name="vllm", device="auto", dtype="float32", batch_size=8, attn_implementation="sdpa",
+                experts_implementation=None, warmup=1, max_model_len=1024, gpu_memory_utilization=0.1,
+                enforce_eager=True, tensor_parallel_size=1)
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+def gen_cfg(max_new_tokens: int = MAX_NEW):
+    return SimpleNamespace(max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def _image(rng, h, w):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def make_requests():
+    """Text-only, one-image and two-image requests (seeded images of different sizes)."""
+    import numpy as np
+
+    from harness.engines.base import Request
+
+    rng = np.random.default_rng(0)
+    text = [
+        Request("text-0", [{"type": "text", "text": "The user asks a question. Answer using the notes."}]),
+        Request("text-1", [{"type": "text", "text": "旅游 美食 穿搭 请根据以下笔记回答问题"}]),
+        Request("text-2", [{"type": "text", "text": "Output JSON with the keys reason, category and answer."}]),
+        # ends on EOS after a few tokens with the seed-0 embedded model (the EOS count is under test)
+        Request("text-eos", [{"type": "text", "text": "旅游 家居"}]),
+    ]
+    images = [
+        Request("img2-0", [{"type": "image"}, {"type": "text", "text": "describe both"}, {"type": "image"}],
+                [_image(rng, 64, 96), _image(rng, 100, 50)]),
+        Request("img2-1", [{"type": "text", "text": "猫 狗 compare"}, {"type": "image"}, {"type": "image"}],
+                [_image(rng, 128, 128), _image(rng, 48, 80)]),
+        Request("img1-0", [{"type": "text", "text": "what is this"}, {"type": "image"}],
+                [_image(rng, 128, 128)]),
+    ]
+    return text, images
+
+
+
+class HFReference:
+    """Greedy token ids from transformers (float32, batch 1: no padding), the reference of every test."""
+
+    def __init__(self, path: str):
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.torch = torch
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.image_token_id = self.model.config.image_token_id
+
+    def inputs(self, request):
+        parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
+                 for p in request.content]
+        text = self.processor.apply_chat_template([{"role": "user", "content": parts}],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self.processor(text=[text], images=request.images or None, return_tensors="pt")
+
+    def generate(self, request, max_new_tokens: int = MAX_NEW) -> dict:
+        """``{"ids", "prompt_tokens", "visual_tokens"}``; ids cut after the first EOS (kept), as HF counts."""
+        inputs = self.inputs(request)
+        with self.torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        prompt = inputs["input_ids"][0]
+        ids = out[0, prompt.shape[0]:].tolist()
+        n = next((j + 1 for j, t in enumerate(ids) if t in self.eos), len(ids))
+        return {"ids": ids[:n], "prompt_tokens": int(prompt.shape[0]),
+                "visual_tokens": int((prompt == self.image_token_id).sum())}
+
+    def generate_visionzip(self, request, vz_cfg, max_new_tokens: int = MAX_NEW) -> dict:
+        """HF + VisionZip (``harness.engines.hf_visionzip``): the same fields as :meth:`generate`."""
+        from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
+
+        inputs = self.inputs(request)
+        new, ctx = prepare_visionzip_inputs(self.model, inputs, vz_cfg,
+                                            pad_token_id=self.processor.tokenizer.pad_token_id)
+        with self.torch.inference_mode(), visionzip_generation(self.model, ctx):
+            out = self.model.generate(**new, max_new_tokens=max_new_tokens, do_sample=False)
+        prompt = new["input_ids"][0]
+        ids = out[0, prompt.shape[0]:].tolist()
+        n = next((j + 1 for j, t in enumerate(ids) if t in self.eos), len(ids))
+        return {"ids": ids[:n], "prompt_tokens": int(new["attention_mask"][0].sum()),
+                "visual_tokens": int((prompt == self.image_token_id).sum())}
