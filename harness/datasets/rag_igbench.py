@@ -21,12 +21,12 @@ rendering of the same instructions.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.datasets._io import iter_json_rows
 from harness.datasets.base import DatasetError, ImageInput, PathEscapeError, Sample, resolve_under
 
 PROMPTS = Path(__file__).parent / "prompts"
@@ -52,22 +52,9 @@ def note_images(entry: Any) -> list[str]:
 
 
 def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    """Stream (line number, row) from a JSON Lines file; a JSON array file is read whole."""
-    with open(path, encoding="utf-8-sig") as f:
-        head = f.read(1)
-        while head and head.isspace():
-            head = f.read(1)
-        f.seek(0)
-        if head == "[":
-            for i, row in enumerate(json.load(f), start=1):
-                yield i, row
-            return
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield lineno, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: line {lineno} is not valid JSON: {e}") from e
+    """Stream (row number from 1, row) from a JSON Lines file; a JSON array file is read whole."""
+    for pos, row in iter_json_rows(path):
+        yield pos + 1, row
 
 
 def render_prompt(query: str, documents: list[str], refs: list[list[str]], language: str = "zh") -> list[dict]:

@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS: tuple[str, ...] = (

@@ -75,8 +75,6 @@ def test_same_prompts_and_answers_as_the_hf_engine(runs):
 def test_sere_through_the_run(runs, tmp_path):
     run_dir = tmp_path / "sere"
     proc = run_harness(run_dir, "engine=vllm", "sere.k=2", "sere.rho=0.1", cwd=ROOT)
-    if proc.returncode == 2 and "SERE is not available yet" in proc.stderr:
-        pytest.skip("harness/run.py still refuses sere.k for engine=vllm (the lead's run change is pending)")
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     settings = summary["run"].get("engine_settings", summary["run"])
@@ -86,7 +84,11 @@ def test_sere_through_the_run(runs, tmp_path):
     base, sere = _samples(runs["vllm"]), _samples(run_dir)
     assert base.keys() == sere.keys()
     assert all(base[u]["prompt_tokens"] == sere[u]["prompt_tokens"] for u in base)
-    assert any(base[u]["answer"] != sere[u]["answer"] for u in base)  # the re-routing changed tokens
+    # The plugin re-routed decode slots in the workers (whether a random model's 12 greedy tokens change
+    # is luck; that SERE gives HF's tokens is tests/vllm/test_vllm_sere.py's job).
+    stats = summary["sere"]
+    assert stats["steps"] > 0 and stats["moved_fraction"] > 0
+    assert stats["expert_union_after"] <= stats["expert_union_before"]
 
 
 def test_load_mode_through_the_run(tmp_path):
@@ -94,8 +96,6 @@ def test_load_mode_through_the_run(tmp_path):
     proc = run_harness(run_dir, "engine=vllm", "load.qps=8", "load.num_requests=16", "load.warmup=1", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    if "load" not in summary:
-        pytest.skip("harness/run.py does not call engine.run_load yet (the lead's run change is pending)")
     load, lat = summary["load"], summary["latency"]
     assert load["num_requests"] == 16 and load["completed"] == 16 and load["qps"] == 8
     assert lat["n_requests"] == 16 and lat["failed"] == 0 and lat["completed"] == 16
