@@ -150,7 +150,7 @@ def technique_settings(techniques: Any) -> dict[str, Any]:
 
 
 _ENGINE_KEYS = ("engine", "engine_version", "device", "dtype", "batch_size", "attn_implementation",
-                "experts_implementation", "tensor_parallel_size", "enforce_eager")
+                "experts_implementation", "cuda_graphs", "tensor_parallel_size", "enforce_eager")
 
 
 def engine_identity(engine_info: Mapping[str, Any]) -> dict[str, Any]:

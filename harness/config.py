@@ -58,6 +58,9 @@ class EngineConfig:
     # transformers experts registry: "auto" = the project's fused Triton MoE kernel on CUDA
     # ("harness_fused_moe"), transformers' default elsewhere; or grouped_mm | batched_mm | eager | ...
     experts_implementation: Optional[str] = "auto"
+    # HF engine, used on CUDA only: static KV cache and the decode step replayed from a CUDA graph
+    # (harness/engines/hf_graphs.py); false = model.generate. Ignored on CPU.
+    cuda_graphs: bool = True
     warmup: int = 1  # untimed warm-up batches before measurement (compilation, allocator)
     # vLLM only
     max_model_len: int = 8192

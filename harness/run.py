@@ -290,6 +290,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "latency": run_latency(records, gen_s),
             **technique_stats,
         }
+        summary["run"]["scoring"] = scorer.describe()  # which encoders scored, and whether their weights are random
         if cfg.visionzip.keep < 1.0:
             summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
         if cache is not None:

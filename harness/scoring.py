@@ -15,7 +15,13 @@ from harness.datasets.base import Sample
 
 
 class Scorer:
-    """Per-sample scoring under each benchmark's definition."""
+    """Per-sample scoring under each benchmark's definition.
+
+    ``scoring.clip_model`` / ``scoring.embed_model`` name the encoders of RAG-IGBench's ``clip_score`` and
+    ``alignment`` (None: the metric is skipped). The value ``tiny`` selects the embedded random-weight stand-ins
+    of :mod:`harness.metrics.tiny_encoders` (built once into the cache, then re-used): their scores exercise
+    the path and mean nothing. Encoders are built and loaded only when a RAG-IGBench sample is scored.
+    """
 
     def __init__(self, scoring_cfg: Any):
         self.cfg = scoring_cfg
@@ -26,7 +32,13 @@ class Scorer:
         if self._clip is None and self.cfg.clip_model:
             from harness.metrics.encoders import ClipScorer
 
-            self._clip = ClipScorer(self.cfg.clip_model, self.cfg.clip_pretrained)
+            if self.cfg.clip_model == "tiny":
+                from harness.metrics.tiny_encoders import ensure_tiny_clip
+
+                name, _ = ensure_tiny_clip()
+                self._clip = ClipScorer(name, None)  # clip_pretrained is ignored: the weights are in the directory
+            else:
+                self._clip = ClipScorer(self.cfg.clip_model, self.cfg.clip_pretrained)
         return self._clip
 
     @property
@@ -34,8 +46,44 @@ class Scorer:
         if self._embed is None and self.cfg.embed_model:
             from harness.metrics.encoders import TextEmbedder
 
-            self._embed = TextEmbedder(self.cfg.embed_model)
+            if self.cfg.embed_model == "tiny":
+                from harness.metrics.tiny_encoders import ensure_tiny_text_embedder
+
+                self._embed = TextEmbedder(ensure_tiny_text_embedder())
+            else:
+                self._embed = TextEmbedder(self.cfg.embed_model)
         return self._embed
+
+    def prepare(self) -> None:
+        """Build and load the configured encoders now (optional: otherwise the first RAG-IGBench sample
+        scored does it), e.g. before the timed generation so their start-up is not counted there."""
+        for encoder in (self.clip, self.embed):
+            if encoder is not None:
+                encoder._load()
+
+    def describe(self) -> dict[str, Any]:
+        """Which encoders score (for ``summary.json`` ``run.scoring``), without building or loading them.
+
+        ``clip_weights`` / ``embed_weights``: ``"random-init"`` for the embedded ``tiny`` models, for a local
+        directory whose ``harness_model.json`` says so, and for an open_clip model name without pretrained
+        weights; ``"pretrained"`` otherwise; None where the metric is off.
+        """
+        from harness.metrics import tiny_encoders as te
+
+        clip_model, clip_pretrained, clip_weights = self.cfg.clip_model, self.cfg.clip_pretrained, None
+        if clip_model == te.TINY:
+            clip_model, clip_pretrained, clip_weights = te.clip_dir_name(), None, "random-init"
+        elif clip_model:
+            has_weights = bool(clip_pretrained) or str(clip_model).startswith(("hf-hub:", "local-dir:"))
+            clip_weights = te.weights_label(clip_model) if str(clip_model).startswith("local-dir:") else None
+            clip_weights = clip_weights or ("pretrained" if has_weights else "random-init")
+        embed_model, embed_weights = self.cfg.embed_model, None
+        if embed_model == te.TINY:
+            embed_model, embed_weights = te.text_embedder_dir_name(), "random-init"
+        elif embed_model:
+            embed_weights = te.weights_label(embed_model) or "pretrained"
+        return {"clip_model": clip_model, "clip_pretrained": clip_pretrained, "clip_weights": clip_weights,
+                "embed_model": embed_model, "embed_weights": embed_weights}
 
     def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
         if sample.task == "rag_igbench":

@@ -216,3 +216,28 @@ def test_circular_mcq_scoring_through_the_run(tmp_path, monkeypatch):
     m = run_scripted(tmp_path, monkeypatch, "ccbench_sample", answer)
     assert m["n_questions"] == 6 and m["mcq_accuracy"] == pytest.approx(5 / 6)
     assert m["mcq_row_accuracy"] == pytest.approx((m["n_rows"] - 1) / m["n_rows"])
+
+
+def test_embedded_scorers_report_every_rag_igbench_metric(tmp_path, monkeypatch):
+    """The default scoring config (``tiny`` CLIP and text embedder, random weights) gives all six RAG-IGBench
+    metrics through the real pipeline; the reference answers score 1 where that holds by definition."""
+    from harness.metrics.rag_igbench import kendall_scale
+
+    def reference_answer(s):
+        return json.dumps({"reason": "r", "category": "how-to", "answer": s.reference["answer"]}, ensure_ascii=False)
+
+    m = run_scripted(tmp_path, monkeypatch, "rag_igbench_sample", reference_answer)
+    assert m["n_samples"] == m["n_scored"] == 12 and m["errors"] == 0 and "incomplete" not in m
+    for key in ("rouge1", "edit_score", "kendall", "clip_score", "alignment", "comprehensive"):
+        assert key in m and 0.0 <= m[key] <= 1.0, key
+    assert m["edit_score"] == 1.0
+    lines = [json.loads(l) for l in (tmp_path / "run/samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 12
+    for rec in lines:
+        s = rec["scores"]
+        ref_ids = s["ref_image_ids"]
+        assert s["rouge1"] == pytest.approx(1.0) and s["edit_score"] == 1.0
+        assert s["kendall"] == pytest.approx(kendall_scale(1.0, s["n_candidates"], len(ref_ids)))  # raw order 1
+        # each shared image has the identical context on both sides: cosine 1 → alignment 1 (0 without images)
+        assert s["alignment"] == pytest.approx(1.0 if ref_ids else 0.0, abs=1e-5)
+        assert 0.0 <= s["clip_score"] <= 1.0

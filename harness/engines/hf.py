@@ -1,8 +1,10 @@
 """Hugging Face transformers engine: batched greedy generation with per-request TTFT/TPOT.
 
 Why it exists beside vLLM: it runs anywhere (CPU CI included) and it is the reference against which every
-other engine's tokens are checked. Timing: a stopping criterion that never stops records a timestamp
-after every generated token (after a device synchronisation on GPU), so for each request of a batch
+other engine's tokens are checked. Decoding: on CUDA (``engine.cuda_graphs``, on by default) a static-cache
+greedy decoder replays each decode step as a captured CUDA graph (``hf_graphs.py``, gpt-fast style) and
+timestamps every step with CUDA events; elsewhere ``model.generate`` runs with a stopping criterion that never
+stops and records a timestamp after every generated token. Either way, for each request of a batch
 
 - TTFT = time from the batch's start (chat template and image pre-processing included) to its first token,
 - E2E  = time to its last token (its end-of-sequence token, or the last allowed one),
@@ -113,6 +115,13 @@ class HFEngine:
         if self.pad_id is None:
             self.pad_id = next(iter(self.eos_ids))
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
+        # engine.cuda_graphs (CUDA only): static KV cache + CUDA-graph-replayed decode step (hf_graphs)
+        self.cuda_graphs = bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
+        self._graph_decoder = None
+        if self.cuda_graphs:
+            from harness.engines.hf_graphs import StaticGreedyDecoder
+
+            self._graph_decoder = StaticGreedyDecoder(self.model, self.eos_ids, self.pad_id)
         self._torch = torch
         self.vz_cfg = visionzip_cfg if visionzip_cfg is not None and visionzip_cfg.keep < 1.0 else None
         if self.vz_cfg is not None:
@@ -138,6 +147,7 @@ class HFEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "attn_implementation": self.cfg.attn_implementation,
             "experts_implementation": self.experts_impl or "transformers-default",
+            "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,
         }
 
@@ -172,6 +182,7 @@ class HFEngine:
         if self.sere is not None:
             self.sere.remove()
             self.sere = None
+        self._graph_decoder = None
         self.model = None
         if self._torch.cuda.is_available():
             self._torch.cuda.empty_cache()
@@ -202,15 +213,19 @@ class HFEngine:
 
                 inputs, vz_ctx = prepare_visionzip_inputs(self.model, inputs, self.vz_cfg, pad_token_id=self.pad_id)
             with _visionzip_generation(self.model, vz_ctx):
-                out = self.model.generate(
-                    **inputs,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    stopping_criteria=[clock],
-                    pad_token_id=self.pad_id,
-                )
-        prompt_len = inputs["input_ids"].shape[1]
-        new_tokens = out[:, prompt_len:].tolist()
+                if self._graph_decoder is not None:  # static cache, decode step replayed from a CUDA graph
+                    decoded = self._graph_decoder.generate(inputs, max_new_tokens,
+                                                           reserve_new_tokens=self.gen_cfg.max_new_tokens)
+                    new_tokens, clock.times = decoded.tokens, decoded.times
+                else:
+                    out = self.model.generate(
+                        **inputs,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        stopping_criteria=[clock],
+                        pad_token_id=self.pad_id,
+                    )
+                    new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
         results = []
         for row, req in enumerate(batch):

@@ -167,8 +167,9 @@ class SereHandle:
         counts = _union_counts(old, new, kp, st.num_experts, st.offsets)
         sec_old, sec_new = old[:, kp:], new[:, kp:]
         valid = (sec_old >= 0) & (sec_old < st.num_experts)
-        in_p = torch.zeros(st.num_experts + 1, dtype=torch.bool, device=old.device)
-        in_p[old[:, :kp].clamp(0, st.num_experts).reshape(-1)] = True
+        # index_fill_ with a Python scalar: no host-to-device copy, so this is capturable in a CUDA graph
+        in_p = torch.zeros(st.num_experts + 1, dtype=torch.bool, device=old.device).index_fill_(
+            0, old[:, :kp].clamp(0, st.num_experts).reshape(-1), True)
         outside = valid & ~in_p[:-1][sec_old.clamp(0, st.num_experts - 1)]
         stayed = outside & (sec_old == sec_new)
         prot = st.protected[sec_old.clamp(0, st.num_experts - 1)] & stayed if st.protected is not None \
