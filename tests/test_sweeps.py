@@ -217,8 +217,6 @@ def test_wandb_group_job_type_and_tags(monkeypatch, tmp_path):
     """tracking.log_run: group = sweep id, job type from the technique (wandb.job_type=auto), setting tags."""
     from harness import tracking
 
-    if not hasattr(tracking, "technique_tags"):
-        pytest.skip("tracking.technique_tags / sweep_info not applied yet")
     import types
 
     seen = {}
