@@ -34,17 +34,13 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.models.tiny import default_cache_dir
+from harness.models.tiny import MARKER, build_once, default_cache_dir
 
 #: The marker written last into a built directory (its presence means "complete").
-MARKER = "harness_model.json"
 #: The config value that selects these models (``scoring.clip_model=tiny``, ``scoring.embed_model=tiny``).
 TINY = "tiny"
 CLIP_WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -140,24 +136,6 @@ def text_embedder_dir_name(spec: TinyTextEmbedderSpec | None = None) -> str:
     return f"tiny-text-embedder-{(spec or TinyTextEmbedderSpec()).fingerprint()}"
 
 
-def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """``target`` if complete (marker present), else ``build`` into a temporary sibling renamed into place."""
-    if (target / MARKER).exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first: keep theirs
-            if not (target / MARKER).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def seeded_init(model: Any, seed: int) -> None:
     """Deterministic random weights drawn from one seeded generator in sorted parameter-name order.
 
@@ -220,7 +198,7 @@ def ensure_tiny_clip(cache_dir: str | Path | None = None, seed: int = 0,
     """
     spec = spec or TinyClipSpec(seed=seed)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = _build_once(root / clip_dir_name(spec), lambda tmp: build_tiny_clip(tmp, spec))
+    target = build_once(root / clip_dir_name(spec), lambda tmp: build_tiny_clip(tmp, spec))
     return f"local-dir:{target}", str(target / CLIP_WEIGHTS_FILE)
 
 
@@ -299,7 +277,7 @@ def ensure_tiny_text_embedder(cache_dir: str | Path | None = None, seed: int = 0
     """Directory of the tiny text embedder (``TextEmbedder(path)`` loads it), building it on first use."""
     spec = spec or TinyTextEmbedderSpec(seed=seed)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    return str(_build_once(root / text_embedder_dir_name(spec), lambda tmp: build_tiny_text_embedder(tmp, spec)))
+    return str(build_once(root / text_embedder_dir_name(spec), lambda tmp: build_tiny_text_embedder(tmp, spec)))
 
 
 def weights_label(path: str | Path | None) -> str | None:

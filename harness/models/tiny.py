@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,29 +115,37 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def ensure_tiny_model(spec: TinyModelSpec | None = None, cache_dir: str | Path | None = None) -> Path:
-    """Return the directory of the embedded checkpoint, building it on first use.
+MARKER = "harness_model.json"  # written last by every builder: its presence means the directory is complete
 
-    The build writes into a temporary sibling and renames it into place, so a killed build never leaves
-    a half-written checkpoint that later runs would trust.
+
+def build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target`` if complete (``MARKER`` present), else ``build`` it in a temporary sibling renamed into place.
+
+    A killed build never leaves a half-written directory that later runs would trust, and two processes
+    building at once keep whichever finished first. Shared by every locally built artefact (the tiny model,
+    the tiny scorer encoders).
     """
-    spec = spec or TinyModelSpec()
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-qwen3-vl-moe-{spec.fingerprint()}"
-    if (target / "harness_model.json").exists():
+    if (target / MARKER).exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build_tiny_model(tmp, spec)
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first: keep theirs
-            if not (target / "harness_model.json").exists():
+            if not (target / MARKER).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_tiny_model(spec: TinyModelSpec | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Return the directory of the embedded checkpoint, building it on first use (atomically)."""
+    spec = spec or TinyModelSpec()
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return build_once(root / f"tiny-qwen3-vl-moe-{spec.fingerprint()}", lambda tmp: build_tiny_model(tmp, spec))
 
 
 def tokenizer_corpus() -> list[str]:
@@ -333,7 +342,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     write_compatible_config(out / "config.json")
     tokenizer.save_pretrained(out)
     build_processor(spec, tokenizer).save_pretrained(out)
-    (out / "harness_model.json").write_text(
+    (out / MARKER).write_text(
         json.dumps(
             {"name": "tiny-qwen3-vl-moe", "weights": "random-init", "fingerprint": spec.fingerprint(),
              "spec": dataclasses.asdict(spec)},
