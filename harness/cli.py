@@ -15,7 +15,7 @@ from harness.config import register_configs
 register_configs()
 
 # Absolute, so the configs are found whatever the working directory and however the module is started.
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -146,7 +146,7 @@ def test_bad_samples_are_scored_and_counted_never_dropped(tmp_path, monkeypatch)
     monkeypatch.setitem(ENGINES, "scripted", f"{__name__}:ScriptedEngine")
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "harness/conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "engine.name=scripted", "wandb.mode=disabled", f"dataset.path={data / 'data.jsonl'}",
             "model.embedded=false", "model.path=unused"])
@@ -189,7 +189,7 @@ def run_scripted(tmp_path, monkeypatch, dataset: str, answer_for) -> dict:
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "harness/conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             f"dataset={dataset}", "engine.name=scripted", "wandb.mode=disabled", "model.embedded=false",
             "model.path=unused"])

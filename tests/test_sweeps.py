@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from harness.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEPS = ROOT / "sweeps"
-SEARCHPATH = f"hydra.searchpath=[file://{ROOT / 'conf'}]"
+SWEEPS = ROOT / "harness/sweeps"
+SEARCHPATH = f"hydra.searchpath=[file://{ROOT / 'harness/conf'}]"
 EXPECTED_JOBS = {"visionzip_keep": 16, "sere_grid": 24, "joint": 16, "baseline": 2}
 SLURM_ENV = ("HARNESS_SLURM_PARTITION", "HARNESS_SLURM_ACCOUNT", "HARNESS_SLURM_QOS", "HARNESS_SLURM_CONSTRAINT",
              "HARNESS_SLURM_EXCLUDE", "HARNESS_SLURM_GRES", "HARNESS_SLURM_GPUS", "HARNESS_SLURM_CPUS",
