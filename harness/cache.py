@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 CACHE_VERSION = 1
-DEFAULT_PATH = "results/cache/generations"
 
 # Generation fields stored and replayed (timings are stored apart, under "measured", and never replayed).
 _REPLAYED = ("text", "prompt_tokens", "visual_tokens", "output_tokens")

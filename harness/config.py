@@ -147,7 +147,7 @@ class CacheConfig:
     ``summary.json`` ``latency.partial`` / ``n_measured`` / ``n_cached`` say what was timed in the run."""
 
     enabled: bool = True
-    path: str = "results/cache/generations"  # a directory of JSONL shards (one per writing process)
+    path: str = "${harness_cache:generations}"  # a directory of JSONL shards (one per writing process); harness/paths.py
     read: str = "resume"  # resume | always | never
 
 
@@ -185,6 +185,9 @@ def register_configs() -> None:
     """Put the schemas into Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
+    from harness.paths import register_resolvers
+
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUP_SCHEMAS.items():

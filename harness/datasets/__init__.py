@@ -24,7 +24,6 @@ LOADERS: dict[str, str] = {
     "ocr_cc_mix": "harness.datasets.mix:load",
 }
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def get_loader(name: str):
@@ -38,8 +37,9 @@ def get_loader(name: str):
 
 
 def load_samples(cfg, root: Path | None = None) -> Iterator[Sample]:
-    """Samples of the configured dataset; relative paths resolve from the project root."""
-    return get_loader(cfg.name)(cfg, root or PROJECT_ROOT)
+    """Samples of the configured dataset; relative paths resolve from ``root`` (default: the working directory,
+    see :mod:`harness.paths`; bundled samples are named with ``${harness_pkg:...}`` and are absolute)."""
+    return get_loader(cfg.name)(cfg, root or Path.cwd())
 
 
 __all__ = ["DatasetError", "ImageInput", "LOADERS", "Sample", "get_loader", "load_samples"]

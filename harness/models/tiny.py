@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -110,9 +109,10 @@ class TinyModelSpec:
 
 
 def default_cache_dir() -> Path:
-    """Where built models live: ``$HARNESS_CACHE`` or ``~/.cache/moe-vlm-harness``."""
-    root = os.environ.get("HARNESS_CACHE") or os.path.join(Path.home(), ".cache", "moe-vlm-harness")
-    return Path(root) / "models"
+    """Where built models live: ``$HARNESS_CACHE/models`` (:func:`harness.paths.cache_home`)."""
+    from harness.paths import cache_home
+
+    return cache_home() / "models"
 
 
 MARKER = "harness_model.json"  # written last by every builder: its presence means the directory is complete
