@@ -1,9 +1,13 @@
-"""Reading helpers shared by the OCRBench, CCBench and mix loaders.
+"""Reading helpers shared by the loaders: every fault of a *file* is one :class:`DatasetError` naming the file,
+the line where there is one, and the config key that points at the file (exit 2 before the model loads).
 
-* :func:`data_path` / :func:`image_root_of`: config paths resolved from the project root, with errors
-  that name the config key.
+* :func:`data_path` / :func:`image_root_of`: config paths resolved from the working directory, with errors
+  that name the config key (:func:`config_key`: ``dataset.path`` or ``dataset.sources.<tag>.path``).
+* :func:`read_lines`: UTF-8 lines decoded one by one, so a non-UTF-8 byte is reported with its line.
+* :func:`iter_json_rows`: a JSON array or JSON Lines file, row by row with each row's line.
 * :func:`iter_tsv`: VLMEvalKit TSVs read row by row with the ``csv`` module (tab-separated, fields with
-  newlines quoted, ``utf-8-sig``), the field size limit raised for base64 images.
+  newlines quoted, BOM dropped), the field size limit raised for base64 images; a row with the wrong number
+  of fields is flagged for its loader (a row fault), not raised.
 * :func:`decode_b64`: base64 image fields, strict (a corrupt field fails its sample, not the file).
 * :func:`is_image_ref`: VLMEvalKit's rule for an ``image`` field that holds another row's index instead of
   base64 (``len <= 64``, ``ImageBaseDataset.__init__``).
@@ -36,25 +40,46 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def data_path(cfg: Any, root: Path, key: str = "dataset.path") -> Path:
-    """The configured data file or folder, relative paths from ``root``; missing → :class:`DatasetError`."""
+def config_key(cfg: Any, field: str) -> str:
+    """The config key a user sets for ``field`` of this dataset: ``dataset.<field>``, or
+    ``dataset.sources.<tag>.<field>`` for a source of a mix (the mix sets ``config_key`` on its sources)."""
+    return f"{cfg_get(cfg, 'config_key', 'dataset')}.{field}"
+
+
+def _user_path(raw: Any, root: Path, key: str) -> Path:
+    if not isinstance(raw, (str, Path)):
+        raise DatasetError(f"{key} must be a path, got {raw!r}")
+    if "\x00" in str(raw):
+        raise DatasetError(f"{key}={str(raw)!r} contains a NUL byte")
+    path = Path(raw).expanduser()
+    return path if path.is_absolute() else root / path
+
+
+def data_path(cfg: Any, root: Path, *, file_only: bool = False) -> Path:
+    """The configured data file (or folder, unless ``file_only``), relative paths from ``root``.
+
+    Missing, not set, a NUL byte in it, or a folder where a file belongs → :class:`DatasetError` naming the
+    config key."""
+    key = config_key(cfg, "path")
     raw = cfg_get(cfg, "path")
     if not raw:
         raise DatasetError(f"{key} is not set for dataset {cfg_get(cfg, 'name', '?')!r}")
-    path = Path(raw).expanduser()
-    path = path if path.is_absolute() else root / path
+    path = _user_path(raw, root, key)
     if not path.exists():
         raise DatasetError(f"dataset file not found: {path} (set by {key})")
+    if file_only and not path.is_file():
+        raise DatasetError(f"{path} is a folder, not a data file (set by {key}; name the .jsonl file itself)")
     return path
 
 
-def image_root_of(cfg: Any, root: Path, default: Path, key: str = "dataset.image_root") -> Path:
+def image_root_of(cfg: Any, root: Path, default: Path) -> Path:
     """The configured image root (default ``default``), which must be a folder."""
+    key = config_key(cfg, "image_root")
     raw = cfg_get(cfg, "image_root")
-    image_root = Path(raw).expanduser() if raw else default
-    image_root = image_root if image_root.is_absolute() else root / image_root
+    image_root = _user_path(raw, root, key) if raw else default
     if not image_root.is_dir():
-        raise DatasetError(f"image root not found: {image_root} (set by {key})")
+        what = "is a file, not a folder" if image_root.is_file() else "not found"
+        raise DatasetError(f"image root {what}: {image_root} (set by {key})")
     return image_root
 
 
@@ -68,48 +93,136 @@ def _raise_csv_field_limit() -> None:
             limit //= 10
 
 
-def iter_tsv(path: Path, required_columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
-    """Stream ``(row number, row)`` from a VLMEvalKit TSV; a missing column is a :class:`DatasetError`.
-
-    Row numbers count data rows from 1 (the header is row 0). Short rows get ``None`` for the missing
-    trailing fields (the ``csv`` module's behaviour), which the loaders treat as a missing field.
-    """
-    _raise_csv_field_limit()
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter="\t")
-        header = reader.fieldnames or []
-        missing = [c for c in required_columns if c not in header]
-        if missing:
-            raise DatasetError(f"{path}: header has no column {missing[0]!r} (columns: {header})")
-        try:
-            for n, row in enumerate(reader, start=1):
-                yield n, row
-        except csv.Error as e:
-            raise DatasetError(f"{path}: malformed TSV near line {reader.line_num}: {e}") from e
+def _open_binary(path: Path, key: str):
+    try:
+        return open(path, "rb")
+    except IsADirectoryError as e:
+        raise DatasetError(f"{path} is a folder, not a data file (set by {key})") from e
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot be read: {e.strerror or e} (set by {key})") from e
 
 
-def iter_json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(position, row)`` from a JSON array file or a JSON Lines file; positions count from 0."""
-    with open(path, encoding="utf-8-sig") as f:
-        head = f.read(1)
-        while head and head.isspace():
-            head = f.read(1)
-        f.seek(0)
-        if head == "[":
+def _not_utf8(path: Path, lineno: int, err: UnicodeDecodeError, key: str) -> DatasetError:
+    return DatasetError(f"{path}:{lineno}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at column "
+                        f"{err.start + 1}); re-save the file as UTF-8 (set by {key})")
+
+
+
+def read_lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
+    """``(line number from 1, text)`` of a UTF-8 file (a BOM on line 1 is dropped), line endings kept.
+
+    Each line is decoded on its own so that bytes that are not UTF-8 stop the run with the file, the line
+    and the column; a folder or an unreadable file is a :class:`DatasetError` too."""
+    with _open_binary(path, key) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
             try:
-                rows = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}: not valid JSON: {e}") from e
-            yield from enumerate(rows)
-            return
-        pos = 0
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield pos, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: line {lineno} is not valid JSON: {e}") from e
-                pos += 1
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, lineno, e, key) from e
+
+
+def _empty(path: Path, key: str) -> DatasetError:
+    return DatasetError(f"{path} is empty: no rows (set by {key})")
+
+
+def iter_tsv(path: Path, required_columns: tuple[str, ...], key: str = "dataset.path"
+             ) -> Iterator[tuple[int, dict[str, str], str | None]]:
+    """Stream ``(row number, row, column fault)`` from a VLMEvalKit TSV.
+
+    Row numbers count data rows from 1 (the header is row 0). ``column fault`` is None, or a message when
+    the row has fewer or more fields than the header (the ``csv`` module fills a short row with ``None`` and
+    puts extra fields under the key ``None``): a fault of that row, which the loader records. A missing
+    header column, an empty file, a header without rows and malformed quoting are :class:`DatasetError`\\ s
+    naming the file, the line and ``key``."""
+    _raise_csv_field_limit()
+    lines = (text for _, text in read_lines(path, key))
+    reader = csv.DictReader(lines, delimiter="\t")
+    try:
+        header = reader.fieldnames or []
+    except csv.Error as e:
+        raise DatasetError(f"{path}:1: malformed TSV header: {e} (set by {key})") from e
+    if not header:
+        raise _empty(path, key)
+    missing = [c for c in required_columns if c not in header]
+    if missing:
+        hint = " (is it a tab-separated file?)" if len(header) == 1 else ""
+        raise DatasetError(f"{path}:1: header has no column {missing[0]!r}{hint} (columns: {header[:12]}; "
+                           f"set by {key})")
+    n = 0
+    try:
+        for n, row in enumerate(reader, start=1):
+            fault = None
+            if None in row:
+                fault = f"has {len(header) + len(row[None])} fields, the header has {len(header)}"
+                row = {k: v for k, v in row.items() if k is not None}
+            elif any(v is None for v in row.values()):
+                fault = f"has {sum(v is not None for v in row.values())} fields, the header has {len(header)}"
+            yield n, row, fault
+    except csv.Error as e:
+        raise DatasetError(f"{path}:{reader.line_num}: malformed TSV: {e} (set by {key})") from e
+    if n == 0:
+        raise DatasetError(f"{path} has a header but no data rows (set by {key})")
+
+
+def iter_json_rows(path: Path, key: str = "dataset.path") -> Iterator[tuple[int, int, Any]]:
+    """``(position from 0, line number, row)`` from a JSON array file or a JSON Lines file.
+
+    The layout is the first non-blank character's (``[``: one array). Anything that is not JSON, not UTF-8,
+    an empty file or an empty array is a :class:`DatasetError` naming the file, the line and ``key``; a row
+    that parses but is not an object is the loader's business (a row fault)."""
+    with _open_binary(path, key) as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
+    if not head:
+        raise _empty(path, key)
+    if head.startswith(b"["):
+        with _open_binary(path, key) as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            col = e.start - (data.rfind(b"\n", 0, e.start) + 1)
+            raise DatasetError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {col + 1}); "
+                               f"re-save the file as UTF-8 (set by {key})") from e
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{e.lineno}: not valid JSON: {e.msg} at column {e.colno} "
+                               f"(set by {key})") from e
+        if not isinstance(rows, list) or not rows:
+            raise DatasetError(f"{path}: the JSON array holds no rows (set by {key})")
+        line_of = _array_item_lines(text, len(rows))
+        for pos, row in enumerate(rows):
+            yield pos, line_of[pos], row
+        return
+    pos = 0
+    for lineno, line in read_lines(path, key):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            hint = (" (a JSON Lines file holds one JSON object per line; a JSON array file starts with '[')"
+                    if pos == 0 else "")
+            raise DatasetError(f"{path}:{lineno}: not valid JSON: {e.msg} at column {e.colno}{hint} "
+                               f"(set by {key})") from e
+        yield pos, lineno, row
+        pos += 1
+    if pos == 0:
+        raise _empty(path, key)
+
+
+def _array_item_lines(text: str, n: int) -> list[int]:
+    """The line on which each of the ``n`` items of a top-level JSON array starts (for messages)."""
+    decoder, lines, i = json.JSONDecoder(), [], text.index("[") + 1
+    for _ in range(n):
+        while text[i] in " \t\r\n,":
+            i += 1
+        lines.append(text.count("\n", 0, i) + 1)
+        _, i = decoder.raw_decode(text, i)
+    return lines
 
 
 def is_image_ref(value: str) -> bool:

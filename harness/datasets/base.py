@@ -2,9 +2,9 @@
 
 A :class:`Sample` carries the request as ordered chat content (text and image parts, exactly as the
 benchmark interleaves them), its images as lazily decoded :class:`ImageInput` objects, and the reference
-the scorer needs. A sample that cannot be used (missing or corrupt image, malformed row the benchmark
-tolerates) is still returned, with ``error`` set: the run records it, scores it 0 and counts it, so nothing
-silently leaves the averages.
+the scorer needs. A sample that cannot be used (missing or corrupt image, a defective row) is still returned, with ``error``
+(the message: file, line, field) and ``error_reason`` (a stable code of :data:`harness.datasets.faults.REASONS`)
+set: the run records it as a *data* error, scores it 0 and counts it, so nothing silently leaves the averages.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ class DatasetError(ValueError):
 
 
 class ImageLoadError(RuntimeError):
-    """An image that is missing, truncated or undecodable."""
+    """An image that is missing, truncated or undecodable (``reason``: ``image_missing`` | ``image_undecodable``)."""
+
+    def __init__(self, message: str, reason: str = "image_undecodable"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class PathEscapeError(DatasetError):
@@ -34,6 +38,10 @@ def resolve_under(root: str | Path, relative: str) -> Path:
     Absolute paths, ``..`` components and symlinks that point outside ``root`` are rejected: a data
     file must not be able to make the harness read arbitrary files of the machine.
     """
+    if not isinstance(relative, str) or not relative.strip():
+        raise PathEscapeError(f"image path {relative!r} is not a non-empty string")
+    if "\x00" in relative:
+        raise PathEscapeError(f"image path {relative!r} contains a NUL byte")
     root_real = Path(os.path.realpath(root))
     if os.path.isabs(relative) or relative.startswith(("~", "\\")):
         raise PathEscapeError(f"absolute path {relative!r} in data file; paths must be relative to {root}")
@@ -65,12 +73,12 @@ class ImageInput:
             elif self.path is not None:
                 img = Image.open(self.path)
             else:
-                raise ImageLoadError(f"image {self.key!r} has neither a file nor data")
+                raise ImageLoadError(f"image {self.key!r} has neither a file nor data", "image_missing")
             img.load()
             return img.convert("RGB")
-        except FileNotFoundError as e:
-            raise ImageLoadError(f"image file missing: {self.path} (from {self.key!r})") from e
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            raise ImageLoadError(f"image file missing: {self.path} (from {self.key!r})", "image_missing") from e
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
             raise ImageLoadError(f"image {self.key or self.path} cannot be decoded: {e}") from e
 
 
@@ -86,7 +94,15 @@ class Sample:
     reference: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    error_reason: str | None = None  # set for data errors: a key of harness.datasets.faults.REASONS
 
     def load_images(self) -> list:
-        """Decoded images in request order; raises :class:`ImageLoadError` naming the bad one."""
-        return [img.load() for img in self.images]
+        """Decoded images in request order; raises :class:`ImageLoadError` naming the bad one.
+
+        A bad image is the data's fault: ``error_reason`` is set to its reason before the error propagates,
+        so the run records the sample as a data error."""
+        try:
+            return [img.load() for img in self.images]
+        except ImageLoadError as e:
+            self.error_reason = self.error_reason or e.reason
+            raise

@@ -32,8 +32,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.datasets._io import blank, cfg_get, data_path, decode_b64, is_image_ref, iter_tsv
+from harness.datasets._io import blank, cfg_get, config_key, data_path, decode_b64, is_image_ref, iter_tsv
 from harness.datasets.base import DatasetError, ImageInput, Sample
+from harness.datasets.faults import RowFault, UniqueIds, cell, data_error_sample
 
 SOURCE = "ccbench"
 ROTATION_STRIDE = 1_000_000
@@ -75,41 +76,47 @@ class _Row:
     image: ImageInput
     error: str | None
     meta: dict = field(default_factory=dict)
+    error_reason: str | None = None
 
 
-def _parse(path: Path, n: int, row: dict, images: dict[int, bytes | None]) -> _Row | tuple[_Row, str]:
-    idx_text = (row.get("index") or "").strip()
-    for key in ("index", "question", "answer"):
-        if blank(row.get(key)):
-            raise DatasetError(f"{path}: row {n} (index={idx_text or '?'}) has no field {key!r}")
-    where = f"{path}: row {n} (index={idx_text})"
+def _parse(n: int, row: dict, images: dict[int, bytes | None], key_of: str) -> _Row | tuple[_Row, str]:
+    """One TSV row checked against the MCQ schema; a defect is a :class:`RowFault`.
+
+    ``question`` and ``answer`` required, ``index`` an integer, at least two options with consecutive letters
+    from ``A`` (an empty field after the last option is fine, a gap is not: the prompt would skip a letter)
+    and the answer one of them."""
+    index_text = cell(row, "index").strip()
     try:
-        index = int(float(idx_text))
+        index = int(index_text)
     except ValueError as e:
-        raise DatasetError(f"{where}: field 'index' is not a number") from e
+        raise RowFault("bad_index", f"field 'index' is {index_text!r}, not an integer") from e
+    question = cell(row, "question")
+    answer_text = cell(row, "answer")
     options = {k: row[k].strip() for k in LETTERS if k in row and not blank(row[k])}
     if len(options) < 2:
-        raise DatasetError(f"{where}: fewer than two options (fields 'A', 'B', ...)")
-    answer = row["answer"].strip().upper()
+        raise RowFault("too_few_options", f"{len(options)} option(s) (fields 'A', 'B', ...); a question needs two")
+    if "".join(options) != LETTERS[: len(options)]:
+        raise RowFault("option_gap", f"options {''.join(options)} skip a letter (expected {LETTERS[:len(options)]})")
+    answer = answer_text.strip().upper()
     if answer not in options:
-        raise DatasetError(f"{where}: field 'answer' is {row['answer']!r}, not one of the options {list(options)}")
+        raise RowFault("answer_not_an_option",
+                       f"field 'answer' is {answer_text!r}, not one of the options {list(options)}")
     category = "uncategorized" if blank(row.get("category")) else row["category"].strip()
     hint = None if blank(row.get("hint")) else row["hint"]
     meta = {}
     for src, dst in (("l2-category", "l2_category"), ("split", "split")):
         if not blank(row.get(src)):
             meta[dst] = row[src].strip()
-    key = f"{path.name}:index={index}"
+    key = f"{key_of}:index={index}"
     raw = row.get("image") or ""
-    parsed = _Row(n, index, row["question"], options, answer, category, hint,
-                  ImageInput(source=SOURCE, key=key), None, meta)
+    parsed = _Row(n, index, question, options, answer, category, hint, ImageInput(source=SOURCE, key=key), None, meta)
     if is_image_ref(raw):
         return parsed, raw.strip()
     try:
         parsed.image.data = decode_b64(raw)
     except ValueError as e:
-        parsed.error = f"image of row {key} cannot be decoded: {e}"
-    images[index] = parsed.image.data
+        parsed.error, parsed.error_reason = f"image of row {key} cannot be decoded: {e}", "image_undecodable"
+    images.setdefault(index, parsed.image.data)  # a repeated index never replaces the image rows refer to
     return parsed
 
 
@@ -118,10 +125,12 @@ def _resolve_ref(row: _Row, ref: str, images: dict[int, bytes | None]) -> None:
         target = int(float(ref))
     except ValueError:
         row.error = f"image of row {row.image.key} is neither base64 nor a row index: {ref!r}"
+        row.error_reason = "image_undecodable"
         return
     data = images.get(target)
     if data is None:
         row.error = f"image of row {row.image.key} refers to index {target}, which has no usable image in the file"
+        row.error_reason = "image_ref_unresolved"
     row.image.data = data
 
 
@@ -139,16 +148,31 @@ def _sample(row: _Row, options: dict[str, str], answer: str, rotation: int, uid:
         meta={"source": SOURCE, "category": row.category, "group": group, "rotation": rotation,
               "index": row.index, "n_options": len(options), **row.meta},
         error=row.error,
+        error_reason=row.error_reason if row.error else None,
     )
 
 
+def _error_sample(uid: str, dataset: str, where: str, fault: RowFault, row: dict, group: str) -> Sample:
+    """A defective row: one data-error sample standing for its whole question (all rotations), so the
+    question counts as wrong in the circular accuracy."""
+    category = "uncategorized" if blank(row.get("category")) else row["category"].strip()
+    return data_error_sample(uid, dataset, "mcq", where, fault,
+                             reference={"answer": None, "options": {}, "group": group, "category": category,
+                                        "rotation": 0},
+                             meta={"source": SOURCE, "category": category, "group": group, "rotation": 0})
+
+
 def load(cfg, root: Path) -> Iterator[Sample]:
-    """CCBench samples, question by question, each followed by its rotations when ``circular``."""
+    """CCBench samples, question by question, each followed by its rotations when ``circular``.
+
+    A defective row (no question, answer not an option, a repeated index, wrong number of fields...) is a
+    data-error sample in place of its question's rotations; a defective file stops with a
+    :class:`DatasetError`."""
     path = data_path(cfg, root)
     if path.is_dir():
         found = sorted(path.glob("*.tsv"))
         if len(found) != 1:
-            raise DatasetError(f"{path}: expected one .tsv file, found {len(found)} (dataset.path)")
+            raise DatasetError(f"{path}: expected one .tsv file, found {len(found)} ({config_key(cfg, 'path')})")
         path = found[0]
     dataset = cfg_get(cfg, "name", "ccbench")
     circular = bool(cfg_get(cfg, "circular", True))
@@ -156,30 +180,53 @@ def load(cfg, root: Path) -> Iterator[Sample]:
     limit = cfg_get(cfg, "limit")
 
     images: dict[int, bytes | None] = {}
-    groups: dict[int, list[_Row]] = {}  # in order of first appearance
+    groups: dict[str, list[_Row | Sample]] = {}  # in order of first appearance; a Sample is a bad row
     refs: list[tuple[_Row, str]] = []
-    for n, row in iter_tsv(path, REQUIRED):
-        parsed = _parse(path, n, row, images)
+    indices: set[int] = set()
+    for n, row, column_fault in iter_tsv(path, REQUIRED, config_key(cfg, "path")):
+        idx_text = (row.get("index") or "").strip()
+        where = f"{path}: row {n} (index={idx_text or '?'})"
+        try:
+            if column_fault:
+                raise RowFault("wrong_column_count", column_fault)
+            parsed = _parse(n, row, images, path.name)
+            index = (parsed[0] if isinstance(parsed, tuple) else parsed).index
+            if index in indices:
+                raise RowFault("duplicate_id", f"index {index} is used by an earlier row (indices key results)")
+            indices.add(index)
+        except RowFault as fault:
+            if split and not blank(row.get("split")) and row["split"].strip() != split:
+                continue
+            try:
+                group = str(int(idx_text) % ROTATION_STRIDE)
+            except ValueError:
+                group = f"row{n}"
+            groups.setdefault(group, []).append(_error_sample(group, dataset, where, fault, row, group))
+            continue
         if isinstance(parsed, tuple):
             parsed, ref = parsed
             refs.append((parsed, ref))
         if split and parsed.meta.get("split", split) != split:
             continue
-        groups.setdefault(parsed.index % ROTATION_STRIDE, []).append(parsed)
+        groups.setdefault(str(parsed.index % ROTATION_STRIDE), []).append(parsed)
     for parsed, ref in refs:  # after the whole file: a reference may point further down
         _resolve_ref(parsed, ref, images)
 
-    seen: set[str] = set()
+    ids = UniqueIds()
     for count, (group, rows) in enumerate(groups.items()):
         if limit is not None and count >= limit:
             return
-        rows.sort(key=lambda r: r.index)
-        main = [r for r in rows if r.index < ROTATION_STRIDE]
-        rotated = [r for r in rows if r.index >= ROTATION_STRIDE]
+        bad = [r for r in rows if isinstance(r, Sample)]
+        good = sorted((r for r in rows if not isinstance(r, Sample)), key=lambda r: r.index)
+        for s in bad:  # the question's defective rows, each once (uids unique: a group can have several)
+            s.uid, _ = ids.claim(s.uid if not good else f"{s.uid}#bad")
+            yield s
+        main = [r for r in good if r.index < ROTATION_STRIDE]
+        rotated = [r for r in good if r.index >= ROTATION_STRIDE]
         if not circular:
             chosen = [(r, r.options, r.answer, 0, str(r.index)) for r in main]
         elif rotated:  # the file carries its own rotations
-            chosen = [(r, r.options, r.answer, r.index // ROTATION_STRIDE, str(r.index)) for r in rows]
+            chosen = [(r, r.options, r.answer, r.index // ROTATION_STRIDE, str(r.index)) for r in good]
         else:
             chosen = []
             for r in main:
@@ -187,9 +234,5 @@ def load(cfg, root: Path) -> Iterator[Sample]:
                     opts, ans = rotate(r.options, r.answer, k)
                     chosen.append((r, opts, ans, k, str(r.index + k * ROTATION_STRIDE)))
         for r, opts, ans, k, uid in chosen:
-            base, dup = uid, 1
-            while uid in seen:  # duplicate indices never share a key
-                uid = f"{base}#{dup}"
-                dup += 1
-            seen.add(uid)
+            uid, _ = ids.claim(uid)
             yield _sample(r, opts, ans, k, uid, dataset)

@@ -58,7 +58,11 @@ def source_config(tag: str, settings: Any, seed: int):
     """A :class:`DatasetConfig` for one source (unknown keys such as ``format`` kept as attributes)."""
     from harness.config import DatasetConfig
 
-    settings = dict(_plain(settings) or {})
+    settings = _plain(settings)
+    if settings is not None and not isinstance(settings, dict):
+        raise DatasetError(f"dataset.sources.{tag} must be a mapping of that source's settings "
+                           f"(name, path, ...), got {settings!r}")
+    settings = dict(settings or {})
     settings.setdefault("name", tag)
     settings.setdefault("seed", seed)
     known = {f.name for f in fields(DatasetConfig)}
@@ -66,6 +70,7 @@ def source_config(tag: str, settings: Any, seed: int):
     for k, v in settings.items():
         if k not in known:
             setattr(cfg, k, v)
+    cfg.config_key = f"dataset.sources.{tag}"  # so the source's file errors name the key the user sets
     return cfg
 
 
@@ -104,6 +109,8 @@ def _context_plan(k: int, target_tag: str, tags: list[str]) -> list[str]:
 
 
 def _compose(target: Sample, context: list[Sample], position: int, dataset: str, tag: str) -> Sample:
+    if target.error_reason and not target.images:  # a defective row: nothing to show, it stays an error
+        return _compose_single(target, dataset, tag)
     others = [img for s in context for img in s.images[:1]]
     images = others[:position] + target.images[:1] + others[position:]
     content: list[dict] = []
@@ -121,12 +128,14 @@ def _compose(target: Sample, context: list[Sample], position: int, dataset: str,
         "context_uids": [f"{s.meta['source']}/{s.uid}" for s in context],
     }
     return Sample(uid=f"{tag}/{target.uid}", dataset=dataset, task=target.task, content=content, images=images,
-                  reference=target.reference, meta=meta, error=target.error)
+                  reference=target.reference, meta=meta, error=target.error, error_reason=target.error_reason)
 
 
 def load(cfg, root: Path) -> Iterator[Sample]:
     """The mixed requests (see the module docstring), deterministic for a given ``seed``."""
     sources = _plain(cfg_get(cfg, "sources")) or {}
+    if not isinstance(sources, dict):
+        raise DatasetError(f"dataset.sources must map source tags to their settings, got {sources!r}")
     if len(sources) < 1:
         raise DatasetError("dataset.sources is empty: give each source's settings, e.g. "
                            "{ocrbench: {name: ocrbench, path: ...}, ccbench: {name: ccbench, path: ...}}")
@@ -178,4 +187,4 @@ def _compose_single(s: Sample, dataset: str, tag: str) -> Sample:
     meta = {**s.meta, "source": tag, "source_dataset": s.dataset, "image_sources": [img.source for img in s.images],
             "target_image": 0, "context_uids": []}
     return Sample(uid=f"{tag}/{s.uid}", dataset=dataset, task=s.task, content=s.content, images=s.images,
-                  reference=s.reference, meta=meta, error=s.error)
+                  reference=s.reference, meta=meta, error=s.error, error_reason=s.error_reason)

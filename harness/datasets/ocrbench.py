@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.datasets._io import (
-    blank,
     cfg_get,
+    config_key,
     data_path,
     decode_b64,
     image_root_of,
@@ -40,6 +40,7 @@ from harness.datasets._io import (
     iter_tsv,
 )
 from harness.datasets.base import DatasetError, ImageInput, PathEscapeError, Sample, resolve_under
+from harness.datasets.faults import RowFault, UniqueIds, cell, data_error_sample, id_field, require, text_field
 
 SOURCE = "ocrbench"
 HME_TYPE = "Handwritten Mathematical Expression Recognition"
@@ -49,23 +50,31 @@ HF_FIELDS = ("question", "question_type", "answer", "image", "dataset")
 FORMATS = ("json", "tsv", "hf")
 
 
-def normalise_answers(value: Any, where: str, field: str = "answers") -> list[str]:
-    """A string or a list of strings → a non-empty list of strings."""
+def normalise_answers(value: Any, field: str = "answers") -> list[str]:
+    """A string or a list of strings → a list of strings with at least one non-blank answer.
+
+    Never coerced: a number, an object or a list holding a non-string is ``wrong_type`` (all 1,000 upstream
+    answers are strings); no usable answer is ``empty_field`` (an empty answer can never be matched, so the
+    row would silently score 0 whatever the model says)."""
+    if value is None:
+        raise RowFault("missing_field", f"field {field!r} is null")
     if isinstance(value, str):
         answers = [value]
     elif isinstance(value, (list, tuple)):
-        answers = [str(a) for a in value]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        answers = [str(value)]
+        answers = list(value)
+        for i, a in enumerate(answers):
+            if not isinstance(a, str):
+                raise RowFault("wrong_type", f"field {field!r} item {i} must be a string, got {type(a).__name__}")
     else:
-        raise DatasetError(f"{where}: field {field!r} must be a string or a list, got {type(value).__name__}")
-    if not answers:
-        raise DatasetError(f"{where}: field {field!r} is empty")
+        raise RowFault("wrong_type", f"field {field!r} must be a string or a list of strings, "
+                                     f"got {type(value).__name__}")
+    if not any(a.strip() for a in answers):
+        raise RowFault("empty_field", f"field {field!r} is empty")
     return answers
 
 
 def make_sample(uid: str, dataset: str, question: str, answers: list[str], dataset_name: str, qtype: str,
-                image: ImageInput, error: str | None = None, **meta: Any) -> Sample:
+                image: ImageInput, error: str | None = None, error_reason: str | None = None, **meta: Any) -> Sample:
     """One OCRBench sample in the project's convention (image first, then the question)."""
     return Sample(
         uid=uid,
@@ -76,18 +85,30 @@ def make_sample(uid: str, dataset: str, question: str, answers: list[str], datas
         reference={"answers": answers, "dataset_name": dataset_name, "type": qtype},
         meta={"source": SOURCE, "category": qtype, "type": qtype, "dataset_name": dataset_name, **meta},
         error=error,
+        error_reason=error_reason if error else None,
     )
 
 
-def detect_format(path: Path, hint: str | None) -> tuple[str, Path]:
+def error_sample(uid: str, dataset: str, where: str, fault: RowFault, row: Any, type_key: str, **meta: Any
+                 ) -> Sample:
+    """The data-error sample of a defective row; it keeps the row's type where that is readable, so the
+    per-type accuracy counts it."""
+    qtype = row.get(type_key) if isinstance(row, dict) else None
+    qtype = qtype.strip() if isinstance(qtype, str) and qtype.strip() else "unknown"
+    return data_error_sample(uid, dataset, "ocrbench", where, fault,
+                             reference={"answers": [], "dataset_name": None, "type": qtype},
+                             meta={"source": SOURCE, "category": qtype, "type": qtype, **meta})
+
+
+def detect_format(path: Path, hint: str | None, prefix: str = "dataset") -> tuple[str, Path]:
     """``(format, file or folder to read)`` from the hint, the extension or the folder's content."""
     if hint:
         if hint not in FORMATS:
-            raise DatasetError(f"unknown OCRBench format {hint!r} (dataset.format); known: {FORMATS}")
+            raise DatasetError(f"unknown OCRBench format {hint!r} ({prefix}.format); known: {FORMATS}")
         if path.is_dir() and hint == "json":
-            return hint, _find_one(path, ("OCRBench.json",), "*.json")
+            return hint, _find_one(path, ("OCRBench.json",), "*.json", prefix)
         if path.is_dir() and hint == "tsv":
-            return hint, _find_one(path, ("OCRBench.tsv",), "*.tsv")
+            return hint, _find_one(path, ("OCRBench.tsv",), "*.tsv", prefix)
         return hint, path
     if path.is_file():
         suffix = path.suffix.lower()
@@ -97,8 +118,8 @@ def detect_format(path: Path, hint: str | None) -> tuple[str, Path]:
             return "tsv", path
         if suffix in {".parquet", ".arrow"}:
             return "hf", path
-        raise DatasetError(f"cannot tell the OCRBench layout of {path} from its extension; "
-                           f"set dataset.format to one of {FORMATS}")
+        raise DatasetError(f"cannot tell the OCRBench layout of {path} from its extension ({prefix}.path); "
+                           f"set {prefix}.format to one of {FORMATS}")
     if (path / "OCRBench.json").is_file():
         return "json", path / "OCRBench.json"
     if (path / "OCRBench.tsv").is_file():
@@ -106,111 +127,122 @@ def detect_format(path: Path, hint: str | None) -> tuple[str, Path]:
     if any((path / m).exists() for m in ("dataset_info.json", "dataset_dict.json", "state.json")) or \
             any(path.rglob("*.parquet")) or any(path.rglob("*.arrow")):
         return "hf", path
-    raise DatasetError(f"{path}: no OCRBench.json, OCRBench.tsv or Hugging Face files found (dataset.path)")
+    raise DatasetError(f"{path}: no OCRBench.json, OCRBench.tsv or Hugging Face files found ({prefix}.path)")
 
 
-def _find_one(folder: Path, names: tuple[str, ...], pattern: str) -> Path:
+def _find_one(folder: Path, names: tuple[str, ...], pattern: str, prefix: str = "dataset") -> Path:
     for name in names:
         if (folder / name).is_file():
             return folder / name
     found = sorted(folder.glob(pattern))
     if len(found) != 1:
-        raise DatasetError(f"{folder}: expected one {pattern} file, found {len(found)} (dataset.path)")
+        raise DatasetError(f"{folder}: expected one {pattern} file, found {len(found)} ({prefix}.path)")
     return found[0]
 
 
 # --- original JSON + image folder -----------------------------------------------------------------
 
-def iter_json(path: Path, image_root: Path, dataset: str) -> Iterator[Sample]:
-    for pos, row in iter_json_rows(path):
-        where = f"{path}: row {pos}"
-        if not isinstance(row, dict):
-            raise DatasetError(f"{where} is not a JSON object")
-        for key in JSON_FIELDS:
-            if key not in row or row[key] is None:
-                raise DatasetError(f"{where} (id={row.get('id', '?')}) has no field {key!r}")
-        where = f"{where} (id={row['id']})"
-        answers = normalise_answers(row["answers"], where)
-        rel = str(row["image_path"])
-        error = None
+def json_row_to_sample(pos: int, row: Any, image_root: Path, dataset: str) -> Sample:
+    """One row of ``OCRBench.json`` → one sample; a defect is a :class:`RowFault`. A missing image file is
+    an error of the sample (``image_missing``), found here so the run never sends it to the engine."""
+    if not isinstance(row, dict):
+        raise RowFault("not_an_object", f"row is a JSON {type(row).__name__}, not an object")
+    id_field(row, "id")  # upstream ids repeat (857 distinct in 1,000 rows): checked, never a key
+    question = text_field(row, "question")
+    answers = normalise_answers(require(row, "answers"))
+    dataset_name, qtype = text_field(row, "dataset_name"), text_field(row, "type")
+    rel = text_field(row, "image_path")
+    try:
+        file = resolve_under(image_root, rel)
+    except PathEscapeError as e:
+        raise RowFault("bad_image_path", f"rejected image path: {e}") from e
+    error = None if file.is_file() else f"image file missing: {file} (image_path {rel!r} under {image_root})"
+    return make_sample(
+        uid=str(pos), dataset=dataset, question=question, answers=answers, dataset_name=dataset_name, qtype=qtype,
+        image=ImageInput(source=SOURCE, path=file, key=rel), error=error, error_reason="image_missing",
+        id=row["id"], position=pos,
+    )
+
+
+def iter_json(path: Path, image_root: Path, dataset: str, key: str = "dataset.path") -> Iterator[Sample]:
+    for pos, lineno, row in iter_json_rows(path, key):
+        where = f"{path}:{lineno}: row {pos}" + (f" (id={row.get('id')!r})" if isinstance(row, dict) else "")
         try:
-            file = resolve_under(image_root, rel)
-            if not file.is_file():
-                error = f"image file missing: {file} (image_path {rel!r} under {image_root})"
-        except PathEscapeError as e:
-            file, error = None, f"rejected image path: {e}"
-        yield make_sample(
-            uid=str(pos), dataset=dataset, question=str(row["question"]), answers=answers,
-            dataset_name=str(row["dataset_name"]), qtype=str(row["type"]),
-            image=ImageInput(source=SOURCE, path=file, key=rel), error=error,
-            id=row["id"], position=pos,
-        )
+            yield json_row_to_sample(pos, row, image_root, dataset)
+        except RowFault as fault:
+            yield error_sample(str(pos), dataset, where, fault, row, "type", position=pos)
 
 
 # --- VLMEvalKit TSV -------------------------------------------------------------------------------
 
-def parse_literal_answers(value: str, where: str) -> list[str]:
+def parse_literal_answers(value: str) -> list[str]:
     """VLMEvalKit stores ``answer`` as a Python literal list (``"['CENTRE']"``); a bare string is accepted."""
     text = value.strip()
     if text.startswith(("[", "(")):
         try:
             parsed = ast.literal_eval(text)
-        except (ValueError, SyntaxError) as e:
-            raise DatasetError(f"{where}: field 'answer' is not a Python literal list: {e}") from e
-        return normalise_answers(parsed, where, "answer")
-    return [value]
+        except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+            raise RowFault("bad_answer_literal", f"field 'answer' is not a Python literal list: {e}") from e
+        return normalise_answers(parsed, "answer")
+    return normalise_answers(value, "answer")
 
 
-def iter_tsv_samples(path: Path, dataset: str) -> Iterator[Sample]:
+def iter_tsv_samples(path: Path, dataset: str, key: str = "dataset.path") -> Iterator[Sample]:
+    """Samples of VLMEvalKit's ``OCRBench.tsv``; a defective row is a data-error sample (file order kept,
+    except rows whose image cell names a row further down, which follow at the end)."""
     images: dict[str, bytes | None] = {}  # index → decoded image (None: bad), for rows that refer to it
-    deferred: list[tuple[str, dict, str]] = []
-    seen: dict[str, int] = {}
+    deferred: list[tuple[str, dict, int]] = []
+    ids = UniqueIds()
 
-    def build(row: dict, n: int, image: ImageInput, error: str | None) -> Sample:
+    def build(row: dict, n: int, image: ImageInput, error: str | None, reason: str | None) -> Sample:
         idx = row["index"].strip()
+        uid, taken = ids.claim(idx)
         where = f"{path}: row {n} (index={idx})"
-        qtype = row["category"].strip()
+        try:
+            if taken:
+                raise RowFault("duplicate_id", f"index {idx} is used by an earlier row (indices key results)")
+            question, qtype = cell(row, "question"), cell(row, "category").strip()
+            answers = parse_literal_answers(cell(row, "answer"))
+        except RowFault as fault:
+            return error_sample(uid, dataset, where, fault, row, "category", index=idx)
         dataset_name = (row.get("dataset_name") or "").strip() or ("HME100k" if qtype == HME_TYPE else "unknown")
-        uid = idx
-        count = seen.get(uid, 0)
-        seen[uid] = count + 1
-        if count:
-            uid = f"{uid}#{count}"
         return make_sample(
-            uid=uid, dataset=dataset, question=row["question"],
-            answers=parse_literal_answers(row["answer"], where), dataset_name=dataset_name, qtype=qtype,
-            image=image, error=error, index=idx,
+            uid=uid, dataset=dataset, question=question, answers=answers, dataset_name=dataset_name, qtype=qtype,
+            image=image, error=error, error_reason=reason, index=idx,
         )
 
-    for n, row in iter_tsv(path, TSV_FIELDS):
+    for n, row, column_fault in iter_tsv(path, TSV_FIELDS, key):
         idx = (row.get("index") or "").strip()
-        for key in ("index", "question", "answer", "category"):
-            if blank(row.get(key)):
-                raise DatasetError(f"{path}: row {n} (index={idx or '?'}) has no field {key!r}")
+        if column_fault or not idx:
+            fault = RowFault("wrong_column_count", column_fault) if column_fault else \
+                RowFault("missing_field", "has no field 'index'")
+            uid, _ = ids.claim(idx or f"row{n}")
+            yield error_sample(uid, dataset, f"{path}: row {n} (index={idx or '?'})", fault, row, "category",
+                               index=idx or None)
+            continue
         raw = row.get("image") or ""
-        key = f"{path.name}:index={idx}"
+        img_key = f"{path.name}:index={idx}"
         if is_image_ref(raw):
             ref = raw.strip()
             if ref in images:
                 data = images[ref]
-                error = None if data is not None else f"image of row {key} refers to index {ref}, whose image is bad"
-                yield build(row, n, ImageInput(source=SOURCE, data=data, key=key), error)
+                error = None if data is not None else f"image of row {img_key} refers to index {ref}, whose image is bad"
+                yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_ref_unresolved")
             else:
-                deferred.append((ref, row, str(n)))
+                deferred.append((ref, row, n))
             continue
         try:
-            data = decode_b64(raw)
-            error = None
+            data, error = decode_b64(raw), None
         except ValueError as e:
-            data, error = None, f"image of row {key} cannot be decoded: {e}"
-        images[idx] = data
-        yield build(row, n, ImageInput(source=SOURCE, data=data, key=key), error)
+            data, error = None, f"image of row {img_key} cannot be decoded: {e}"
+        images.setdefault(idx, data)  # a repeated index never replaces the image rows refer to
+        yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_undecodable")
     for ref, row, n in deferred:  # references to rows further down the file
-        key = f"{path.name}:index={row['index'].strip()}"
+        img_key = f"{path.name}:index={row['index'].strip()}"
         data = images.get(ref)
         error = None if data is not None else (
-            f"image of row {key} refers to index {ref}, which has no image in the file")
-        yield build(row, int(n), ImageInput(source=SOURCE, data=data, key=key), error)
+            f"image of row {img_key} refers to index {ref}, which has no image in the file")
+        yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_ref_unresolved")
 
 
 # --- Hugging Face layout --------------------------------------------------------------------------
@@ -267,18 +299,21 @@ def hf_image_bytes(value: Any) -> bytes | None:
 
 
 def hf_row_to_sample(pos: int, row: dict, where: str, dataset: str) -> Sample:
-    """One Hugging Face row → one sample (pure: testable without the ``datasets`` library)."""
-    for key in HF_FIELDS:
-        if key not in row or row[key] is None:
-            raise DatasetError(f"{where}: row {pos} has no field {key!r}")
-    answers = normalise_answers(row["answer"], f"{where}: row {pos}", "answer")
+    """One Hugging Face row → one sample (pure: testable without the ``datasets`` library); a defective row
+    is a data-error sample."""
+    try:
+        question, qtype = text_field(row, "question"), text_field(row, "question_type")
+        dataset_name = text_field(row, "dataset")
+        answers = normalise_answers(require(row, "answer"), "answer")
+    except RowFault as fault:
+        return error_sample(str(pos), dataset, f"{where}: row {pos}", fault, row, "question_type", position=pos)
     key = f"{Path(where).name}:row={pos}"
-    data = hf_image_bytes(row["image"])
+    data = hf_image_bytes(row.get("image"))
     error = None if data else f"image of row {key} is missing"
     return make_sample(
-        uid=str(pos), dataset=dataset, question=str(row["question"]), answers=answers,
-        dataset_name=str(row["dataset"]), qtype=str(row["question_type"]),
-        image=ImageInput(source=SOURCE, data=data, key=key), error=error, position=pos,
+        uid=str(pos), dataset=dataset, question=question, answers=answers, dataset_name=dataset_name, qtype=qtype,
+        image=ImageInput(source=SOURCE, data=data, key=key), error=error, error_reason="image_missing",
+        position=pos,
     )
 
 
@@ -292,13 +327,14 @@ def iter_hf(path: Path, split: str | None, dataset: str) -> Iterator[Sample]:
 def load(cfg, root: Path) -> Iterator[Sample]:
     """OCRBench samples in file order, cut at ``limit`` (streamed)."""
     path = data_path(cfg, root)
-    fmt, file = detect_format(path, cfg_get(cfg, "format"))
+    fmt, file = detect_format(path, cfg_get(cfg, "format"), cfg_get(cfg, "config_key", "dataset"))
     name = cfg_get(cfg, "name", "ocrbench")
+    key = config_key(cfg, "path")
     if fmt == "json":
         beside = file.parent / "OCRBench_Images"
-        samples = iter_json(file, image_root_of(cfg, root, beside if beside.is_dir() else file.parent), name)
+        samples = iter_json(file, image_root_of(cfg, root, beside if beside.is_dir() else file.parent), name, key)
     elif fmt == "tsv":
-        samples = iter_tsv_samples(file, name)
+        samples = iter_tsv_samples(file, name, key)
     else:
         samples = iter_hf(file, cfg_get(cfg, "split"), name)
     limit = cfg_get(cfg, "limit")

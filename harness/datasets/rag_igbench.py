@@ -26,12 +26,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.datasets._io import iter_json_rows
-from harness.datasets.base import DatasetError, ImageInput, PathEscapeError, Sample, resolve_under
+from harness.datasets._io import config_key, data_path, image_root_of, iter_json_rows
+from harness.datasets.base import ImageInput, PathEscapeError, Sample, resolve_under
+from harness.datasets.faults import (
+    RowFault,
+    UniqueIds,
+    data_error_sample,
+    id_field,
+    list_field,
+    string_items,
+    text_field,
+)
 
 PROMPTS = Path(__file__).parent / "prompts"
-REQUIRED = ("id", "query", "documents", "images")
 _IMG_TAG = re.compile(r"<img>(.*?)</img>", re.DOTALL)
+_REF_IMAGE = re.compile(r"!\[.*?\]\(IMG#(\d+)\)")  # the scorer's image tag (harness.metrics.rag_igbench)
 
 
 def url_to_filename(url: str) -> str:
@@ -42,19 +51,24 @@ def url_to_filename(url: str) -> str:
     return hashlib.sha1(url.encode("utf-8")).hexdigest()[:20] + ext
 
 
-def note_images(entry: Any) -> list[str]:
-    """The image references of one note, whichever of the two upstream shapes it has."""
+def note_images(entry: Any, note: int = 0) -> list[str]:
+    """The image references of one note, whichever of the two upstream shapes it has (a list of URLs or
+    ``{"imgList": [...]}``); anything else is a ``wrong_type`` :class:`RowFault` (never coerced)."""
+    key = f"images[{note}]"
     if isinstance(entry, dict):
-        entry = entry.get("imgList", [])
+        if "imgList" not in entry:
+            raise RowFault("missing_field", f"field {key!r} is an object without 'imgList'")
+        entry, key = entry["imgList"], f"{key}.imgList"
     if not isinstance(entry, list):
-        raise TypeError(f"expected a list of image URLs, got {type(entry).__name__}")
-    return [str(u) for u in entry]
+        kind = "null" if entry is None else type(entry).__name__
+        raise RowFault("wrong_type", f"field {key!r} must be a list of image URLs, got {kind}")
+    return string_items(entry, key)
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    """Stream (row number from 1, row) from a JSON Lines file; a JSON array file is read whole."""
-    for pos, row in iter_json_rows(path):
-        yield pos + 1, row
+def iter_rows(path: Path, key: str = "dataset.path") -> Iterator[tuple[int, Any]]:
+    """Stream (line number, row) from a JSON Lines file; a JSON array file is read whole."""
+    for _, lineno, row in iter_json_rows(path, key):
+        yield lineno, row
 
 
 def render_prompt(query: str, documents: list[str], refs: list[list[str]], language: str = "zh") -> list[dict]:
@@ -84,63 +98,90 @@ def render_prompt(query: str, documents: list[str], refs: list[list[str]], langu
 def _image_input(ref: str, image_root: Path) -> ImageInput:
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", ref):
         return ImageInput(source="rag_igbench", path=image_root / url_to_filename(ref), key=ref)
-    return ImageInput(source="rag_igbench", path=resolve_under(image_root, ref), key=ref)
-
-
-def row_to_sample(row: dict, where: str, image_root: Path, language: str, dataset: str) -> Sample:
-    """One row → one sample; a missing required field is a :class:`DatasetError` naming it."""
-    for key in REQUIRED:
-        if key not in row:
-            raise DatasetError(f"{where}: row id={row.get('id', '?')} has no field {key!r}")
-    answer = row.get("gt_clean_answer", row.get("gt_answer"))
-    if answer is None:
-        raise DatasetError(f"{where}: row id={row['id']} has neither 'gt_clean_answer' nor 'gt_answer'")
     try:
-        refs = [note_images(entry) for entry in row["images"]]
-    except TypeError as e:
-        raise DatasetError(f"{where}: row id={row['id']} field 'images': {e}") from e
-    error = None
-    images: list[ImageInput] = []
-    try:
-        images = [_image_input(ref, image_root) for note in refs for ref in note]
+        return ImageInput(source="rag_igbench", path=resolve_under(image_root, ref), key=ref)
     except PathEscapeError as e:
-        error = f"rejected image path: {e}"
-    documents = [str(d) for d in row["documents"]]
+        raise RowFault("bad_image_path", str(e)) from e
+
+
+def reference_answer(row: dict) -> str:
+    """``gt_clean_answer`` (current releases) or ``gt_answer`` (older ones), a non-empty string."""
+    key = "gt_clean_answer" if row.get("gt_clean_answer") is not None or "gt_answer" not in row else "gt_answer"
+    if key not in row:
+        raise RowFault("missing_field", "has neither 'gt_clean_answer' nor 'gt_answer'")
+    return text_field(row, key)
+
+
+def row_to_sample(row: Any, image_root: Path, language: str, dataset: str) -> Sample:
+    """One row → one sample, checked against the upstream schema; any defect is a :class:`RowFault`.
+
+    ``documents`` a list of strings, ``images`` a list of image lists aligned with it (one per note: a note
+    without images has ``[]``), ``query`` and the reference answer non-empty strings, ``id`` an integer or a
+    string, every image a URL or a path inside the image root, and every ``IMG#k`` of the reference inside
+    1..candidates (else the reference could never be matched, and a model copying it would be flagged for
+    the data's mistake)."""
+    if not isinstance(row, dict):
+        raise RowFault("not_an_object", f"row is a JSON {type(row).__name__ if row is not None else 'null'}, "
+                                        "not an object")
+    uid = id_field(row, "id")
+    query = text_field(row, "query")
+    documents = string_items(list_field(row, "documents"), "documents")
+    notes = list_field(row, "images", allow_empty=True)
+    refs = [note_images(entry, i) for i, entry in enumerate(notes)]
+    if len(refs) != len(documents):
+        raise RowFault("documents_images_mismatch",
+                       f"{len(documents)} documents but {len(refs)} image lists (one list per document, [] for a "
+                       "document without images)")
+    answer = reference_answer(row)
+    if row.get("split") is not None:
+        text_field(row, "split")
+    n_candidates = sum(len(n) for n in refs)
+    outside = [int(k) for k in _REF_IMAGE.findall(answer) if not 1 <= int(k) <= n_candidates]
+    if outside:
+        raise RowFault("reference_image_out_of_range",
+                       f"the reference answer places IMG#{outside[0]} but the row has {n_candidates} candidate "
+                       "images (a fault of the reference, not of any model)")
+    images = [_image_input(ref, image_root) for note in refs for ref in note]
     return Sample(
-        uid=str(row["id"]),
+        uid=uid,
         dataset=dataset,
         task="rag_igbench",
-        content=render_prompt(str(row["query"]), documents, refs, language),
+        content=render_prompt(query, documents, refs, language),
         images=images,
-        reference={"answer": answer, "n_candidates": sum(len(n) for n in refs)},
-        meta={"query": row["query"], "category": row.get("category"), "split": row.get("split")},
-        error=error,
+        reference={"answer": answer, "n_candidates": n_candidates},
+        meta={"query": query, "category": row.get("category"), "split": row.get("split")},
     )
 
 
 def load(cfg, root: Path) -> Iterator[Sample]:
-    """Samples of a RAG-IGBench file, filtered by ``split`` and cut at ``limit`` (streamed)."""
-    path = Path(cfg.path)
-    path = path if path.is_absolute() else root / path
-    if not path.exists():
-        raise DatasetError(f"dataset file not found: {path} (set by dataset.path)")
-    image_root = Path(cfg.image_root) if cfg.image_root else path.parent
-    image_root = image_root if image_root.is_absolute() else root / image_root
-    if not image_root.is_dir():
-        raise DatasetError(f"image root not found: {image_root} (set by dataset.image_root)")
-    seen: dict[str, int] = {}
+    """Samples of a RAG-IGBench file, filtered by ``split`` and cut at ``limit`` (streamed).
+
+    A defective row becomes a data-error sample (:mod:`harness.datasets.faults`) with its file, line and
+    reason; a defective file stops with a :class:`DatasetError`. A repeated ``id`` is a ``duplicate_id``
+    fault of the later row (uid ``id#k``)."""
+    path = data_path(cfg, root, file_only=True)
+    image_root = image_root_of(cfg, root, path.parent)
+    ids = UniqueIds()
     n = 0
-    for lineno, row in iter_rows(path):
+    for lineno, row in iter_rows(path, config_key(cfg, "path")):
         if cfg.limit is not None and n >= cfg.limit:
             return
-        if not isinstance(row, dict):
-            raise DatasetError(f"{path}: line {lineno} is not a JSON object")
-        if cfg.split and row.get("split", cfg.split) != cfg.split:
+        if cfg.split and isinstance(row, dict) and isinstance(row.get("split", cfg.split), str) and \
+                row.get("split", cfg.split) != cfg.split:
             continue
-        sample = row_to_sample(row, f"{path}:{lineno}", image_root, cfg.language, cfg.name)
-        count = seen.get(sample.uid, 0)
-        seen[sample.uid] = count + 1
-        if count:  # ids must key results and caches: never let two rows share one
-            sample.uid = f"{sample.uid}#{count}"
+        where = f"{path}:{lineno}"
+        raw_id = row.get("id") if isinstance(row, dict) else None
+        uid = str(raw_id) if isinstance(raw_id, (int, str)) and not isinstance(raw_id, bool) and str(raw_id) \
+            else f"line{lineno}"
+        uid, taken = ids.claim(uid)
+        try:
+            if taken:
+                raise RowFault("duplicate_id", f"id {raw_id!r} is used by an earlier row (ids key results)")
+            sample = row_to_sample(row, image_root, cfg.language, cfg.name)
+            sample.uid = uid
+        except RowFault as fault:
+            sample = data_error_sample(uid, cfg.name, "rag_igbench", f"{where} (id={raw_id!r})", fault,
+                                       reference={"answer": None, "n_candidates": None},
+                                       meta={"split": row.get("split") if isinstance(row, dict) else None})
         n += 1
         yield sample

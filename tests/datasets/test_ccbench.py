@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import re
 import csv
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from harness.datasets.synthetic_ocr_cc import make_ccbench_sample
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "harness/datasets/bundled/ccbench_sample/CCBench_sample.tsv"
-REAL = REPO.parent / "shared/data/ccbench/CCBench_samples.tsv"
+SHARED = Path(os.environ.get("HARNESS_SHARED_DATA") or REPO.parent / "shared/data")  # real upstream rows
+REAL = SHARED / "ccbench/CCBench_samples.tsv"
 
 
 def cfg(**kw) -> DatasetConfig:
@@ -185,32 +188,38 @@ def test_bad_images_fail_their_sample_only(tmp_path):
     assert all(s.error is None for g in ("4", "5") for s in groups[g])
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("answer", "", r"row 3 \(index=2\) has no field 'answer'"),
-    ("question", "", r"row 3 \(index=2\) has no field 'question'"),
-    ("answer", "E", r"row 3 \(index=2\): field 'answer' is 'E'"),
-    ("index", "x2", r"row 3 \(index=x2\): field 'index' is not a number"),
+@pytest.mark.parametrize("field,value,reason,message", [
+    ("answer", "", "missing_field", r"row 3 \(index=2\): has no field 'answer'"),
+    ("question", "", "missing_field", r"row 3 \(index=2\): has no field 'question'"),
+    ("answer", "E", "answer_not_an_option", r"row 3 \(index=2\): field 'answer' is 'E'"),
+    ("index", "x2", "bad_index", r"row 3 \(index=x2\): field 'index' is 'x2', not an integer"),
 ])
-def test_bad_rows_raise(tmp_path, field, value, message):
+def test_bad_rows_become_data_errors(tmp_path, field, value, reason, message):
+    """One defective row costs its question only (one data-error sample in place of its rotations)."""
     header, rows = read_rows(SAMPLE)
     rows[2][field] = value
     path = tmp_path / "bad.tsv"
     write_rows(path, header, rows)
-    with pytest.raises(DatasetError, match=rf"bad.tsv: {message}"):
-        list(load_samples(cfg(path=str(path))))
+    samples = list(load_samples(cfg(path=str(path))))
+    bad = [s for s in samples if s.error]
+    assert len(bad) == 1 and bad[0].error_reason == reason and bad[0].content == []
+    assert re.search(rf"bad.tsv: {message}", bad[0].error)
+    good = [s for s in samples if not s.error]
+    assert len(good) == len(samples) - 1 and len(check_circular(good)) == 5
 
 
-def test_missing_column_and_single_option_raise(tmp_path):
+def test_missing_column_raises_and_single_option_is_a_row_fault(tmp_path):
     header, rows = read_rows(SAMPLE)
     path = tmp_path / "bad.tsv"
     write_rows(path, [h for h in header if h != "answer"],
                [{k: v for k, v in r.items() if k != "answer"} for r in rows])
-    with pytest.raises(DatasetError, match="no column 'answer'"):
+    with pytest.raises(DatasetError, match="no column 'answer'.*dataset.path"):
         list(load_samples(cfg(path=str(path))))
     rows[0].update(B="", C="", D="", answer="A")
     write_rows(path, header, rows)
-    with pytest.raises(DatasetError, match="fewer than two options"):
-        list(load_samples(cfg(path=str(path))))
+    samples = list(load_samples(cfg(path=str(path))))
+    assert samples[0].error_reason == "too_few_options" and "1 option(s)" in samples[0].error
+    assert all(s.error is None for s in samples[1:])
 
 
 def test_split_column_filters(tmp_path):

@@ -117,7 +117,7 @@ def test_bad_mix_configs():
     nested = DatasetConfig(name="ocr_cc_mix", sources={"m": {"name": "ocr_cc_mix"}})
     with pytest.raises(DatasetError, match="cannot contain a mix"):
         list(load_samples(nested))
-    with pytest.raises(DatasetError, match="dataset.path"):
+    with pytest.raises(DatasetError, match=r"nope/OCRBench.json \(set by dataset.sources.ocrbench.path\)"):
         list(load_samples(DatasetConfig(name="ocr_cc_mix", sources={"ocrbench": {"path": "nope/OCRBench.json"}})))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -73,13 +74,15 @@ def test_missing_dataset_path_names_the_key(tmp_path):
     assert "nope.jsonl" in str(e.value)
 
 
-def test_missing_field_names_file_row_and_field(tmp_path):
+def test_missing_field_is_a_data_error_naming_file_line_and_field(tmp_path):
     d = copy_sample(tmp_path)
     rows = [json.loads(l) for l in (d / "data.jsonl").read_text(encoding="utf-8").splitlines()]
     del rows[1]["documents"]
     (d / "data.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows), encoding="utf-8")
-    with pytest.raises(DatasetError, match=r"data.jsonl:2.*id=900002.*'documents'"):
-        list(load_samples(cfg(path=str(d / "data.jsonl"))))
+    samples = list(load_samples(cfg(path=str(d / "data.jsonl"))))
+    assert len(samples) == 12 and samples[1].error_reason == "missing_field"
+    assert re.search(r"data.jsonl:2 \(id=900002\): has no field 'documents'", samples[1].error)
+    assert all(s.error is None for i, s in enumerate(samples) if i != 1)
 
 
 def test_corrupt_and_missing_images_fail_their_sample_only(tmp_path):
@@ -111,7 +114,7 @@ def test_escaping_row_becomes_an_error_sample(tmp_path):
     rows[0]["images"][0][0] = "../../etc/passwd"
     (d / "data.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows), encoding="utf-8")
     samples = list(load_samples(cfg(path=str(d / "data.jsonl"))))
-    assert "outside" in samples[0].error and samples[1].error is None
+    assert "outside" in samples[0].error and samples[0].error_reason == "bad_image_path" and samples[1].error is None
 
 
 def test_legacy_rows_urls_and_imglist_objects(tmp_path):
@@ -120,6 +123,7 @@ def test_legacy_rows_urls_and_imglist_objects(tmp_path):
     row = {"id": 7, "query": "q", "documents": ["d1"], "images": [{"imgList": [url]}], "gt_answer": "a ![x](IMG#1)"}
     (tmp_path / "old.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n", encoding="utf-8")
     samples = list(load_samples(cfg(path=str(tmp_path / "old.jsonl"))))
-    assert [s.uid for s in samples] == ["7", "7#1"]  # duplicate ids never share a key
+    assert [s.uid for s in samples] == ["7", "7#1"]  # duplicate ids never share a key ...
+    assert samples[0].error is None and samples[1].error_reason == "duplicate_id"  # ... and are a data error
     assert samples[0].reference == {"answer": "a ![x](IMG#1)", "n_candidates": 1}
     assert samples[0].images[0].path.name.endswith(".webp") and samples[0].load_images()
