@@ -210,6 +210,10 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "e2e_ms": gen.e2e_ms if gen else None,
             "itl_ms": gen.extra.get("itl_ms") if gen else None,  # load mode: gaps between streamed chunks
             "error": error,
+            # "data": the row or its image is defective (error_reason: a harness.datasets.faults.REASONS key);
+            # "engine": generation (or anything else in the run) failed
+            "error_kind": ("data" if sample.error_reason else "engine") if error else None,
+            "error_reason": sample.error_reason if error else None,
             "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
             "visionzip": gen.extra.get("visionzip") if gen else None,
             "meta": sample.meta,

@@ -4,7 +4,8 @@ A :class:`Scorer` is built once per run (it owns the optional CLIP and text-embe
 first use) and turns (sample, answer) into a flat dict of per-sample scores with the benchmark's flags
 (``format_invalid``, ``hallucinated_image``) and a ``reason`` where the answer is unusable;
 :func:`aggregate` turns the per-sample records into ``summary.json`` ``metrics``. A sample that failed
-before scoring (bad image, engine error) carries ``error`` and counts 0 everywhere.
+before scoring (a defective row or image — a *data* error —, an engine error) carries ``error`` and counts 0
+everywhere; data errors are also counted by reason in ``metrics.data_errors``.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class Scorer:
 
             return rag_igbench.score_sample(
                 answer if error is None else None,
-                sample.reference["answer"],
-                n_candidates=sample.reference["n_candidates"],
+                sample.reference.get("answer"),
+                n_candidates=sample.reference.get("n_candidates"),
                 candidate_images=[img.path or img.key for img in sample.images] if self.clip else None,
                 clip=self.clip,
                 embed=self.embed,
@@ -117,7 +118,7 @@ class Scorer:
 
             ref = sample.reference
             pred = None if error else extract_choice(answer, ref["options"])
-            return {"pred": pred, "gold": ref["answer"], "correct": pred == ref["answer"],
+            return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
                     "group": ref.get("group"), "category": ref.get("category"), "error": error}
         raise KeyError(f"no scorer for task {sample.task!r}")
 
@@ -138,21 +139,41 @@ def _aggregate_task(task: str, scores: list[dict[str, Any]]) -> dict[str, Any]:
     raise KeyError(f"no aggregation for task {task!r}")
 
 
+def data_errors(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``metrics.data_errors``: samples that failed because of the data, not the model or the engine.
+
+    A record counts when the run marked it ``error_kind: "data"`` (a defective row or image, with its
+    ``error_reason``), or when its scores carry ``reference_fault`` (a reference answer the scorer found
+    defective). ``by_reason`` maps each reason code (:data:`harness.datasets.faults.REASONS`) to its count."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r.get("error_kind") == "data":
+            reason = r.get("error_reason") or "unknown"
+        elif (r.get("scores") or {}).get("reference_fault"):
+            reason = "reference_image_out_of_range"
+        else:
+            continue
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return {"total": sum(reasons.values()), "by_reason": dict(sorted(reasons.items()))}
+
+
 def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     """``summary.json`` ``metrics`` over every record (errors included, as zeros).
 
     One task: its metrics at the top level. Several tasks (the OCRBench + CCBench mix): each task's
     metrics at the top level too (their key names do not collide: ``ocrbench_*`` / ``mcq_*``), and the
-    per-task blocks under ``per_task`` with ``n_samples`` for each.
+    per-task blocks under ``per_task`` with ``n_samples`` for each. ``data_errors`` (always present) counts
+    the samples lost to defective data, by reason (:func:`data_errors`).
     """
     tasks: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         tasks.setdefault(r["task"], []).append(r["scores"])
     blocks = {task: _aggregate_task(task, scores) for task, scores in tasks.items()}
     if len(blocks) == 1:
-        return {"n_samples": len(records), **next(iter(blocks.values()))}
+        return {"n_samples": len(records), **next(iter(blocks.values())), "data_errors": data_errors(records)}
     out: dict[str, Any] = {"n_samples": len(records)}
     for block in blocks.values():
         out.update({k: v for k, v in block.items() if k not in out})
     out["per_task"] = {task: {"n_samples": len(tasks[task]), **block} for task, block in blocks.items()}
+    out["data_errors"] = data_errors(records)
     return out

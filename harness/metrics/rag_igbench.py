@@ -22,6 +22,9 @@ Where this module deliberately differs from the public scorer, and why:
   are flagged (``format_invalid``, ``hallucinated_image``, ``error``), score 0 on every metric and count in the
   main means; the ``*_valid_only`` means (over scored samples only) are the public scorer's convention.
   ``IMG#0`` is also a hallucination here (the public scorer reads it as the last candidate through index -1).
+  ``hallucinated_image`` is for the *model's* answer only: a reference that places an image outside the
+  candidates is the data's fault (``reference_fault``, counted as an error and in ``reference_faults``), so a
+  model that copies such a reference is never charged with a hallucination.
 * **Reference text** is whatever the caller passes: the current data has ``gt_clean_answer``; the public scorer
   reads ``gt_answer`` (the field of older releases).
 * **Edge cases on which the public scorer raises** (and the sample vanishes) get a defined value: both image
@@ -498,8 +501,10 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
 
     Keys: ``rouge1, edit, kendall, alignment, clip`` (float or None); ``format_invalid``,
     ``hallucinated_image`` (bool); ``error`` and ``reason`` (str or None); ``pred_image_ids``,
-    ``ref_image_ids``, ``n_candidates``. A sample is scored 0 on every computed metric, with a ``reason``,
-    when: ``error`` is given (e.g. the engine failed) or ``raw_answer`` is None → ``error``; the answer
+    ``ref_image_ids``, ``n_candidates``, ``reference_fault`` (bool). A sample is scored 0 on every computed
+    metric, with a ``reason``, when: ``error`` is given (e.g. the engine failed) or ``raw_answer`` is None →
+    ``error``; the *reference* places an image k < 1 or k > N → ``reference_fault`` and ``error`` (a fault of
+    the data, checked before the model's answer, so it is never the model's ``hallucinated_image``); the answer
     cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k < 1 or k > N →
     ``hallucinated_image``; an image is missing or an encoder raises → ``error``. Never raises for bad data.
     """
@@ -509,11 +514,19 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
     out: dict[str, Any] = {
         "rouge1": 0.0, "edit_score": 0.0, "kendall": 0.0,
         "alignment": 0.0 if embed is not None else None, "clip_score": 0.0 if clip is not None else None,
-        "format_invalid": False, "hallucinated_image": False, "error": None, "reason": None,
+        "format_invalid": False, "hallucinated_image": False, "reference_fault": False, "error": None,
+        "reason": None,
         "pred_image_ids": [], "ref_image_ids": image_ids(ref), "n_candidates": n_candidates,
     }
     if error is not None or raw_answer is None:
         out["error"] = out["reason"] = str(error) if error is not None else "no model answer"
+        return out
+    ref_bad = [k for k in out["ref_image_ids"] if k < 1 or (n_candidates is not None and k > n_candidates)]
+    if ref_bad:  # the data's fault: never the model's hallucination, whatever the model answered
+        out["reference_fault"] = True
+        upper = n_candidates if n_candidates is not None else "N"
+        out["error"] = out["reason"] = (f"reference_fault: the reference answer places IMG#{ref_bad[0]} outside "
+                                        f"1..{upper}")
         return out
     answer = parse_answer(raw_answer)
     if answer is None:
@@ -577,8 +590,10 @@ def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     is counted in ``incomplete``. ``comprehensive`` (and ``comprehensive_valid_only``) only when all five
     metrics are present; ``public_integrated_valid_only`` = (2·alignment + edit + kendall + clip)/5 over
     scored samples, the public scorer's defective integrated score, for comparison. Counts: ``n_samples``,
-    ``n_scored``, ``format_invalid``, ``hallucinated_image``, ``errors`` (each sample in one class, first of
-    error > format_invalid > hallucinated_image) and their ``*_rate``s. Empty input → counts 0, means None.
+    ``n_scored``, ``format_invalid``, ``hallucinated_image`` (model answers only), ``errors`` (each sample in
+    one class, first of error > format_invalid > hallucinated_image) and their ``*_rate``s;
+    ``reference_faults`` (samples whose reference is defective, also in ``errors``). Empty input → counts 0,
+    means None.
     """
     samples = list(per_sample)
     status = [_status(s) for s in samples]
@@ -598,6 +613,7 @@ def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         total = sum(v or 0.0 for v in valid)
         out[m] = total / n if n else None
         out[f"{m}_valid_only"] = total / len(scored) if scored else None
+    out["reference_faults"] = sum(1 for s in samples if s.get("reference_fault"))
     if incomplete:
         out["incomplete"] = incomplete
     if all(m in out for m in METRICS):

@@ -260,8 +260,8 @@ def test_score_sample_with_fake_encoders_and_missing_image(tmp_path):
     missing = rb.score_sample('{"answer": "x ![](IMG#3)"}', REF, 10, candidate_images=images, clip=fake_clip,
                               embed=fake_embed)
     assert missing["error"] and "IMG#3" in missing["error"] and missing["clip_score"] == 0.0
-    path = rb.score_sample('{"answer": "x ![](IMG#1)"}', REF, 1, candidate_images=[str(tmp_path / "gone.jpg")],
-                           clip=fake_clip)
+    path = rb.score_sample('{"answer": "x ![](IMG#1)"}', REF, 2, candidate_images=[str(tmp_path / "gone.jpg")] * 2,
+                           clip=fake_clip)  # 2 candidates: REF places IMG#2, a valid reference
     assert path["error"].startswith("FileNotFoundError")
     invalid = rb.score_sample("bad", REF, 10, candidate_images=images, clip=fake_clip, embed=fake_embed)
     assert invalid["clip_score"] == 0.0 and invalid["alignment"] == 0.0
