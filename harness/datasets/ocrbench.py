@@ -142,7 +142,7 @@ def _find_one(folder: Path, names: tuple[str, ...], pattern: str, prefix: str = 
 
 # --- original JSON + image folder -----------------------------------------------------------------
 
-def json_row_to_sample(pos: int, row: Any, image_root: Path, dataset: str) -> Sample:
+def json_row_to_sample(pos: int, row: Any, image_root: Path, dataset: str, where: str = "") -> Sample:
     """One row of ``OCRBench.json`` → one sample; a defect is a :class:`RowFault`. A missing image file is
     an error of the sample (``image_missing``), found here so the run never sends it to the engine."""
     if not isinstance(row, dict):
@@ -156,7 +156,8 @@ def json_row_to_sample(pos: int, row: Any, image_root: Path, dataset: str) -> Sa
         file = resolve_under(image_root, rel)
     except PathEscapeError as e:
         raise RowFault("bad_image_path", f"rejected image path: {e}") from e
-    error = None if file.is_file() else f"image file missing: {file} (image_path {rel!r} under {image_root})"
+    error = None if file.is_file() else (f"{where + ': ' if where else ''}image file missing: {file} "
+                                         f"(image_path {rel!r} under {image_root})")
     return make_sample(
         uid=str(pos), dataset=dataset, question=question, answers=answers, dataset_name=dataset_name, qtype=qtype,
         image=ImageInput(source=SOURCE, path=file, key=rel), error=error, error_reason="image_missing",
@@ -168,7 +169,7 @@ def iter_json(path: Path, image_root: Path, dataset: str, key: str = "dataset.pa
     for pos, lineno, row in iter_json_rows(path, key):
         where = f"{path}:{lineno}: row {pos}" + (f" (id={row.get('id')!r})" if isinstance(row, dict) else "")
         try:
-            yield json_row_to_sample(pos, row, image_root, dataset)
+            yield json_row_to_sample(pos, row, image_root, dataset, where)
         except RowFault as fault:
             yield error_sample(str(pos), dataset, where, fault, row, "type", position=pos)
 
