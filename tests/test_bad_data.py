@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -459,6 +460,8 @@ def test_defective_file(case: Case, tmp_path):
         s = by_uid[uid]
         assert s.error_reason == reason, (s.error_reason, s.error)
         assert faulty.name in s.error and expect.says in s.error, s.error
+        if not reason.startswith("image"):
+            assert re.search(rf"{re.escape(faulty.name)}:\d+", s.error), s.error  # file:line
         assert s.content == [] or reason.startswith("image"), "a defective row sends no prompt"
     good = [s for s in samples if s.uid not in expect.bad]
     assert all(s.error is None and s.error_reason is None for s in good), [(s.uid, s.error) for s in good]

@@ -128,10 +128,11 @@ def _empty(path: Path, key: str) -> DatasetError:
 
 
 def iter_tsv(path: Path, required_columns: tuple[str, ...], key: str = "dataset.path"
-             ) -> Iterator[tuple[int, dict[str, str], str | None]]:
-    """Stream ``(row number, row, column fault)`` from a VLMEvalKit TSV.
+             ) -> Iterator[tuple[int, int, dict[str, str], str | None]]:
+    """Stream ``(row number, line number, row, column fault)`` from a VLMEvalKit TSV.
 
-    Row numbers count data rows from 1 (the header is row 0). ``column fault`` is None, or a message when
+    Row numbers count data rows from 1 (the header is row 0); the line is the file line on which the row
+    starts (they differ after a quoted field with a newline). ``column fault`` is None, or a message when
     the row has fewer or more fields than the header (the ``csv`` module fills a short row with ``None`` and
     puts extra fields under the key ``None``): a fault of that row, which the loader records. A missing
     header column, an empty file, a header without rows and malformed quoting are :class:`DatasetError`\\ s
@@ -150,7 +151,7 @@ def iter_tsv(path: Path, required_columns: tuple[str, ...], key: str = "dataset.
         hint = " (is it a tab-separated file?)" if len(header) == 1 else ""
         raise DatasetError(f"{path}:1: header has no column {missing[0]!r}{hint} (columns: {header[:12]}; "
                            f"set by {key})")
-    n = 0
+    n, line = 0, reader.line_num + 1
     try:
         for n, row in enumerate(reader, start=1):
             fault = None
@@ -159,7 +160,8 @@ def iter_tsv(path: Path, required_columns: tuple[str, ...], key: str = "dataset.
                 row = {k: v for k, v in row.items() if k is not None}
             elif any(v is None for v in row.values()):
                 fault = f"has {sum(v is not None for v in row.values())} fields, the header has {len(header)}"
-            yield n, row, fault
+            yield n, line, row, fault
+            line = reader.line_num + 1
     except csv.Error as e:
         raise DatasetError(f"{path}:{reader.line_num}: malformed TSV: {e} (set by {key})") from e
     if n == 0:

@@ -183,9 +183,9 @@ def load(cfg, root: Path) -> Iterator[Sample]:
     groups: dict[str, list[_Row | Sample]] = {}  # in order of first appearance; a Sample is a bad row
     refs: list[tuple[_Row, str]] = []
     indices: set[int] = set()
-    for n, row, column_fault in iter_tsv(path, REQUIRED, config_key(cfg, "path")):
+    for n, line, row, column_fault in iter_tsv(path, REQUIRED, config_key(cfg, "path")):
         idx_text = (row.get("index") or "").strip()
-        where = f"{path}: row {n} (index={idx_text or '?'})"
+        where = f"{path}:{line}: row {n} (index={idx_text or '?'})"
         try:
             if column_fault:
                 raise RowFault("wrong_column_count", column_fault)

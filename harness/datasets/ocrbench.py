@@ -192,13 +192,13 @@ def iter_tsv_samples(path: Path, dataset: str, key: str = "dataset.path") -> Ite
     """Samples of VLMEvalKit's ``OCRBench.tsv``; a defective row is a data-error sample (file order kept,
     except rows whose image cell names a row further down, which follow at the end)."""
     images: dict[str, bytes | None] = {}  # index → decoded image (None: bad), for rows that refer to it
-    deferred: list[tuple[str, dict, int]] = []
+    deferred: list[tuple[str, dict, int, int]] = []
     ids = UniqueIds()
 
-    def build(row: dict, n: int, image: ImageInput, error: str | None, reason: str | None) -> Sample:
+    def build(row: dict, n: int, line: int, image: ImageInput, error: str | None, reason: str | None) -> Sample:
         idx = row["index"].strip()
         uid, taken = ids.claim(idx)
-        where = f"{path}: row {n} (index={idx})"
+        where = f"{path}:{line}: row {n} (index={idx})"
         try:
             if taken:
                 raise RowFault("duplicate_id", f"index {idx} is used by an earlier row (indices key results)")
@@ -212,13 +212,13 @@ def iter_tsv_samples(path: Path, dataset: str, key: str = "dataset.path") -> Ite
             image=image, error=error, error_reason=reason, index=idx,
         )
 
-    for n, row, column_fault in iter_tsv(path, TSV_FIELDS, key):
+    for n, line, row, column_fault in iter_tsv(path, TSV_FIELDS, key):
         idx = (row.get("index") or "").strip()
         if column_fault or not idx:
             fault = RowFault("wrong_column_count", column_fault) if column_fault else \
                 RowFault("missing_field", "has no field 'index'")
             uid, _ = ids.claim(idx or f"row{n}")
-            yield error_sample(uid, dataset, f"{path}: row {n} (index={idx or '?'})", fault, row, "category",
+            yield error_sample(uid, dataset, f"{path}:{line}: row {n} (index={idx or '?'})", fault, row, "category",
                                index=idx or None)
             continue
         raw = row.get("image") or ""
@@ -228,22 +228,23 @@ def iter_tsv_samples(path: Path, dataset: str, key: str = "dataset.path") -> Ite
             if ref in images:
                 data = images[ref]
                 error = None if data is not None else f"image of row {img_key} refers to index {ref}, whose image is bad"
-                yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_ref_unresolved")
+                yield build(row, n, line, ImageInput(source=SOURCE, data=data, key=img_key), error,
+                            "image_ref_unresolved")
             else:
-                deferred.append((ref, row, n))
+                deferred.append((ref, row, n, line))
             continue
         try:
             data, error = decode_b64(raw), None
         except ValueError as e:
             data, error = None, f"image of row {img_key} cannot be decoded: {e}"
         images.setdefault(idx, data)  # a repeated index never replaces the image rows refer to
-        yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_undecodable")
-    for ref, row, n in deferred:  # references to rows further down the file
+        yield build(row, n, line, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_undecodable")
+    for ref, row, n, line in deferred:  # references to rows further down the file
         img_key = f"{path.name}:index={row['index'].strip()}"
         data = images.get(ref)
         error = None if data is not None else (
             f"image of row {img_key} refers to index {ref}, which has no image in the file")
-        yield build(row, n, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_ref_unresolved")
+        yield build(row, n, line, ImageInput(source=SOURCE, data=data, key=img_key), error, "image_ref_unresolved")
 
 
 # --- Hugging Face layout --------------------------------------------------------------------------

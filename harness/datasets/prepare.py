@@ -109,8 +109,14 @@ def image_urls(src: Path) -> Iterator[str]:
     for lineno, row in iter_rows(src):
         if not isinstance(row, dict) or "images" not in row:
             raise ValueError(f"{src}: line {lineno} has no field 'images'")
-        for note in row["images"]:
-            for url in note_images(note):
+        if not isinstance(row["images"], list):
+            raise ValueError(f"{src}: line {lineno}: field 'images' must be a list, got {type(row['images']).__name__}")
+        for i, note in enumerate(row["images"]):
+            try:
+                urls = note_images(note, i)
+            except ValueError as e:  # a RowFault: name the line
+                raise ValueError(f"{src}: line {lineno}: {e}") from e
+            for url in urls:
                 if url.startswith(_URL) and url not in seen:
                     seen.add(url)
                     yield url

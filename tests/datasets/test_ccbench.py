@@ -203,7 +203,7 @@ def test_bad_rows_become_data_errors(tmp_path, field, value, reason, message):
     samples = list(load_samples(cfg(path=str(path))))
     bad = [s for s in samples if s.error]
     assert len(bad) == 1 and bad[0].error_reason == reason and bad[0].content == []
-    assert re.search(rf"bad.tsv: {message}", bad[0].error)
+    assert re.search(rf"bad.tsv:4: {message}", bad[0].error)  # file:line: row n
     good = [s for s in samples if not s.error]
     assert len(good) == len(samples) - 1 and len(check_circular(good)) == 5
 

@@ -248,7 +248,7 @@ def test_tsv_missing_column_raises_and_bad_rows_are_data_errors(tmp_path):
     to_tsv(f, bad)
     samples = {s.uid: s for s in load_samples(cfg(path=str(f)))}
     assert samples["1"].error_reason == "missing_field"
-    assert re.search(r"OCRBench.tsv: row 2 \(index=1\): has no field 'answer'", samples["1"].error)
+    assert re.search(r"OCRBench.tsv:3: row 2 \(index=1\): has no field 'answer'", samples["1"].error)
     assert samples["2"].error_reason == "bad_answer_literal" and "not a Python literal list" in samples["2"].error
     assert len(samples) == 10 and all(samples[str(i)].error is None for i in (0, *range(3, 10)))
 
