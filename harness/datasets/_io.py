@@ -217,12 +217,16 @@ def iter_json_rows(path: Path, key: str = "dataset.path") -> Iterator[tuple[int,
 
 
 def _array_item_lines(text: str, n: int) -> list[int]:
-    """The line on which each of the ``n`` items of a top-level JSON array starts (for messages)."""
+    """The line on which each of the ``n`` items of a top-level JSON array starts (for messages), counted
+    incrementally so a large array costs one extra pass."""
     decoder, lines, i = json.JSONDecoder(), [], text.index("[") + 1
+    line, counted = 1, 0
     for _ in range(n):
         while text[i] in " \t\r\n,":
             i += 1
-        lines.append(text.count("\n", 0, i) + 1)
+        line += text.count("\n", counted, i)
+        counted = i
+        lines.append(line)
         _, i = decoder.raw_decode(text, i)
     return lines
 
