@@ -37,10 +37,10 @@ from harness.datasets.faults import (
     string_items,
     text_field,
 )
+from harness.metrics.rag_igbench import image_ids  # the scorer's reading of IMG#k (standard library only)
 
 PROMPTS = Path(__file__).parent / "prompts"
 _IMG_TAG = re.compile(r"<img>(.*?)</img>", re.DOTALL)
-_REF_IMAGE = re.compile(r"!\[.*?\]\(IMG#(\d+)\)")  # the scorer's image tag (harness.metrics.rag_igbench)
 
 
 def url_to_filename(url: str) -> str:
@@ -136,7 +136,7 @@ def row_to_sample(row: Any, image_root: Path, language: str, dataset: str) -> Sa
     if row.get("split") is not None:
         text_field(row, "split")
     n_candidates = sum(len(n) for n in refs)
-    outside = [int(k) for k in _REF_IMAGE.findall(answer) if not 1 <= int(k) <= n_candidates]
+    outside = [k for k in image_ids(answer) if not 1 <= k <= n_candidates]  # the scorer's own reading
     if outside:
         raise RowFault("reference_image_out_of_range",
                        f"the reference answer places IMG#{outside[0]} but the row has {n_candidates} candidate "
