@@ -206,6 +206,14 @@ def _nul_path(loader: Callable[[Path], tuple[DatasetConfig, Path]]):
     return build
 
 
+def with_split(build: Callable[[Path], tuple[DatasetConfig, Path]], split: str):
+    def apply(tmp: Path):
+        cfg, path = build(tmp)
+        cfg.split = split
+        return cfg, path
+    return apply
+
+
 def _image_root_is_file(tmp: Path):
     cfg, path = rag(tmp)
     cfg.image_root = str(path)
@@ -282,6 +290,8 @@ CASES: list[Case] = [
          FileFault("dataset.path", 1, "one JSON object per line"), "stop"),
     Case("rag-nul-path", "a NUL byte in dataset.path", _nul_path(rag), FileFault("dataset.path", says="NUL"),
          "traceback"),
+    Case("rag-split-absent", "dataset.split=test, the file has only dev rows", with_split(rag, "test"),
+         FileFault("dataset.split", says="'dev'"), "traceback"),
     Case("rag-image-root-file", "dataset.image_root names a file", _image_root_is_file,
          FileFault("dataset.image_root", says="is a file"), "stop"),
     # --- file faults: OCRBench ----------------------------------------------------------------------
@@ -308,6 +318,9 @@ CASES: list[Case] = [
          FileFault("dataset.path", 2, "not UTF-8"), "traceback"),
     Case("cc-nul-path", "a NUL byte in dataset.path", _nul_path(cc_tsv), FileFault("dataset.path", says="NUL"),
          "traceback"),
+    Case("cc-split-absent", "dataset.split=dev, the file's rows are all 'test'", with_split(lambda t: cc_tsv(
+        t, lambda lines: [line.append("split" if i == 0 else "test") for i, line in enumerate(lines)]), "dev"),
+         FileFault("dataset.split", says="'test'"), "traceback"),
     # --- file faults: the OCR+CC mix (the key is the source's) -------------------------------------
     Case("mix-missing-source", "a source's file does not exist", _mix_missing_source_file,
          FileFault("dataset.sources.ccbench.path", says="not found"), "stop"),

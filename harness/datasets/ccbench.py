@@ -183,6 +183,7 @@ def load(cfg, root: Path) -> Iterator[Sample]:
     groups: dict[str, list[_Row | Sample]] = {}  # in order of first appearance; a Sample is a bad row
     refs: list[tuple[_Row, str]] = []
     indices: set[int] = set()
+    other_splits: set[str] = set()
     for n, line, row, column_fault in iter_tsv(path, REQUIRED, config_key(cfg, "path")):
         idx_text = (row.get("index") or "").strip()
         where = f"{path}:{line}: row {n} (index={idx_text or '?'})"
@@ -196,6 +197,7 @@ def load(cfg, root: Path) -> Iterator[Sample]:
             indices.add(index)
         except RowFault as fault:
             if split and not blank(row.get("split")) and row["split"].strip() != split:
+                other_splits.add(row["split"].strip())
                 continue
             try:
                 group = str(int(idx_text) % ROTATION_STRIDE)
@@ -207,10 +209,14 @@ def load(cfg, root: Path) -> Iterator[Sample]:
             parsed, ref = parsed
             refs.append((parsed, ref))
         if split and parsed.meta.get("split", split) != split:
+            other_splits.add(parsed.meta["split"])
             continue
         groups.setdefault(str(parsed.index % ROTATION_STRIDE), []).append(parsed)
     for parsed, ref in refs:  # after the whole file: a reference may point further down
         _resolve_ref(parsed, ref, images)
+    if not groups and other_splits:
+        raise DatasetError(f"{path}: no row has split {split!r} (set by {config_key(cfg, 'split')}); "
+                           f"the file's splits: {sorted(other_splits)}")
 
     ids = UniqueIds()
     for count, (group, rows) in enumerate(groups.items()):

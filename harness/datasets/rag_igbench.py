@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.datasets._io import config_key, data_path, image_root_of, iter_json_rows
-from harness.datasets.base import ImageInput, PathEscapeError, Sample, resolve_under
+from harness.datasets.base import DatasetError, ImageInput, PathEscapeError, Sample, resolve_under
 from harness.datasets.faults import (
     RowFault,
     UniqueIds,
@@ -162,12 +162,13 @@ def load(cfg, root: Path) -> Iterator[Sample]:
     path = data_path(cfg, root, file_only=True)
     image_root = image_root_of(cfg, root, path.parent)
     ids = UniqueIds()
-    n = 0
+    n, other_splits = 0, set()
     for lineno, row in iter_rows(path, config_key(cfg, "path")):
         if cfg.limit is not None and n >= cfg.limit:
             return
         if cfg.split and isinstance(row, dict) and isinstance(row.get("split", cfg.split), str) and \
                 row.get("split", cfg.split) != cfg.split:
+            other_splits.add(row["split"])
             continue
         where = f"{path}:{lineno}"
         raw_id = row.get("id") if isinstance(row, dict) else None
@@ -185,3 +186,6 @@ def load(cfg, root: Path) -> Iterator[Sample]:
                                        meta={"split": row.get("split") if isinstance(row, dict) else None})
         n += 1
         yield sample
+    if n == 0 and other_splits:
+        raise DatasetError(f"{path}: no row has split {cfg.split!r} (set by {config_key(cfg, 'split')}); "
+                           f"the file's splits: {sorted(other_splits)}")
