@@ -4,8 +4,7 @@ A :class:`Scorer` is built once per run (it owns the optional CLIP and text-embe
 first use) and turns (sample, answer) into a flat dict of per-sample scores with the benchmark's flags
 (``format_invalid``, ``hallucinated_image``) and a ``reason`` where the answer is unusable;
 :func:`aggregate` turns the per-sample records into ``summary.json`` ``metrics``. A sample that failed
-before scoring (a defective row or image — a *data* error —, an engine error) carries ``error`` and counts 0
-everywhere; data errors are also counted by reason in ``metrics.data_errors``.
+before scoring (bad image, engine error) carries ``error`` and counts 0 everywhere.
 """
 
 from __future__ import annotations
