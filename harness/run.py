@@ -212,7 +212,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "error": error,
             # "data": the row or its image is defective (error_reason: a harness.datasets.faults.REASONS key);
             # "engine": generation (or anything else in the run) failed
-            "error_kind": ("data" if sample.error_reason else "engine") if error else None,
+            "error_kind": ("data" if sample.error_reason or sample.error else "engine") if error else None,
             "error_reason": sample.error_reason if error else None,
             "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
             "visionzip": gen.extra.get("visionzip") if gen else None,
