@@ -150,6 +150,19 @@ def _cell(value: Any) -> Any:
     return value
 
 
+FLUSH_INTERVAL_S = 2.0
+
+
+def _live_settings(wandb: Any) -> Any:
+    """W&B settings of a live run: the run's ``.wandb`` file is flushed every ``FLUSH_INTERVAL_S`` seconds
+    (wandb's default, 15 s, left nothing of a run killed in its first seconds). None where this wandb lacks
+    the setting."""
+    try:
+        return wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S)
+    except Exception:  # noqa: BLE001 - an older wandb (or a test double): its defaults
+        return None
+
+
 def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, *, run_id: str | None = None,
               sweep: dict[str, Any] | None = None, summary: dict[str, Any] | None = None) -> LiveRun | None:
     """Open the W&B run of one run (None when ``wandb.mode=disabled``).
@@ -164,7 +177,10 @@ def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, 
 
     summary = summary or {"run": {"engine": (config.get("engine") or {}).get("name"),
                                   "weights": (config.get("model") or {}).get("weights")}}
-    kwargs = {"id": run_id, "resume": "allow"} if run_id else {}
+    kwargs: dict[str, Any] = {"id": run_id, "resume": "allow"} if run_id else {}
+    settings = _live_settings(wandb)
+    if settings is not None:
+        kwargs["settings"] = settings
     run = wandb.init(
         mode=wandb_cfg.mode,
         project=wandb_cfg.project,
