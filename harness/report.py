@@ -41,6 +41,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import logging
+
+log = logging.getLogger(__name__)
+
 # Quality metrics, per benchmark: (summary key, display name, unit, scale for display, format)
 RAG_METRICS = ("comprehensive", "rouge1", "edit_score", "kendall", "clip_score", "alignment")
 QUALITY = {
@@ -150,9 +154,33 @@ def _by_source(vz: Mapping[str, Any]) -> dict[str, float]:
     return {}
 
 
+# the quality metrics a random-init scorer makes meaningless (comprehensive is their mean with the others)
+RANDOM_SCORER_METRICS = {"clip": ("clip_score", "comprehensive"), "embed": ("alignment", "comprehensive")}
+
+
+def random_scorers(scoring: Any) -> list[str]:
+    """Which scorer encoders of a run had random weights (``summary.json`` ``run.scoring``: ``clip_weights``,
+    ``embed_weights``), as random model weights are flagged."""
+    if not isinstance(scoring, Mapping):
+        return []
+    return [k for k in ("clip", "embed") if scoring.get(f"{k}_weights") == "random-init"]
+
+
+class MalformedSummary(ValueError):
+    """A ``summary.json`` that is not a JSON object of the results schema."""
+
+
 def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
-    """One flat row from one ``summary.json``."""
-    s = json.loads(path.read_text(encoding="utf-8"))
+    """One flat row from one ``summary.json`` (:class:`MalformedSummary` when it cannot be one)."""
+    try:
+        s = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise MalformedSummary(f"not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(s, dict):
+        raise MalformedSummary(f"a JSON {type(s).__name__}, not an object")
+    bad = [k for k in ("run", "config", "metrics", "latency") if s.get(k) is not None and not isinstance(s[k], dict)]
+    if bad:
+        raise MalformedSummary(f"{', '.join(bad)} not an object")
     run, cfg, metrics, lat = (s.get(k) or {} for k in ("run", "config", "metrics", "latency"))
     run_dir = path.parent
     sweep, job = _sweep_of(s, run_dir)
@@ -160,6 +188,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     sere = s.get("sere") or {}
     model = run.get("model") or {}
     weights = run.get("weights") or model.get("weights") or _get(cfg, "model", "weights")
+    scorers = random_scorers(run.get("scoring"))
     row: dict[str, Any] = {
         "run_dir": str(run_dir.relative_to(root)) if root and run_dir.is_relative_to(root) else str(run_dir),
         "sweep": sweep,
@@ -168,6 +197,8 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
         "model": model.get("name") or _get(cfg, "model", "name") or "?",
         "weights": weights or "?",
         "random_init": weights == "random-init",
+        "random_scorers": scorers,  # "clip" / "embed": scorer encoders with random weights (run.scoring)
+        "random_scorer_metrics": sorted({m for k in scorers for m in RANDOM_SCORER_METRICS[k]}),
         "engine": run.get("engine") or _get(cfg, "engine", "name") or "?",
         "engine_version": run.get("engine_version"),
         "device": run.get("device_name"),
@@ -238,7 +269,10 @@ def _sort_key(r: Mapping[str, Any]) -> tuple:
             r["vz_scope"] or "", r["sere_k"] or 0, r["sere_rho"] or 0.0, r["sere_protect"] or 0, r["run_dir"])
 
 
-def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
+def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None
+              ) -> list[dict[str, Any]]:
+    """Rows of every readable ``summary.json`` below ``paths``; a malformed one is skipped with a warning naming
+    it (and appended to ``skipped`` as (path, reason)), never the whole report."""
     summaries = find_summaries(paths)
     if not summaries:
         raise FileNotFoundError(f"no summary.json below {', '.join(map(str, paths))}")
@@ -246,7 +280,18 @@ def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
     root = Path(os.path.commonpath(roots)) if roots else None
     if root and root.is_file():
         root = root.parent
-    rows = [load_row(p, root) for p in summaries]
+    rows = []
+    for p in summaries:
+        try:
+            rows.append(load_row(p, root))
+        except Exception as e:  # noqa: BLE001 - one bad file costs its row, never the report
+            reason = str(e) if isinstance(e, MalformedSummary) else f"{type(e).__name__}: {e}"
+            log.warning("skipped %s: %s", p, reason)
+            if skipped is not None:
+                skipped.append((p, reason))
+    if not rows:
+        raise ValueError(f"no readable summary.json below {', '.join(map(str, paths))} "
+                         f"({len(summaries)} malformed)")
     _label_setups(rows)
     rows.sort(key=_sort_key)
     _add_baseline_deltas(rows)
@@ -332,111 +377,8 @@ def _fmt(x: Any, spec: str = "{:.1f}") -> str:
     return "n/a" if x is None else spec.format(x)
 
 
-def plot_quality_vs_latency(all_panels: Sequence[Panel], short: str, out: Path, *, title: str) -> Path | None:
-    """One figure, one subplot per panel: quality against ``short`` latency (p50, whisker to p90)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    name, long = next((n, lng) for s, n, lng in LATENCY_AXES if s == short)
-    usable = [p for p in all_panels if any(r[f"{short}_p50"] is not None for r in p.rows)]
-    if not usable:
-        return None
-    several_platforms = len({p.platform for p in usable}) > 1
-    ncols = min(2, len(usable))
-    nrows = math.ceil(len(usable) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7.2 * ncols, 5.2 * nrows), squeeze=False, layout="constrained")
-    any_random = any(r["random_init"] for p in usable for r in p.rows)
-    any_partial = any(r["latency_partial"] for p in usable for r in p.rows)
-    for ax, panel in zip(axes.flat, usable):
-        label, unit, scale, _ = QUALITY[panel.metric]
-        pts = [(r, r[f"{short}_p50"], r[panel.metric] * scale) for r in panel.rows if r[f"{short}_p50"] is not None]
-        front = set(pareto_front([(x, y) for _, x, y in pts]))
-        fx = sorted(((x, y) for i, (_, x, y) in enumerate(pts) if i in front))
-        if len(fx) > 1:
-            ax.step([x for x, _ in fx], [y for _, y in fx], where="post", color="tab:green", lw=1.4, ls="--",
-                    zorder=1)
-        for i, (r, x, y) in enumerate(pts):
-            color = FAMILY_COLOR[r["family"]]
-            p90 = r[f"{short}_p90"]
-            if p90 is not None and p90 > x:
-                ax.plot([x, p90], [y, y], color=color, lw=0.8, alpha=0.45, zorder=2)
-            base = r["family"] == "baseline"
-            marker = "*" if base else "s" if r["vz_scope"] == "image" else "^" if r["sere_protect"] else "o"
-            ax.scatter([x], [y], s=260 if base else 55, marker=marker,
-                       facecolors="none" if r["latency_partial"] else color, edgecolors=color,
-                       linewidths=1.6 if base else 1.0, zorder=4 if base else 3)
-            if i in front:
-                ax.scatter([x], [y], s=170 if not base else 420, facecolors="none", edgecolors="tab:green",
-                           linewidths=1.2, zorder=2.5)
-            if len(pts) <= 40 or i in front or base:
-                ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7,
-                            color="0.25")
-        ax.set_xlabel(f"{name} p50 (ms) — whisker to p90")
-        ax.set_ylabel(f"{label} [{unit}]")
-        random_init = any(r["random_init"] for r in panel.rows)
-        ax.set_title(panel.title + (f"\n{panel.platform}" if several_platforms else "")
-                     + ("\n⚠ RANDOM-INIT WEIGHTS: quality meaningless" if random_init else ""),
-                     fontsize=10, color="firebrick" if random_init else "black")
-        ax.grid(True, alpha=0.3)
-        ax.margins(x=0.12, y=0.12)
-    for ax in list(axes.flat)[len(usable):]:
-        ax.set_visible(False)
-    families = sorted({r["family"] for p in usable for r in p.rows}, key=FAMILY_ORDER.index)
-    handles = [Line2D([], [], marker="*" if f == "baseline" else "o", ls="", color=FAMILY_COLOR[f],
-                      markersize=12 if f == "baseline" else 7, label=f) for f in families]
-    if any(r["vz_scope"] == "image" for p in usable for r in p.rows):
-        handles.append(Line2D([], [], marker="s", ls="", color="0.4", label="VisionZip scope=image"))
-    if any(r["sere_protect"] for p in usable for r in p.rows):
-        handles.append(Line2D([], [], marker="^", ls="", color="0.4", label="SERE protection on"))
-    handles.append(Line2D([], [], color="tab:green", ls="--", label="Pareto front (faster & better)"))
-    if any_partial:
-        handles.append(Line2D([], [], marker="o", ls="", markerfacecolor="none", color="0.4",
-                              label="latency partial (cache replay)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    suptitle = f"{title}: quality vs {name} ({long})"
-    if any_random:
-        suptitle += "\n⚠ random-init weights in some runs: their quality numbers are meaningless (latency only)"
-    fig.suptitle(suptitle, fontsize=12, color="firebrick" if any_random else "black")
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
-
-
-def plot_keep_rate_by_source(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -> Path | None:
-    """Grouped bars: achieved keep rate per image source for every VisionZip run that recorded it."""
-    runs = [r for r in rows if r["vz_by_source"]]
-    if not runs:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sources = sorted({s for r in runs for s in r["vz_by_source"]})
-    width = 0.8 / len(sources)
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(runs) + 2), 5.0), layout="constrained")
-    for j, src in enumerate(sources):
-        xs = [i + (j - (len(sources) - 1) / 2) * width for i in range(len(runs))]
-        ys = [100 * r["vz_by_source"].get(src, float("nan")) for r in runs]
-        ax.bar(xs, ys, width=width, label=src)
-    for i, r in enumerate(runs):
-        ax.hlines(100 * r["vz_keep"], i - 0.45, i + 0.45, colors="black", linestyles="--", lw=1)
-    ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels([f"{r['label']}\n{r['dataset']}" for r in runs], fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("visual tokens kept (% of the source's tokens)")
-    ax.set_ylim(0, 125)
-    ax.set_yticks(range(0, 101, 20))
-    ax.set_xlabel("run (VisionZip setting, dataset)")
-    ax.plot([], [], "k--", lw=1, label="nominal keep (visionzip.keep)")
-    ax.legend(fontsize=8, title="image source", title_fontsize=8, loc="upper center", ncol=len(sources) + 1)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"VisionZip keep rate per image source\n{title}", fontsize=10, wrap=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+# the plots live in harness/report_plots.py (re-exported here: callers use harness.report.plot_*)
+from harness.report_plots import plot_keep_rate_by_source, plot_quality_vs_latency  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- markdown
@@ -447,7 +389,8 @@ def _md_escape(s: Any) -> str:
 
 
 def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots: Sequence[Path], *, title: str,
-             sources: Sequence[str]) -> str:
+             sources: Sequence[str], skipped: Sequence[tuple[Path, str]] = (),
+             pending: Mapping[str, Any] | None = None) -> str:
     metrics = [m for m in QUALITY if any(r.get(m) is not None for r in rows)]
     n_random = sum(r["random_init"] for r in rows)
     n_partial = sum(r["latency_partial"] for r in rows)
@@ -457,6 +400,17 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots:
     if n_random:
         lines += [f"> **⚠ random-init weights in {n_random} of {len(rows)} runs** (marked **RANDOM** below): "
                   "their quality numbers measure nothing; only their latency means something.", ""]
+    n_rscorer = sum(bool(r["random_scorers"]) for r in rows)
+    if n_rscorer:
+        kinds = sorted({k for r in rows for k in r["random_scorers"]})
+        lines += [f"> **⚠ random-init scorers ({', '.join(kinds)}) in {n_rscorer} of {len(rows)} runs** (marked "
+                  "**RANDOM** in the scorers column, their scores with †): CLIP score / alignment and the "
+                  "comprehensive mean of those runs measure nothing.", ""]
+    if skipped:
+        lines += [f"> **⚠ {len(skipped)} summary.json skipped** (malformed): "
+                  + "; ".join(f"`{p}` ({_md_escape(why)})" for p, why in skipped), ""]
+    for line in unfinished_lines(pending or {}):
+        lines += [f"> **⚠ unfinished** {line}: this report covers the finished runs only.", ""]
     if n_partial:
         lines += [f"> **⚠ latency partial in {n_partial} runs** (marked `partial`): some generations were "
                   "replayed from the generation cache, so TTFT/TPOT cover only the requests timed in that run "
@@ -467,12 +421,13 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots:
     head = ["#", "run", "dataset", "technique", "keep", "scope", "K", "ρ", "prot."]
     head += [f"{QUALITY[m][0].replace('RAG-IGBench ', '')}" for m in metrics]
     head += ["Δ quality", "TTFT p50 (ms)", "TTFT p90 (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "TTFT ×", "TPOT ×",
-             "timed/n", "engine", "weights"]
+             "timed/n", "engine", "weights", "scorers"]
     lines += ["## Runs", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows, 1):
         prim = next((m for m in quality_metrics_for([r])), None)
         delta = r.get(f"{prim}_delta") if prim else None
-        qual = [(_fmt(r[m] * QUALITY[m][2], QUALITY[m][3]) if r[m] is not None else "–") for m in metrics]
+        qual = [(_fmt(r[m] * QUALITY[m][2], QUALITY[m][3]) + (" †" if m in r["random_scorer_metrics"] else "")
+                 if r[m] is not None else "–") for m in metrics]
         n_timed = r["latency_n_measured"] if r["latency_n_measured"] is not None else r["ttft_n"]
         timed = f"{_fmt(n_timed, '{}')}/{_fmt(r['n_samples'], '{}')}" + (" partial" if r["latency_partial"] else "")
         dataset = r["dataset"] + (f" ({r['dataset_variant']})" if r["dataset_variant"] else "")
@@ -486,7 +441,8 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots:
                  _fmt(r["ttft_p50"]), _fmt(r["ttft_p90"]), _fmt(r["tpot_p50"]), _fmt(r["tpot_p90"]),
                  _fmt(r["ttft_speedup"], "{:.2f}×"), _fmt(r["tpot_speedup"], "{:.2f}×"), timed,
                  f"{r['engine']} {r['engine_version'] or ''} {r['dtype'] or ''} bs{r['batch_size']}".strip(),
-                 "**RANDOM** (random-init)" if r["random_init"] else r["weights"]]
+                 "**RANDOM** (random-init)" if r["random_init"] else r["weights"],
+                 f"**RANDOM** ({', '.join(r['random_scorers'])})" if r["random_scorers"] else "–"]
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     lines += ["", "Quality: the benchmark's own score over all samples (failed and unparsable answers count 0). "
               "Δ quality: against the mean of the baseline runs of the same setup (model, engine, device, dtype, "
@@ -573,6 +529,9 @@ def build_wandb_report(rows: Sequence[dict[str, Any]], all_panels: Sequence[Pane
     warn = []
     if any(r["random_init"] for r in rows):
         warn.append(wr.P("⚠ Some runs use random-init weights: their quality numbers are meaningless."))
+    if any(r["random_scorers"] for r in rows):
+        warn.append(wr.P("⚠ Some runs were scored by random-init scorers: their CLIP score, alignment and "
+                         "comprehensive are meaningless."))
     blocks = [
         wr.H1(title),
         wr.P(f"{len(rows)} runs; sweeps: {', '.join(groups) or 'n/a'}. Built by python -m harness.report."),
@@ -607,9 +566,11 @@ class ReportResult:
     plots: list[Path] = field(default_factory=list)
     wandb_report: Any = None
     wandb_url: str | None = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # malformed summary.json files, with why
+    unfinished: dict[str, Any] = field(default_factory=dict)  # harness.report.unfinished
 
 
-CSV_SKIP = {"vz_by_source", "_setup"}
+CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics"}
 
 
 def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
@@ -617,7 +578,9 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
                  ) -> ReportResult:
     """Build the report files (and the W&B report object when ``wandb_target`` = ``ENTITY/PROJECT``)."""
     paths = [Path(p) for p in paths]
-    rows = load_rows(paths)
+    skipped: list[tuple[Path, str]] = []
+    rows = load_rows(paths, skipped)
+    pending = unfinished(paths)
     out = Path(out_dir) if out_dir else (paths[0] if paths[0].is_dir() else paths[0].parent) / "report"
     out.mkdir(parents=True, exist_ok=True)
     sweeps = sorted({r["sweep"] for r in rows if r["sweep"]})
@@ -628,7 +591,8 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         plot_quality_vs_latency(all_panels, "tpot", out / "quality_vs_tpot.png", title=title),
         plot_keep_rate_by_source(rows, out / "keep_rate_by_source.png", title=title),
     ) if p is not None]
-    md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths])
+    md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
+                  pending=pending)
     (out / "report.md").write_text(md + "\n", encoding="utf-8")
     keys = [k for k in rows[0] if k not in CSV_SKIP]
     sources = sorted({s for r in rows for s in r["vz_by_source"]})
@@ -637,7 +601,8 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         w.writerow(keys + [f"vz_keep_rate_{s}" for s in sources])
         for r in rows:
             w.writerow([r.get(k) for k in keys] + [r["vz_by_source"].get(s) for s in sources])
-    result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots)
+    result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots, skipped=skipped,
+                          unfinished=pending)
     if wandb_target:
         entity, _, project = wandb_target.partition("/")
         if not entity or not project:
@@ -678,7 +643,9 @@ def sweep_status(sweep_dir: str | os.PathLike) -> dict[str, Any]:
         pass
     jobs = sorted((p for p in d.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     finished = [p.name for p in jobs if (p / "summary.json").is_file()]
-    started = [p.name for p in jobs if (p / "samples.jsonl").is_file() and p.name not in finished]
+    # a job that started writes config.yaml and run_state.json first, samples.jsonl as it goes
+    started = [p.name for p in jobs if p.name not in finished and any(
+        (p / f).is_file() for f in ("config.yaml", "run_state.json", "samples.jsonl"))]
     failed = []
     for m in (d / ".progress").glob("*.json") if (d / ".progress").is_dir() else []:
         try:
@@ -690,6 +657,49 @@ def sweep_status(sweep_dir: str | os.PathLike) -> dict[str, Any]:
     return {"sweep": str(d), "expected": expected, "finished": len(finished), "failed": sorted(failed, key=int),
             "running_or_interrupted": [j for j in started if j not in failed],
             "not_started": (expected - seen) if expected is not None else None}
+
+
+_SKIP_PARTS = {".hydra", "wandb", ".submitit", "report"}
+
+
+def unfinished(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """What below ``paths`` has not finished: ``sweeps`` — :func:`sweep_status` of every sweep directory (Hydra's
+    ``multirun.yaml``) with jobs not finished; ``runs`` — other run directories with ``config.yaml`` but no
+    ``summary.json`` (running or interrupted). A report over them covers the finished part only, and says so."""
+    sweeps: dict[Path, dict[str, Any]] = {}
+    runs: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.is_dir():
+            continue
+        for mr in p.rglob("multirun.yaml"):
+            if _SKIP_PARTS.isdisjoint(mr.relative_to(p).parts[:-1]) and mr.parent not in sweeps:
+                try:
+                    sweeps[mr.parent] = sweep_status(mr.parent)
+                except Exception as e:  # noqa: BLE001 - an unreadable multirun.yaml: count nothing
+                    log.warning("%s: cannot read the sweep's state: %s", mr.parent, e)
+        for cfg in p.rglob("config.yaml"):
+            if _SKIP_PARTS.isdisjoint(cfg.relative_to(p).parts[:-1]) and not (cfg.parent / "summary.json").exists():
+                runs.add(cfg.parent.resolve())
+    sweep_dirs = [d.resolve() for d in sweeps]
+    loose = sorted(r for r in runs if not any(r.is_relative_to(d) for d in sweep_dirs))
+    open_sweeps = [st for st in sweeps.values()
+                   if st["failed"] or st["running_or_interrupted"] or st["not_started"]
+                   or (st["expected"] is not None and st["finished"] < st["expected"])]
+    return {"sweeps": open_sweeps, "runs": [str(r) for r in loose]}
+
+
+def unfinished_lines(state: Mapping[str, Any]) -> list[str]:
+    """One sentence per unfinished sweep, and one for other unfinished runs."""
+    out = []
+    for st in state.get("sweeps") or []:
+        expected = st["expected"] if st["expected"] is not None else "?"
+        out.append(f"sweep `{st['sweep']}`: {st['finished']} of {expected} jobs finished — "
+                   f"{len(st['running_or_interrupted'])} running or interrupted, {len(st['failed'])} failed, "
+                   f"{st['not_started'] if st['not_started'] is not None else '?'} not started")
+    if state.get("runs"):
+        out.append(f"{len(state['runs'])} run directories without summary.json (running or interrupted): "
+                   + ", ".join(f"`{r}`" for r in state["runs"][:10]) + (" …" if len(state["runs"]) > 10 else ""))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -721,6 +731,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for path, reason in res.skipped:
+        print(f"warning: skipped {path}: {reason}", file=sys.stderr)
+    for line in unfinished_lines(res.unfinished):
+        print(f"warning: unfinished: {line.replace('`', '')}", file=sys.stderr)
     print(f"{len(res.rows)} runs → {res.markdown}")
     for p in res.plots:
         print(f"  {p}")
