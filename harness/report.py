@@ -5,16 +5,21 @@ nothing else, so it works on copied or archived results without W&B. Writes into
 ``<first path>/report``):
 
 - ``report.md``: one row per run (technique settings, quality, TTFT/TPOT p50/p90, speed-up and quality change
-  against the baseline of the same model/engine/dataset, engine, weights), warnings for random-init weights
-  and partial latency, the Pareto front of each panel, VisionZip keep rate per image source;
+  against the baseline of the same model/engine/dataset, engine, weights, scorers), warnings for random-init
+  weights and random-init scorers (``run.scoring``), malformed ``summary.json`` files skipped, unfinished sweep
+  jobs / run directories (``config.yaml`` without ``summary.json``) and partial latency, the Pareto front of
+  each panel, VisionZip keep rate per image source (harness/report_markdown.py);
 - ``runs.csv``: the same rows, every column;
 - ``quality_vs_ttft.png``, ``quality_vs_tpot.png``: quality against latency (p50, whisker to p90), one panel
   per (dataset, quality metric) — RAG-IGBench: ``comprehensive`` when present, else the first of
   ``rouge1, edit_score, kendall, clip_score, alignment``; OCRBench: ``ocrbench_score``; CCBench / MCQ:
   ``mcq_accuracy`` — with the Pareto front (lower latency, higher quality) drawn and the baseline
   (VisionZip off and SERE off) highlighted;
-- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source (the OCRBench + CCBench mix),
-  when the runs recorded it.
+- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source, for runs whose images came from
+  several sources (the OCRBench + CCBench mix). Plots: harness/report_plots.py.
+
+A malformed ``summary.json`` (not JSON, not an object, a block of the wrong type) is skipped with a warning naming
+it; the other runs are reported.
 
 ``--status`` only prints how far each given sweep directory is (for a Slurm array still running).
 
