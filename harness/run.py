@@ -115,16 +115,6 @@ def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | 
 CACHE_READ = ("resume", "always", "never")
 
 
-def set_aside_interrupted(run_dir: Path) -> bool:
-    """Kept for callers of older versions: set ``samples.jsonl`` aside; True when its attempt was interrupted.
-    The run itself decides "resuming" from ``run_state.json`` (:func:`harness.run_state.begin_attempt`)."""
-    from harness.run_state import read_state, set_aside_samples, was_interrupted
-
-    interrupted = was_interrupted(run_dir, read_state(run_dir))
-    set_aside_samples(run_dir, interrupted=interrupted)
-    return interrupted
-
-
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a ``samples.jsonl`` (a torn last line of a killed writer is skipped)."""
     out = []
@@ -163,7 +153,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     from harness.logs import run_logging
     from harness.progress import RunProgress
-    from harness.run_state import RunLock, begin_attempt, read_state, wandb_pending
+    from harness.run_state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
     check_techniques(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +166,8 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
             done = finished_summary(run_dir, config)
             if done is not None:
                 state = read_state(run_dir)
+                if state is not None and state.get("status") == "running":  # killed between the two writes
+                    mark_finished(run_dir, state)
                 if state is not None and wandb_pending(state, cfg.wandb.mode):
                     return _finish_wandb(cfg, run_dir, config, done, state)
                 log.warning("%s: finished earlier with this configuration, not run again (cache.read=never "

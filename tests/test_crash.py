@@ -197,12 +197,14 @@ def test_a_second_process_on_a_run_directory_is_refused_and_a_dead_holder_s_lock
 
 # ------------------------------------------------------------------------------------------------ subprocesses
 
+# KILL_AT=module:function or module:Class.method replaces that callable by a SIGKILL of the process
 BOOT = ("import os, signal, sys; sys.path.insert(0, {fixtures!r}); from harness.engines import ENGINES; "
         "ENGINES['counting'] = 'counting_engine:CountingEngine'\n"
         "kill_at = os.environ.get('KILL_AT')\n"
         "if kill_at:\n"
-        "    import importlib; mod, _, name = kill_at.rpartition('.'); owner, _, attr = mod.rpartition(':')\n"
-        "    target = getattr(importlib.import_module(owner), attr) if owner else importlib.import_module(mod)\n"
+        "    import importlib; mod, _, path = kill_at.partition(':'); *owners, name = path.split('.')\n"
+        "    target = importlib.import_module(mod)\n"
+        "    for owner in owners: target = getattr(target, owner)\n"
         "    setattr(target, name, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
         "from harness.cli import main; main()")
 
