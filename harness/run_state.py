@@ -25,11 +25,17 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import uuid
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+# flock errors that mean "this file system has no locks", not "someone holds it"
+NO_LOCKS = {errno.ENOSYS, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 STATE_FILE = "run_state.json"
 LOCK_FILE = ".lock"
@@ -55,6 +61,11 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno in NO_LOCKS:  # e.g. Lustre mounted without -o flock: run, unprotected, and say so
+                log.warning("%s: this file system does not support locks (%s); the run directory is not "
+                            "protected against a second process", self.path.parent, e)
+                os.close(fd)
+                return self
             holder = _read_holder(fd)
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):

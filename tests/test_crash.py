@@ -273,3 +273,20 @@ def test_a_second_harness_process_exits_2_with_a_clear_error(tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
+
+
+def test_a_file_system_without_locks_runs_unlocked_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Lustre without ``-o flock`` answers flock with ENOSYS: the run must go on (unprotected), not crash."""
+    import errno
+    import fcntl
+
+    from harness import run_state
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level("WARNING", logger="harness.run_state"):
+        with run_state.RunLock(tmp_path):
+            pass
+    assert "does not support locks" in caplog.text
