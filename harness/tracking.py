@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLE_COLUMNS = ("uid", "prompt_tokens", "visual_tokens", "output_tokens", "ttft_ms", "tpot_ms", "answer",
-                  "error")
+                  "parsed_answer", "error", "cached", "prompt_sha256")
 
 
 def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
