@@ -178,7 +178,8 @@ def set_aside_samples(run_dir: Path, interrupted: bool) -> Path | None:
 def mark_finished(run_dir: Path, state: dict[str, Any]) -> None:
     """``summary.json`` is written: a rerun with this configuration no longer regenerates anything."""
     state["status"] = "finished"
-    state["attempts"][-1]["finished"] = _now()
+    if state.get("attempts"):
+        state["attempts"][-1]["finished"] = _now()
     write_state(run_dir, state)
 
 
