@@ -279,7 +279,11 @@ class GenerationCache:
     """
 
     def __init__(self, path: str | os.PathLike, *, read: bool = True):
-        self.path = Path(path)
+        from harness.paths import resolve_user_path
+
+        # like dataset paths: ``~`` expanded, relative to the directory the command was typed in; the default
+        # (``${harness_cache:generations}``) is absolute, so a rerun from anywhere finds the same entries
+        self.path = resolve_user_path(path)
         if self.path.suffix in {".sqlite", ".db", ".jsonl"}:
             raise ValueError(f"cache.path={path!s}: the generation cache is a directory of shards, not a file")
         self.path.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -21,14 +20,15 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from harness.datasets.base import DatasetError
+    from harness.outcome import console_summary
     from harness.run import TechniqueNotAvailable, run_experiment
+    from harness.run_state import RunDirLocked
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError) as e:
+    except (TechniqueNotAvailable, DatasetError, RunDirLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    short = {"run_dir": str(run_dir), "metrics": summary["metrics"],
-             "ttft_ms": summary["latency"].get("ttft_ms"), "tpot_ms": summary["latency"].get("tpot_ms")}
-    print(json.dumps(short, ensure_ascii=False, indent=2))
+    # a short summary (key metrics, latency, warnings) rather than a JSON dump: the numbers are in summary.json
+    print(console_summary(summary, str(run_dir)), flush=True)

@@ -11,6 +11,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from harness import __version__
@@ -24,14 +25,38 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def git_commit(cwd: str | None = None) -> str | None:
-    """The commit of the source tree (``-dirty`` appended when it has local changes), or None.
+PROJECT_NAME = "moe-vlm-harness"
 
-    ``HARNESS_GIT_COMMIT`` overrides it for copies of the tree that carry no ``.git``."""
-    if os.environ.get("HARNESS_GIT_COMMIT"):  # copies of the tree without .git (e.g. the GPU machine)
-        return os.environ["HARNESS_GIT_COMMIT"]
-    here = cwd or os.path.dirname(os.path.abspath(__file__))
+
+def _is_this_project(toplevel: Path, package_dir: Path) -> bool:
+    """Whether the git work tree at ``toplevel`` is this project's checkout: the ``harness`` package sits at its
+    root and its ``pyproject.toml`` names the project (not, say, a larger repository that merely contains a copy
+    of the project, or a virtualenv with the installed package)."""
+    if (toplevel / "harness").resolve() != package_dir.resolve():
+        return False
     try:
+        text = (toplevel / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return any(line.replace(" ", "") in (f'name="{PROJECT_NAME}"', f"name='{PROJECT_NAME}'")
+               for line in text.splitlines())
+
+
+def git_commit(package_dir: str | os.PathLike | None = None) -> str | None:
+    """The project's own commit (``-dirty`` appended when its tracked files have local changes), or None.
+
+    Only the git repository whose root holds this ``harness`` package and this project's ``pyproject.toml``
+    counts: a wheel installed into a venv inside another checkout, or the project copied into a larger
+    repository, records None rather than that other repository's commit. ``HARNESS_GIT_COMMIT`` overrides it
+    for copies of the tree that carry no ``.git`` (e.g. the GPU machine)."""
+    if os.environ.get("HARNESS_GIT_COMMIT"):
+        return os.environ["HARNESS_GIT_COMMIT"]
+    here = Path(package_dir) if package_dir else Path(__file__).resolve().parent
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode != 0 or not _is_this_project(Path(top.stdout.strip()), here):
+            return None
         proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         sha = proc.stdout.strip()
         if proc.returncode != 0 or len(sha) != 40:

@@ -82,6 +82,22 @@ def _count_jobs(config: Any) -> int | None:
         return None
 
 
+def _job_num(config: Any) -> int:
+    """The job's number in a sweep; 0 for a single run, where Hydra leaves ``hydra.job.num`` unset (``???``:
+    reading it directly raises MissingMandatoryValue, which Hydra printed as a warning on every plain run)."""
+    from omegaconf import OmegaConf
+
+    num = OmegaConf.select(config, "hydra.job.num", default=None)
+    return int(num) if num is not None else 0
+
+
+def _is_multirun(config: Any) -> bool:
+    from omegaconf import OmegaConf
+
+    mode = OmegaConf.select(config, "hydra.mode", default=None)
+    return mode is not None and str(mode).endswith("MULTIRUN")
+
+
 try:
     from hydra.experimental.callback import Callback
 except ImportError:  # pragma: no cover - hydra-core is a dependency
@@ -107,14 +123,14 @@ class SweepProgress(Callback):
         os.environ[POSITION_ENV] = "1"
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        self.t0[int(config.hydra.job.num)] = time.perf_counter()
+        self.t0[_job_num(config)] = time.perf_counter()
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
-        num = int(config.hydra.job.num) if config.hydra.job.get("num") is not None else 0
+        num = _job_num(config)
         status = "completed" if job_return.status == JobStatus.COMPLETED else "failed"
-        if config.hydra.mode is not None and str(config.hydra.mode).endswith("MULTIRUN"):
+        if _is_multirun(config):
             marker = Path(str(config.hydra.sweep.dir)) / ".progress" / f"{num}.json"
             marker.parent.mkdir(parents=True, exist_ok=True)
             seconds = time.perf_counter() - self.t0.get(num, time.perf_counter())

@@ -5,16 +5,21 @@ nothing else, so it works on copied or archived results without W&B. Writes into
 ``<first path>/report``):
 
 - ``report.md``: one row per run (technique settings, quality, TTFT/TPOT p50/p90, speed-up and quality change
-  against the baseline of the same model/engine/dataset, engine, weights), warnings for random-init weights
-  and partial latency, the Pareto front of each panel, VisionZip keep rate per image source;
+  against the baseline of the same model/engine/dataset, engine, weights, scorers), warnings for random-init
+  weights and random-init scorers (``run.scoring``), malformed ``summary.json`` files skipped, unfinished sweep
+  jobs / run directories (``config.yaml`` without ``summary.json``) and partial latency, the Pareto front of
+  each panel, VisionZip keep rate per image source (harness/report_markdown.py);
 - ``runs.csv``: the same rows, every column;
 - ``quality_vs_ttft.png``, ``quality_vs_tpot.png``: quality against latency (p50, whisker to p90), one panel
   per (dataset, quality metric) — RAG-IGBench: ``comprehensive`` when present, else the first of
   ``rouge1, edit_score, kendall, clip_score, alignment``; OCRBench: ``ocrbench_score``; CCBench / MCQ:
   ``mcq_accuracy`` — with the Pareto front (lower latency, higher quality) drawn and the baseline
   (VisionZip off and SERE off) highlighted;
-- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source (the OCRBench + CCBench mix),
-  when the runs recorded it.
+- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source, for runs whose images came from
+  several sources (the OCRBench + CCBench mix). Plots: harness/report_plots.py.
+
+A malformed ``summary.json`` (not JSON, not an object, a block of the wrong type) is skipped with a warning naming
+it; the other runs are reported.
 
 ``--status`` only prints how far each given sweep directory is (for a Slurm array still running).
 
@@ -37,9 +42,12 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import logging
+
+log = logging.getLogger(__name__)
 
 # Quality metrics, per benchmark: (summary key, display name, unit, scale for display, format)
 RAG_METRICS = ("comprehensive", "rouge1", "edit_score", "kendall", "clip_score", "alignment")
@@ -150,9 +158,33 @@ def _by_source(vz: Mapping[str, Any]) -> dict[str, float]:
     return {}
 
 
+# the quality metrics a random-init scorer makes meaningless (comprehensive is their mean with the others)
+RANDOM_SCORER_METRICS = {"clip": ("clip_score", "comprehensive"), "embed": ("alignment", "comprehensive")}
+
+
+def random_scorers(scoring: Any) -> list[str]:
+    """Which scorer encoders of a run had random weights (``summary.json`` ``run.scoring``: ``clip_weights``,
+    ``embed_weights``), as random model weights are flagged."""
+    if not isinstance(scoring, Mapping):
+        return []
+    return [k for k in ("clip", "embed") if scoring.get(f"{k}_weights") == "random-init"]
+
+
+class MalformedSummary(ValueError):
+    """A ``summary.json`` that is not a JSON object of the results schema."""
+
+
 def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
-    """One flat row from one ``summary.json``."""
-    s = json.loads(path.read_text(encoding="utf-8"))
+    """One flat row from one ``summary.json`` (:class:`MalformedSummary` when it cannot be one)."""
+    try:
+        s = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise MalformedSummary(f"not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(s, dict):
+        raise MalformedSummary(f"a JSON {type(s).__name__}, not an object")
+    bad = [k for k in ("run", "config", "metrics", "latency") if s.get(k) is not None and not isinstance(s[k], dict)]
+    if bad:
+        raise MalformedSummary(f"{', '.join(bad)} not an object")
     run, cfg, metrics, lat = (s.get(k) or {} for k in ("run", "config", "metrics", "latency"))
     run_dir = path.parent
     sweep, job = _sweep_of(s, run_dir)
@@ -160,6 +192,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     sere = s.get("sere") or {}
     model = run.get("model") or {}
     weights = run.get("weights") or model.get("weights") or _get(cfg, "model", "weights")
+    scorers = random_scorers(run.get("scoring"))
     row: dict[str, Any] = {
         "run_dir": str(run_dir.relative_to(root)) if root and run_dir.is_relative_to(root) else str(run_dir),
         "sweep": sweep,
@@ -168,6 +201,8 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
         "model": model.get("name") or _get(cfg, "model", "name") or "?",
         "weights": weights or "?",
         "random_init": weights == "random-init",
+        "random_scorers": scorers,  # "clip" / "embed": scorer encoders with random weights (run.scoring)
+        "random_scorer_metrics": sorted({m for k in scorers for m in RANDOM_SCORER_METRICS[k]}),
         "engine": run.get("engine") or _get(cfg, "engine", "name") or "?",
         "engine_version": run.get("engine_version"),
         "device": run.get("device_name"),
@@ -238,7 +273,10 @@ def _sort_key(r: Mapping[str, Any]) -> tuple:
             r["vz_scope"] or "", r["sere_k"] or 0, r["sere_rho"] or 0.0, r["sere_protect"] or 0, r["run_dir"])
 
 
-def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
+def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None
+              ) -> list[dict[str, Any]]:
+    """Rows of every readable ``summary.json`` below ``paths``; a malformed one is skipped with a warning naming
+    it (and appended to ``skipped`` as (path, reason)), never the whole report."""
     summaries = find_summaries(paths)
     if not summaries:
         raise FileNotFoundError(f"no summary.json below {', '.join(map(str, paths))}")
@@ -246,7 +284,18 @@ def load_rows(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
     root = Path(os.path.commonpath(roots)) if roots else None
     if root and root.is_file():
         root = root.parent
-    rows = [load_row(p, root) for p in summaries]
+    rows = []
+    for p in summaries:
+        try:
+            rows.append(load_row(p, root))
+        except Exception as e:  # noqa: BLE001 - one bad file costs its row, never the report
+            reason = str(e) if isinstance(e, MalformedSummary) else f"{type(e).__name__}: {e}"
+            log.warning("skipped %s: %s", p, reason)
+            if skipped is not None:
+                skipped.append((p, reason))
+    if not rows:
+        raise ValueError(f"no readable summary.json below {', '.join(map(str, paths))} "
+                         f"({len(summaries)} malformed)")
     _label_setups(rows)
     rows.sort(key=_sort_key)
     _add_baseline_deltas(rows)
@@ -332,202 +381,15 @@ def _fmt(x: Any, spec: str = "{:.1f}") -> str:
     return "n/a" if x is None else spec.format(x)
 
 
-def plot_quality_vs_latency(all_panels: Sequence[Panel], short: str, out: Path, *, title: str) -> Path | None:
-    """One figure, one subplot per panel: quality against ``short`` latency (p50, whisker to p90)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    name, long = next((n, lng) for s, n, lng in LATENCY_AXES if s == short)
-    usable = [p for p in all_panels if any(r[f"{short}_p50"] is not None for r in p.rows)]
-    if not usable:
-        return None
-    several_platforms = len({p.platform for p in usable}) > 1
-    ncols = min(2, len(usable))
-    nrows = math.ceil(len(usable) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7.2 * ncols, 5.2 * nrows), squeeze=False, layout="constrained")
-    any_random = any(r["random_init"] for p in usable for r in p.rows)
-    any_partial = any(r["latency_partial"] for p in usable for r in p.rows)
-    for ax, panel in zip(axes.flat, usable):
-        label, unit, scale, _ = QUALITY[panel.metric]
-        pts = [(r, r[f"{short}_p50"], r[panel.metric] * scale) for r in panel.rows if r[f"{short}_p50"] is not None]
-        front = set(pareto_front([(x, y) for _, x, y in pts]))
-        fx = sorted(((x, y) for i, (_, x, y) in enumerate(pts) if i in front))
-        if len(fx) > 1:
-            ax.step([x for x, _ in fx], [y for _, y in fx], where="post", color="tab:green", lw=1.4, ls="--",
-                    zorder=1)
-        for i, (r, x, y) in enumerate(pts):
-            color = FAMILY_COLOR[r["family"]]
-            p90 = r[f"{short}_p90"]
-            if p90 is not None and p90 > x:
-                ax.plot([x, p90], [y, y], color=color, lw=0.8, alpha=0.45, zorder=2)
-            base = r["family"] == "baseline"
-            marker = "*" if base else "s" if r["vz_scope"] == "image" else "^" if r["sere_protect"] else "o"
-            ax.scatter([x], [y], s=260 if base else 55, marker=marker,
-                       facecolors="none" if r["latency_partial"] else color, edgecolors=color,
-                       linewidths=1.6 if base else 1.0, zorder=4 if base else 3)
-            if i in front:
-                ax.scatter([x], [y], s=170 if not base else 420, facecolors="none", edgecolors="tab:green",
-                           linewidths=1.2, zorder=2.5)
-            if len(pts) <= 40 or i in front or base:
-                ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7,
-                            color="0.25")
-        ax.set_xlabel(f"{name} p50 (ms) — whisker to p90")
-        ax.set_ylabel(f"{label} [{unit}]")
-        random_init = any(r["random_init"] for r in panel.rows)
-        ax.set_title(panel.title + (f"\n{panel.platform}" if several_platforms else "")
-                     + ("\n⚠ RANDOM-INIT WEIGHTS: quality meaningless" if random_init else ""),
-                     fontsize=10, color="firebrick" if random_init else "black")
-        ax.grid(True, alpha=0.3)
-        ax.margins(x=0.12, y=0.12)
-    for ax in list(axes.flat)[len(usable):]:
-        ax.set_visible(False)
-    families = sorted({r["family"] for p in usable for r in p.rows}, key=FAMILY_ORDER.index)
-    handles = [Line2D([], [], marker="*" if f == "baseline" else "o", ls="", color=FAMILY_COLOR[f],
-                      markersize=12 if f == "baseline" else 7, label=f) for f in families]
-    if any(r["vz_scope"] == "image" for p in usable for r in p.rows):
-        handles.append(Line2D([], [], marker="s", ls="", color="0.4", label="VisionZip scope=image"))
-    if any(r["sere_protect"] for p in usable for r in p.rows):
-        handles.append(Line2D([], [], marker="^", ls="", color="0.4", label="SERE protection on"))
-    handles.append(Line2D([], [], color="tab:green", ls="--", label="Pareto front (faster & better)"))
-    if any_partial:
-        handles.append(Line2D([], [], marker="o", ls="", markerfacecolor="none", color="0.4",
-                              label="latency partial (cache replay)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    suptitle = f"{title}: quality vs {name} ({long})"
-    if any_random:
-        suptitle += "\n⚠ random-init weights in some runs: their quality numbers are meaningless (latency only)"
-    fig.suptitle(suptitle, fontsize=12, color="firebrick" if any_random else "black")
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
-
-
-def plot_keep_rate_by_source(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -> Path | None:
-    """Grouped bars: achieved keep rate per image source for every VisionZip run that recorded it."""
-    runs = [r for r in rows if r["vz_by_source"]]
-    if not runs:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sources = sorted({s for r in runs for s in r["vz_by_source"]})
-    width = 0.8 / len(sources)
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(runs) + 2), 5.0), layout="constrained")
-    for j, src in enumerate(sources):
-        xs = [i + (j - (len(sources) - 1) / 2) * width for i in range(len(runs))]
-        ys = [100 * r["vz_by_source"].get(src, float("nan")) for r in runs]
-        ax.bar(xs, ys, width=width, label=src)
-    for i, r in enumerate(runs):
-        ax.hlines(100 * r["vz_keep"], i - 0.45, i + 0.45, colors="black", linestyles="--", lw=1)
-    ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels([f"{r['label']}\n{r['dataset']}" for r in runs], fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("visual tokens kept (% of the source's tokens)")
-    ax.set_ylim(0, 125)
-    ax.set_yticks(range(0, 101, 20))
-    ax.set_xlabel("run (VisionZip setting, dataset)")
-    ax.plot([], [], "k--", lw=1, label="nominal keep (visionzip.keep)")
-    ax.legend(fontsize=8, title="image source", title_fontsize=8, loc="upper center", ncol=len(sources) + 1)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"VisionZip keep rate per image source\n{title}", fontsize=10, wrap=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+# the plots live in harness/report_plots.py (re-exported here: callers use harness.report.plot_*)
+from harness.report_plots import plot_keep_rate_by_source, plot_quality_vs_latency  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- markdown
 
 
-def _md_escape(s: Any) -> str:
-    return str(s).replace("|", "\\|")
-
-
-def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots: Sequence[Path], *, title: str,
-             sources: Sequence[str]) -> str:
-    metrics = [m for m in QUALITY if any(r.get(m) is not None for r in rows)]
-    n_random = sum(r["random_init"] for r in rows)
-    n_partial = sum(r["latency_partial"] for r in rows)
-    lines = [f"# {title}", "",
-             f"{len(rows)} runs from {', '.join(f'`{s}`' for s in sources)}; generated "
-             f"{datetime.now(timezone.utc).isoformat(timespec='seconds')} by `python -m harness.report`.", ""]
-    if n_random:
-        lines += [f"> **⚠ random-init weights in {n_random} of {len(rows)} runs** (marked **RANDOM** below): "
-                  "their quality numbers measure nothing; only their latency means something.", ""]
-    if n_partial:
-        lines += [f"> **⚠ latency partial in {n_partial} runs** (marked `partial`): some generations were "
-                  "replayed from the generation cache, so TTFT/TPOT cover only the requests timed in that run "
-                  "(`timed/n`).", ""]
-    if not any(r["family"] == "baseline" for r in rows):
-        lines += ["> No baseline run (VisionZip off and SERE off) among these: speed-ups and quality changes "
-                  "are n/a. Run `sweeps/baseline.yaml` and give its directory too.", ""]
-    head = ["#", "run", "dataset", "technique", "keep", "scope", "K", "ρ", "prot."]
-    head += [f"{QUALITY[m][0].replace('RAG-IGBench ', '')}" for m in metrics]
-    head += ["Δ quality", "TTFT p50 (ms)", "TTFT p90 (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "TTFT ×", "TPOT ×",
-             "timed/n", "engine", "weights"]
-    lines += ["## Runs", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, r in enumerate(rows, 1):
-        prim = next((m for m in quality_metrics_for([r])), None)
-        delta = r.get(f"{prim}_delta") if prim else None
-        qual = [(_fmt(r[m] * QUALITY[m][2], QUALITY[m][3]) if r[m] is not None else "–") for m in metrics]
-        n_timed = r["latency_n_measured"] if r["latency_n_measured"] is not None else r["ttft_n"]
-        timed = f"{_fmt(n_timed, '{}')}/{_fmt(r['n_samples'], '{}')}" + (" partial" if r["latency_partial"] else "")
-        dataset = r["dataset"] + (f" ({r['dataset_variant']})" if r["dataset_variant"] else "")
-        cells = [str(i), f"`{r['run_dir']}`", dataset, ("**baseline**" if r["family"] == "baseline"
-                                                            else r["family"]),
-                 _fmt(r["vz_keep"], "{:g}"), r["vz_scope"] or "–", r["sere_k"] if r["sere_k"] is not None else "–",
-                 _fmt(r["sere_rho"], "{:g}") if r["sere_k"] is not None else "–",
-                 r["sere_protect"] if r["sere_k"] is not None else "–", *qual,
-                 (_fmt(delta * QUALITY[prim][2], QUALITY[prim][3].replace("{:", "{:+")) if delta is not None
-                  else "n/a"),
-                 _fmt(r["ttft_p50"]), _fmt(r["ttft_p90"]), _fmt(r["tpot_p50"]), _fmt(r["tpot_p90"]),
-                 _fmt(r["ttft_speedup"], "{:.2f}×"), _fmt(r["tpot_speedup"], "{:.2f}×"), timed,
-                 f"{r['engine']} {r['engine_version'] or ''} {r['dtype'] or ''} bs{r['batch_size']}".strip(),
-                 "**RANDOM** (random-init)" if r["random_init"] else r["weights"]]
-        lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
-    lines += ["", "Quality: the benchmark's own score over all samples (failed and unparsable answers count 0). "
-              "Δ quality: against the mean of the baseline runs of the same setup (model, engine, device, dtype, "
-              "batch size, dataset selection, max_new_tokens), on the row's first quality column. TTFT × / TPOT ×: baseline p50 / run p50 (> 1 is faster).", ""]
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    fronts = []
-    for panel in all_panels:
-        for short, name, _ in LATENCY_AXES:
-            pts = [(r, r[f"{short}_p50"], r[panel.metric]) for r in panel.rows if r[f"{short}_p50"] is not None]
-            if len(pts) > 1:
-                idx = pareto_front([(x, y) for _, x, y in pts])
-                fronts.append(f"- **{panel.title}** vs {name}: " + ", ".join(
-                    f"{pts[i][0]['label']} ({_fmt(pts[i][1])} ms, "
-                    f"{_fmt(pts[i][2] * QUALITY[panel.metric][2], QUALITY[panel.metric][3])})" for i in idx))
-    if fronts:
-        lines += ["## Pareto fronts (lower latency p50, higher quality)", "", *fronts, ""]
-    vz_rows = [r for r in rows if r["vz_by_source"]]
-    if vz_rows:
-        sources_ = sorted({s for r in vz_rows for s in r["vz_by_source"]})
-        lines += ["## VisionZip keep rate per image source", "",
-                  "| run | dataset | setting | nominal keep | achieved keep | " + " | ".join(sources_) + " |",
-                  "|" + "---|" * (5 + len(sources_))]
-        for r in vz_rows:
-            lines.append("| " + " | ".join(_md_escape(c) for c in [
-                f"`{r['run_dir']}`", r["dataset"], r["label"], _fmt(r["vz_keep"], "{:g}"),
-                _fmt(r["vz_keep_rate"] and 100 * r["vz_keep_rate"], "{:.1f}%"),
-                *[_fmt(100 * r["vz_by_source"][s], "{:.1f}%") if s in r["vz_by_source"] else "–" for s in sources_]
-            ]) + " |")
-        lines.append("")
-    sere_rows = [r for r in rows if r["sere_experts_after"] is not None]
-    if sere_rows:
-        lines += ["## SERE decode statistics", "",
-                  "| run | setting | experts/layer/step before | after | moved secondary slots |",
-                  "|---|---|---|---|---|"]
-        for r in sere_rows:
-            lines.append(f"| `{r['run_dir']}` | {r['label']} | {_fmt(r['sere_experts_before'], '{:.2f}')} | "
-                         f"{_fmt(r['sere_experts_after'], '{:.2f}')} | "
-                         f"{_fmt(r['sere_moved_fraction'] and 100 * r['sere_moved_fraction'], '{:.1f}%')} |")
-        lines.append("")
-    return "\n".join(lines)
+# report.md: harness/report_markdown.py
+from harness.report_markdown import markdown  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- W&B
@@ -573,6 +435,9 @@ def build_wandb_report(rows: Sequence[dict[str, Any]], all_panels: Sequence[Pane
     warn = []
     if any(r["random_init"] for r in rows):
         warn.append(wr.P("⚠ Some runs use random-init weights: their quality numbers are meaningless."))
+    if any(r["random_scorers"] for r in rows):
+        warn.append(wr.P("⚠ Some runs were scored by random-init scorers: their CLIP score, alignment and "
+                         "comprehensive are meaningless."))
     blocks = [
         wr.H1(title),
         wr.P(f"{len(rows)} runs; sweeps: {', '.join(groups) or 'n/a'}. Built by python -m harness.report."),
@@ -607,9 +472,11 @@ class ReportResult:
     plots: list[Path] = field(default_factory=list)
     wandb_report: Any = None
     wandb_url: str | None = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # malformed summary.json files, with why
+    unfinished: dict[str, Any] = field(default_factory=dict)  # harness.report.unfinished
 
 
-CSV_SKIP = {"vz_by_source", "_setup"}
+CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics"}
 
 
 def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
@@ -617,7 +484,9 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
                  ) -> ReportResult:
     """Build the report files (and the W&B report object when ``wandb_target`` = ``ENTITY/PROJECT``)."""
     paths = [Path(p) for p in paths]
-    rows = load_rows(paths)
+    skipped: list[tuple[Path, str]] = []
+    rows = load_rows(paths, skipped)
+    pending = unfinished(paths)
     out = Path(out_dir) if out_dir else (paths[0] if paths[0].is_dir() else paths[0].parent) / "report"
     out.mkdir(parents=True, exist_ok=True)
     sweeps = sorted({r["sweep"] for r in rows if r["sweep"]})
@@ -628,7 +497,8 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         plot_quality_vs_latency(all_panels, "tpot", out / "quality_vs_tpot.png", title=title),
         plot_keep_rate_by_source(rows, out / "keep_rate_by_source.png", title=title),
     ) if p is not None]
-    md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths])
+    md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
+                  pending=pending)
     (out / "report.md").write_text(md + "\n", encoding="utf-8")
     keys = [k for k in rows[0] if k not in CSV_SKIP]
     sources = sorted({s for r in rows for s in r["vz_by_source"]})
@@ -637,7 +507,8 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         w.writerow(keys + [f"vz_keep_rate_{s}" for s in sources])
         for r in rows:
             w.writerow([r.get(k) for k in keys] + [r["vz_by_source"].get(s) for s in sources])
-    result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots)
+    result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots, skipped=skipped,
+                          unfinished=pending)
     if wandb_target:
         entity, _, project = wandb_target.partition("/")
         if not entity or not project:
@@ -654,42 +525,8 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
     return result
 
 
-def sweep_status(sweep_dir: str | os.PathLike) -> dict[str, Any]:
-    """How far a sweep is: jobs expected (from Hydra's ``multirun.yaml``: sweeper params + command line, basic
-    sweeper semantics), finished (``summary.json``), interrupted or running (``samples.jsonl`` only), failed
-    (a ``.progress/<job>.json`` marker saying so, harness.progress), not started."""
-    import yaml
-
-    d = Path(sweep_dir)
-    mr = d / "multirun.yaml"
-    if not mr.is_file():
-        raise FileNotFoundError(f"{d}: no multirun.yaml (not a Hydra sweep directory)")
-    hydra = (yaml.safe_load(mr.read_text(encoding="utf-8")) or {}).get("hydra") or {}
-    expected = None
-    try:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        params = [f"{k}={v}" for k, v in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
-        task = (hydra.get("overrides") or {}).get("task") or []
-        parsed = OverridesParser.create().parse_overrides([*params, *task])
-        expected = sum(len(b) for b in BasicSweeper.split_arguments(parsed, None))
-    except Exception:  # noqa: BLE001 - another sweeper: count what is there
-        pass
-    jobs = sorted((p for p in d.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    finished = [p.name for p in jobs if (p / "summary.json").is_file()]
-    started = [p.name for p in jobs if (p / "samples.jsonl").is_file() and p.name not in finished]
-    failed = []
-    for m in (d / ".progress").glob("*.json") if (d / ".progress").is_dir() else []:
-        try:
-            if json.loads(m.read_text())["status"] != "completed" and m.stem not in finished:
-                failed.append(m.stem)
-        except (ValueError, KeyError):
-            pass
-    seen = len(set(finished) | set(started) | set(failed))
-    return {"sweep": str(d), "expected": expected, "finished": len(finished), "failed": sorted(failed, key=int),
-            "running_or_interrupted": [j for j in started if j not in failed],
-            "not_started": (expected - seen) if expected is not None else None}
+# how far sweeps and runs are (``--status``, the report's "unfinished" warnings): harness/report_status.py
+from harness.report_status import sweep_status, unfinished, unfinished_lines  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -721,6 +558,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for path, reason in res.skipped:
+        print(f"warning: skipped {path}: {reason}", file=sys.stderr)
+    for line in unfinished_lines(res.unfinished):
+        print(f"warning: unfinished: {line.replace('`', '')}", file=sys.stderr)
     print(f"{len(res.rows)} runs → {res.markdown}")
     for p in res.plots:
         print(f"  {p}")

@@ -40,7 +40,8 @@ class SamplesLog:
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(_jsonable(record), ensure_ascii=False) + "\n")
+        # default=str: a value JSON cannot hold (a Path in a reference) is written as text, never a crash mid-run
+        self._f.write(json.dumps(_jsonable(record), ensure_ascii=False, default=str) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
 

@@ -7,12 +7,14 @@ loaders, engines and scorers come from their registries.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from harness.results import SamplesLog, run_block, utc_now, write_json
+
+log = logging.getLogger(__name__)
 
 
 class TechniqueNotAvailable(RuntimeError):
@@ -62,6 +64,11 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
         # each request carries its share of its batch's importance time: the sum is the run's total
         "importance_ms_total": sum(r["visionzip"]["importance_ms"] or 0.0 for r in records
                                    if r.get("visionzip") and not r.get("cached")),
+        # token counts cover every request (replayed ones carry their visionzip block from the cache); the
+        # importance time only the requests generated in this attempt
+        "importance_ms_requests": sum(1 for r in records if r.get("visionzip") and not r.get("cached")),
+        "requests_replayed": sum(1 for r in records if r.get("visionzip") and r.get("cached")),
+        "importance_ms_partial": any(r.get("visionzip") and r.get("cached") for r in records),
     }
 
 
@@ -108,23 +115,45 @@ def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | 
 CACHE_READ = ("resume", "always", "never")
 
 
-def set_aside_interrupted(run_dir: Path) -> bool:
-    """A ``samples.jsonl`` already in this directory is renamed (never appended to). True when it was left by
-    an interrupted attempt (no ``summary.json`` beside it), i.e. this run resumes."""
-    path = run_dir / "samples.jsonl"
-    if not path.exists():
-        return False
-    interrupted = not (run_dir / "summary.json").exists()
-    n = len(list(run_dir.glob("samples.jsonl.interrupted-*"))) + len(list(run_dir.glob("samples.jsonl.old-*"))) + 1
-    path.rename(run_dir / f"samples.jsonl.{'interrupted' if interrupted else 'old'}-{n}")
-    return interrupted
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``samples.jsonl`` (a torn last line of a killed writer is skipped)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _finish_wandb(cfg: Any, run_dir: Path, config: dict[str, Any], summary: dict[str, Any], state: dict[str, Any],
+                  ) -> dict[str, Any]:
+    """Redo the W&B logging of a finished run whose attempt was killed while logging (``summary.json`` written,
+    ``run_state.json`` ``wandb.logged`` false): the same W&B run id, from the files in the directory."""
+    from harness.run_state import mark_wandb_logged
+    from harness.tracking import log_run
+
+    log.warning("%s: finished earlier but its W&B logging did not complete: logging it now", run_dir)
+    wandb_dir = log_run(cfg.wandb, config, summary, read_records(run_dir / "samples.jsonl"), run_dir,
+                        name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"))
+    if wandb_dir:
+        summary["run"]["wandb_dir"] = wandb_dir
+        write_json(run_dir / "summary.json", summary)
+    mark_wandb_logged(run_dir, state, wandb_dir)
+    return summary
 
 
 def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
-    """Run the configured experiment, write ``config.yaml``, ``samples.jsonl``, ``summary.json``."""
+    """Run the configured experiment, write ``config.yaml``, ``samples.jsonl``, ``summary.json``.
+
+    The run directory is locked for the whole run (:class:`harness.run_state.RunLock`; a second process gets
+    :class:`~harness.run_state.RunDirLocked`), and its ``run_state.json`` records the attempt before anything
+    else, so a rerun after a kill at any point resumes (see :mod:`harness.run_state`)."""
     from omegaconf import OmegaConf
 
+    from harness.logs import run_logging
     from harness.progress import RunProgress
+    from harness.run_state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
     check_techniques(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,24 +161,56 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.cache.read not in CACHE_READ:
         raise ValueError(f"cache.read={cfg.cache.read!r}: expected one of {', '.join(CACHE_READ)}")
-    if cfg.cache.enabled and cfg.cache.read != "never":
-        done = finished_summary(run_dir, config)
-        if done is not None:
-            print(f"{run_dir}: finished earlier with this configuration, not run again (cache.read=never re-runs "
-                  "it)", file=sys.stderr)
-            return done
-    resuming = set_aside_interrupted(run_dir)
-    read_cache = cfg.cache.read == "always" or (cfg.cache.read == "resume" and resuming)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
-    progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
-    try:
-        return _run(cfg, run_dir, config, started, read_cache, progress)
-    finally:
-        progress.close()
+    with RunLock(run_dir), run_logging(run_dir):
+        if cfg.cache.enabled and cfg.cache.read != "never":
+            done = finished_summary(run_dir, config)
+            if done is not None:
+                state = read_state(run_dir)
+                if state is not None and state.get("status") == "running":  # killed between the two writes
+                    mark_finished(run_dir, state)
+                if state is not None and wandb_pending(state, cfg.wandb.mode):
+                    return _finish_wandb(cfg, run_dir, config, done, state)
+                log.warning("%s: finished earlier with this configuration, not run again (cache.read=never "
+                            "re-runs it)", run_dir)
+                return done
+        state, resuming = begin_attempt(run_dir)
+        read_cache = cfg.cache.read == "always" or (cfg.cache.read == "resume" and resuming)
+        log.info("%s: attempt %d%s, cache %s", run_dir, state["attempt"], " (resuming an interrupted attempt)"
+                 if resuming else "", "read" if read_cache and cfg.cache.enabled else "not read")
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
+        live = _start_wandb(cfg, config, run_dir, state)
+        progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
+        try:
+            summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live)
+        except BaseException:
+            if live is not None:
+                live.fail()
+            raise
+        finally:
+            progress.close()
+    return summary
 
 
-def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any
-         ) -> dict[str, Any]:
+def _start_wandb(cfg: Any, config: dict[str, Any], run_dir: Path, state: dict[str, Any]):
+    """The live W&B run of this attempt (None when disabled), opened before any data or model loads."""
+    from harness.tracking import start_run, sweep_info
+
+    return start_run(cfg.wandb, config, run_dir, name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"),
+                     sweep=sweep_info())
+
+
+def mark_partial(technique_stats: dict[str, Any], n_generated: int, n_replayed: int) -> dict[str, Any]:
+    """Technique statistics gathered by the engine (``summary.json`` ``sere``) cover only the requests generated
+    in this attempt: say so, with the counts, when some were replayed from the generation cache."""
+    for block in technique_stats.values():
+        if isinstance(block, dict):
+            block.update({"partial": n_replayed > 0, "requests_covered": n_generated,
+                          "requests_replayed": n_replayed})
+    return technique_stats
+
+
+def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any,
+         state: dict[str, Any], live: Any = None) -> dict[str, Any]:
     """The run proper, phase by phase (``progress`` shows them): data → model → images → cache → warmup →
     generate → finish."""
     from omegaconf import OmegaConf
@@ -159,7 +220,9 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     from harness.engines import make_engine
     from harness.engines.base import Request
     from harness.scoring import Scorer, aggregate
-    from harness.tracking import log_run, sweep_info
+    from harness.outcome import parsed_answer, prompt_record, run_warnings
+    from harness.run_state import mark_finished, mark_wandb_logged
+    from harness.tracking import sweep_info
 
     with progress.phase("data") as bar:
         samples = []
@@ -203,7 +266,10 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "prompt_tokens": gen.prompt_tokens if gen else None,
             "visual_tokens": gen.visual_tokens if gen else None,
             "output_tokens": gen.output_tokens if gen else None,
+            **prompt_record(sample),  # the prompt the model saw (text, image markers) and its SHA-256
+            "reference": sample.reference,
             "answer": answer,
+            "parsed_answer": parsed_answer(sample, answer, scores),
             "scores": scores,
             "ttft_ms": gen.ttft_ms if gen else None,
             "tpot_ms": gen.tpot_ms if gen else None,
@@ -220,6 +286,23 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         }
         records.append(rec)
         samples_log.write(rec)
+        if error:  # the log file names each failure; the console summary counts them
+            log.info("sample %s failed: %s", rec["uid"], error)
+
+    def live_progress(chunk: list[Any]) -> None:  # W&B, per batch: a killed run still shows how far it got
+        if live is None:
+            return
+        timed = [g for g in chunk if g is not None and not g.error and g.ttft_ms is not None]
+        values = {"progress/samples_done": len(records), "progress/samples_total": len(samples),
+                  "progress/errors": sum(1 for r in records if r["error"]),
+                  "progress/replayed": sum(1 for r in records if r["cached"])}
+        if timed:
+            values["batch/ttft_ms"] = sum(g.ttft_ms for g in timed) / len(timed)
+            tpots = [g.tpot_ms for g in timed if g.tpot_ms is not None]
+            if tpots:
+                values["batch/tpot_ms"] = sum(tpots) / len(tpots)
+            values["batch/size"] = len(chunk)
+        live.log(values)
 
     try:
         runnable: list[tuple[Any, Request]] = []
@@ -250,6 +333,10 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                         n_replayed += 1
                     bar.update(1)
                 runnable = todo
+            if n_replayed:
+                log.info("%d of %d samples replayed from the generation cache %s", n_replayed,
+                         len(samples), cache.path)
+        live_progress([])
         bs = max(1, cfg.engine.batch_size)
         with progress.phase("warmup", total=cfg.engine.warmup if runnable else 0, unit="batch") as bar:
             if runnable and hasattr(engine, "warmup"):
@@ -267,28 +354,34 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                 for gen in gens:  # requests cycle through the dataset: uid#k is the k-th pass over uid
                     record(by_uid[gen.extra.get("source_uid", gen.uid)], gen, uid=gen.uid)
                 bar.update(len(runnable))
+                live_progress(gens)
                 runnable = []
             for i in range(0, len(runnable), bs):
                 chunk = runnable[i : i + bs]
-                for (sample, _), gen in zip(chunk, engine.generate_batch([r for _, r in chunk])):
+                gens = engine.generate_batch([r for _, r in chunk])
+                for (sample, _), gen in zip(chunk, gens):
                     if cache is not None and not gen.error:
                         cache.put(keys[sample.uid], gen)
                     record(sample, gen)
                 bar.update(len(chunk))
+                live_progress(gens)
         gen_s = load_info["duration_s"] if load_info else time.perf_counter() - gen0
     finally:
         samples_log.close()
         if cache is not None:
             cache.close()
         engine_info = engine.describe()
-        technique_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
+        technique_stats = mark_partial(engine.technique_stats() if hasattr(engine, "technique_stats") else {},
+                                       sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
+                                       sum(1 for r in records if r["cached"]))
         engine.close()
 
     with progress.phase("finish", unit="step"):  # aggregate, write summary.json, log to W&B
         wall_s = time.perf_counter() - wall0
         summary = {
             "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
-                    "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info()},
+                    "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
+                    "attempt": state["attempt"]},
             "config": config,
             "metrics": aggregate(records),
             "latency": run_latency(records, gen_s),
@@ -302,9 +395,16 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         if load_info is not None:
             summary["load"] = load_info
         summary["run"]["phase_s"] = dict(progress.times)  # seconds per phase (not "finish", still running)
+        summary["warnings"] = run_warnings(summary)  # what a reader must know (random weights, unparsable, …)
+        for warning in summary["warnings"]:  # INFO: the console shows them once, in the end-of-run summary
+            log.info("warning: %s", warning)
         write_json(run_dir / "summary.json", summary)
-        wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
-        if wandb_dir:
-            summary["run"]["wandb_dir"] = wandb_dir
-            write_json(run_dir / "summary.json", summary)
+        mark_finished(run_dir, state)
+        log.info("%s written", run_dir / "summary.json")
+        if live is not None:  # a kill from here on is redone by the rerun (run_state.json wandb.logged false)
+            wandb_dir = live.finish(config, summary, records, run_dir)
+            if wandb_dir:
+                summary["run"]["wandb_dir"] = wandb_dir
+                write_json(run_dir / "summary.json", summary)
+            mark_wandb_logged(run_dir, state, wandb_dir)
     return summary

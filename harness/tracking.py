@@ -1,4 +1,5 @@
-"""Weights & Biases logging of a finished run: config, summary metrics, a samples table, result files.
+"""Weights & Biases logging of a run: opened at its start (config, live progress per batch), finished with the
+summary metrics, a samples table and the result files.
 
 ``wandb.mode`` is ``offline`` by default (no network; ``wandb sync results/.../wandb/offline-run-*`` uploads
 later) and ``disabled`` in tests. wandb is imported only when a run logs.
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLE_COLUMNS = ("uid", "prompt_tokens", "visual_tokens", "output_tokens", "ttft_ms", "tpot_ms", "answer",
-                  "error")
+                  "parsed_answer", "error", "cached", "prompt_sha256")
 
 
 def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
@@ -79,18 +80,107 @@ def run_name(config: dict[str, Any], run_dir: Path, sweep: dict[str, Any] | None
     return " ".join([f"{sweep['name']}#{sweep['job_num']}", str(dataset), *settings] or [run_dir.name])
 
 
-def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
-            run_dir: Path, name: str) -> str | None:
-    """Log one finished run; returns the W&B run directory (None when disabled).
+class LiveRun:
+    """A W&B run opened when the run starts and logged as it goes (``progress/*`` per batch), so a crashed or
+    killed run still leaves its config and progress in W&B; :meth:`finish` adds the final summary, the samples
+    table and the result files. Every attempt of one run directory uses the same W&B run id (``resume="allow"``),
+    so an online rerun continues the same W&B run; offline, each attempt writes its own
+    ``wandb/offline-run-*-<id>`` directory under that id (sync the last one)."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.step = 0
+
+    def log(self, values: dict[str, Any]) -> None:
+        """Live values (e.g. ``progress/samples_done``); never fails the run."""
+        try:
+            self.run.log(values)
+        except Exception:  # noqa: BLE001 - W&B trouble must not cost the measurement
+            pass
+
+    def finish(self, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
+               run_dir: Path) -> str | None:
+        """Log the finished run's summary metrics, samples table, SERE per-layer table and result files, then
+        close the W&B run. Returns the W&B run directory."""
+        import wandb
+
+        run = self.run
+        try:
+            tags = technique_tags(config, summary)
+            if hasattr(run, "tags"):  # tags known only at the end (latency-partial)
+                run.tags = tuple(dict.fromkeys([*(run.tags or ()), *tags]))
+            blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache") if summary.get(k)}
+            run.summary.update(_flatten("", blocks, {}))
+            score_keys = sorted({k for r in records for k in r.get("scores", {})})
+            table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])
+            for r in records:
+                table.add_data(*[_cell(r.get(c)) for c in SAMPLE_COLUMNS],
+                               *[_cell(r.get("scores", {}).get(k)) for k in score_keys])
+            run.log({"samples": table})
+            per_layer = (summary.get("sere") or {}).get("per_layer")
+            if per_layer:  # the per-layer expert union, as a table and a bar chart
+                cols = ["layer", "expert_union_before", "expert_union_after", "moved_fraction", "critical_fraction"]
+                layers = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in per_layer])
+                run.log({"sere/per_layer": layers,
+                         "sere/union_after_by_layer": wandb.plot.bar(layers, "layer", "expert_union_after",
+                                                                     title="Distinct experts per decode step (SERE)")})
+            artifact = wandb.Artifact(name=f"results-{run.id}", type="results")
+            for fname in ("summary.json", "samples.jsonl", "config.yaml"):
+                if (run_dir / fname).exists():
+                    artifact.add_file(str(run_dir / fname))
+            run.log_artifact(artifact)
+            return run.dir
+        finally:
+            run.finish()
+
+    def fail(self) -> None:
+        """Close the W&B run of a run that raised (marked failed in W&B)."""
+        try:
+            self.run.finish(exit_code=1)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _cell(value: Any) -> Any:
+    """A W&B table cell: lists and mappings as JSON text (a column must keep one type)."""
+    if isinstance(value, (dict, list, tuple)):
+        import json
+
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return value
+
+
+FLUSH_INTERVAL_S = 2.0
+
+
+def _live_settings(wandb: Any) -> Any:
+    """W&B settings of a live run: the run's ``.wandb`` file is flushed every ``FLUSH_INTERVAL_S`` seconds
+    (wandb's default, 15 s, left nothing of a run killed in its first seconds). None where this wandb lacks
+    the setting."""
+    try:
+        return wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S)
+    except Exception:  # noqa: BLE001 - an older wandb (or a test double): its defaults
+        return None
+
+
+def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, *, run_id: str | None = None,
+              sweep: dict[str, Any] | None = None, summary: dict[str, Any] | None = None) -> LiveRun | None:
+    """Open the W&B run of one run (None when ``wandb.mode=disabled``).
 
     Group: ``wandb.group`` when set, else the sweep id (``summary.json`` ``run.sweep.id``), so every job of a
     sweep lands in one W&B group. Job type: ``wandb.job_type``, or the technique (``technique_label``) when it
-    is ``auto`` (the sweep configs set that). Tags: ``wandb.tags`` + :func:`technique_tags`."""
+    is ``auto`` (the sweep configs set that). Tags: ``wandb.tags`` + :func:`technique_tags` (from ``summary``
+    when known, else from the config)."""
     if wandb_cfg.mode == "disabled":
         return None
     import wandb
 
-    sweep = summary["run"].get("sweep")
+    summary = summary or {"run": {"engine": (config.get("engine") or {}).get("name"),
+                                  "weights": (config.get("model") or {}).get("weights")}}
+    kwargs: dict[str, Any] = {"id": run_id, "resume": "allow"} if run_id else {}
+    settings = _live_settings(wandb)
+    if settings is not None:
+        kwargs["settings"] = settings
     run = wandb.init(
         mode=wandb_cfg.mode,
         project=wandb_cfg.project,
@@ -101,28 +191,15 @@ def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], rec
         name=run_name(config, run_dir, sweep) if sweep else name,
         dir=str(run_dir),
         config={**config, "sweep": sweep} if sweep else config,
+        **kwargs,
     )
-    try:
-        blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache") if summary.get(k)}
-        run.summary.update(_flatten("", blocks, {}))
-        score_keys = sorted({k for r in records for k in r.get("scores", {})})
-        table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])
-        for r in records:
-            table.add_data(*[r.get(c) if c != "answer" else r.get("answer", "") for c in SAMPLE_COLUMNS],
-                           *[r.get("scores", {}).get(k) for k in score_keys])
-        run.log({"samples": table})
-        per_layer = (summary.get("sere") or {}).get("per_layer")
-        if per_layer:  # the per-layer expert union, as a table and a bar chart
-            cols = ["layer", "expert_union_before", "expert_union_after", "moved_fraction", "critical_fraction"]
-            layers = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in per_layer])
-            run.log({"sere/per_layer": layers,
-                     "sere/union_after_by_layer": wandb.plot.bar(layers, "layer", "expert_union_after",
-                                                                 title="Distinct experts per decode step (SERE)")})
-        artifact = wandb.Artifact(name=f"results-{run.id}", type="results")
-        for fname in ("summary.json", "samples.jsonl", "config.yaml"):
-            if (run_dir / fname).exists():
-                artifact.add_file(str(run_dir / fname))
-        run.log_artifact(artifact)
-        return run.dir
-    finally:
-        run.finish()
+    return LiveRun(run)
+
+
+def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],
+            run_dir: Path, name: str, *, run_id: str | None = None) -> str | None:
+    """Log one finished run in one go (a rerun redoing the W&B logging a killed attempt did not complete);
+    returns the W&B run directory (None when disabled). Naming as :func:`start_run`."""
+    live = start_run(wandb_cfg, config, run_dir, name, run_id=run_id, sweep=summary["run"].get("sweep"),
+                     summary=summary)
+    return live.finish(config, summary, records, run_dir) if live is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -182,3 +183,126 @@ def test_fixtures_are_reproducible(tmp_path):
     assert ours == theirs
     for rel in ours:
         assert (mk.OUT / rel).read_bytes() == (FIXTURES / rel).read_bytes(), rel
+
+
+# ------------------------------------------------------------------------------------------ issue 12, item 6
+
+
+def _summary(tmp_path, name, *, comprehensive=0.5, scoring=None, keep=1.0, by_source=None, ttft=100.0):
+    run = tmp_path / name
+    run.mkdir(parents=True)
+    s = {"run": {"engine": "hf", "weights": "real", "model": {"name": "m"}, **({"scoring": scoring} if scoring else {})},
+         "config": {"dataset": {"name": "rag_igbench"}, "visionzip": {"keep": keep}},
+         "metrics": {"comprehensive": comprehensive, "n_samples": 4},
+         "latency": {"ttft_ms": {"p50": ttft, "p90": ttft * 1.2}}}
+    if by_source:
+        s["visionzip"] = {"keep": keep, "by_source": by_source}
+    (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+def test_a_malformed_summary_is_skipped_with_a_warning_naming_it(tmp_path):
+    """Old code: one bad summary.json next to good ones crashed the whole report."""
+    shutil.copytree(FIXTURES / "multirun/sere_grid", tmp_path / "sere_grid")
+    bad = {"torn": '{"run": {"engine": "hf"', "list": "[]", "wrongtype": '{"run": "hf", "metrics": {}}',
+           "latin1": None}
+    for name, text in bad.items():
+        (tmp_path / "sere_grid" / name).mkdir()
+        path = tmp_path / "sere_grid" / name / "summary.json"
+        path.write_bytes(text.encode() if text is not None else b'{"run": "\xe9t\xe9"}')
+    res = rp.build_report([tmp_path / "sere_grid"], tmp_path / "out")
+    assert len(res.rows) == 4
+    assert sorted(p.parent.name for p, _ in res.skipped) == sorted(bad)
+    why = {p.parent.name: reason for p, reason in res.skipped}
+    assert "not readable JSON" in why["torn"] and "a JSON list" in why["list"] and "run not an object" in why["wrongtype"]
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "4 summary.json skipped" in md and "torn/summary.json" in md
+    proc = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "sere_grid"), "--out",
+                           str(tmp_path / "out2")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"warning: skipped {tmp_path / 'sere_grid' / 'torn' / 'summary.json'}: not readable JSON" in proc.stderr
+    assert "4 runs" in proc.stdout
+    only_bad = tmp_path / "only_bad"
+    (only_bad / "x").mkdir(parents=True)
+    (only_bad / "x" / "summary.json").write_text("[]")
+    with pytest.raises(ValueError, match="no readable summary.json"):
+        rp.build_report([only_bad], tmp_path / "out3")
+
+
+def test_a_sweep_with_unfinished_jobs_says_how_many(tmp_path):
+    """Old code: a running sweep was reported as if it were complete."""
+    sweep = tmp_path / "visionzip_keep"
+    shutil.copytree(FIXTURES / "multirun/visionzip_keep/2026-01-01_00-00-00", sweep)
+    (sweep / "10").mkdir()
+    (sweep / "10" / "config.yaml").write_text("seed: 0\n")  # started: config.yaml written, nothing else yet
+    loose = _summary(tmp_path, "runs/a").parent / "b"
+    loose.mkdir()
+    (loose / "config.yaml").write_text("seed: 0\n")
+    res = rp.build_report([tmp_path], tmp_path / "out")
+    (st,) = res.unfinished["sweeps"]
+    assert (st["finished"], st["expected"], st["running_or_interrupted"], st["failed"], st["not_started"]) == \
+        (8, 16, ["8", "10"], ["9"], 5)
+    assert res.unfinished["runs"] == [str(loose.resolve())]
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "8 of 16 jobs finished — 2 running or interrupted, 1 failed, 5 not started" in md
+    assert "1 run directories without summary.json" in md
+
+
+def test_random_init_scorers_are_flagged_like_random_weights(tmp_path):
+    rnd = {"clip_model": "tiny-clip", "clip_weights": "random-init", "embed_model": "e", "embed_weights": "random-init"}
+    real = {"clip_model": "ViT-L-14", "clip_weights": "pretrained", "embed_model": "e", "embed_weights": "pretrained"}
+    _summary(tmp_path, "r1", scoring=rnd, comprehensive=0.5)
+    _summary(tmp_path, "r2", scoring=real, comprehensive=0.6, keep=0.6, ttft=80.0)
+    res = rp.build_report([tmp_path], tmp_path / "out")
+    rows = by_dir(res.rows)
+    assert rows["r1"]["random_scorers"] == ["clip", "embed"] and rows["r2"]["random_scorers"] == []
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "random-init scorers (clip, embed) in 1 of 2 runs" in md
+    assert "| 0.500 † |" in md and "| 0.600 |" in md and "**RANDOM** (clip, embed)" in md
+    from harness.report_plots import quality_figure
+
+    fig = quality_figure(rp.panels(res.rows), "ttft", title="t")
+    (ax,) = [a for a in fig.axes if a.get_visible() and a.get_title()]
+    assert "RANDOM-INIT SCORERS (clip, embed)" in ax.get_title() and "random-init scorers" in fig._suptitle.get_text()
+
+
+def test_plot_labels_do_not_overlap_and_titles_fit(tmp_path):
+    """Old code: labels of close points were drawn on top of each other and a long sweep title ran off the figure."""
+    from harness.report_plots import quality_figure
+
+    rows = rp.load_rows([FIXTURES])
+    title = "Sweep " + ", ".join(f"sweep_{i}/2026-01-0{i}_00-00-00" for i in range(1, 7))
+    fig = quality_figure(rp.panels(rows), "ttft", title=title)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    for text in [fig._suptitle] + [a.title for a in fig.axes]:
+        box = text.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, text.get_text()
+    n_labels = 0
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        n_labels += len(boxes)
+        inside = ax.get_window_extent(renderer)
+        for i, a in enumerate(boxes):
+            assert inside.x0 <= a.x0 and a.x1 <= inside.x1 and inside.y0 <= a.y0 and a.y1 <= inside.y1
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (ax.get_title(), a, b)
+    assert n_labels == 13 + 4  # every run labelled (the mix runs appear in two panels)
+
+
+def test_keep_rate_plot_shows_only_runs_that_mix_sources(tmp_path):
+    """Old code: a single-source VisionZip run got a one-bar group and padded every other group with empty slots."""
+    from harness.report_plots import keep_rate_figure, keep_rate_runs
+
+    _summary(tmp_path, "single", keep=0.6, by_source={"rag_igbench": 0.6})
+    res = rp.build_report([tmp_path], tmp_path / "out")
+    assert [p.name for p in res.plots] == ["quality_vs_ttft.png"]  # no keep plot for one source
+    _summary(tmp_path, "mix", keep=0.5, by_source={"ocrbench": 0.7, "ccbench": 0.3})
+    rows = rp.load_rows([tmp_path])
+    assert [r["run_dir"] for r in keep_rate_runs(rows)] == ["mix"]
+    fig = keep_rate_figure(rows, title="t")
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["keep 0.5\nrag_igbench"]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts())[:2] == ["ccbench", "nominal keep (visionzip.keep)"]

@@ -23,7 +23,9 @@ LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def harness_cmd(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_SILENT": "true"}
+    # this checkout's package first (cwd is a temporary directory, where the editable install would win)
+    env = {**os.environ, "WANDB_SILENT": "true",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, "-m", "harness", *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -241,3 +243,90 @@ def test_embedded_scorers_report_every_rag_igbench_metric(tmp_path, monkeypatch)
         # each shared image has the identical context on both sides: cosine 1 → alignment 1 (0 without images)
         assert s["alignment"] == pytest.approx(1.0 if ref_ids else 0.0, abs=1e-5)
         assert 0.0 <= s["clip_score"] <= 1.0
+
+
+# ------------------------------------------------------------------------------------------ what a user reads
+
+
+def test_samples_jsonl_holds_prompt_reference_and_parsed_answer(tmp_path, monkeypatch):
+    """Old code: a samples.jsonl line had neither the prompt, the reference nor what the scorer parsed."""
+    import hashlib
+
+    def answer(s):
+        return "```json\n" + json.dumps({"answer": f"好 ![x](IMG#1) {s.uid}"}, ensure_ascii=False) + "\n```"
+
+    run_scripted(tmp_path, monkeypatch, "rag_igbench_sample", answer)
+    lines = [json.loads(l) for l in (tmp_path / "run/samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    for rec in lines:
+        assert rec["prompt"] and "<image 1>" in rec["prompt"] and rec["meta"]["query"] in rec["prompt"]
+        assert rec["prompt_sha256"] == hashlib.sha256(rec["prompt"].encode("utf-8")).hexdigest()
+        assert rec["reference"]["answer"] and rec["reference"]["n_candidates"] == rec["n_images"]
+        assert rec["parsed_answer"] == f"好 ![x](IMG#1) {rec['uid']}"
+
+
+def test_console_summary_and_warnings():
+    from harness.outcome import console_summary, run_warnings
+
+    summary = {"run": {"run_dir": "/r", "weights": "random-init", "model": {"name": "tiny"}, "engine": "hf",
+                       "scoring": {"clip_model": "tiny-clip", "clip_weights": "random-init", "embed_model": None,
+                                   "embed_weights": None}},
+               "metrics": {"n_samples": 12, "n_scored": 0, "format_invalid": 12, "errors": 0, "rouge1": 0.0},
+               "latency": {"ttft_ms": {"p50": 240.0}, "tpot_ms": {"p50": 4.5}, "n_measured": 12, "n_cached": 0}}
+    warnings = run_warnings(summary)
+    assert "all 12 answers unparsable (format_invalid): see scores.reason / the answers in samples.jsonl" in warnings
+    assert any(w.startswith("random-init model weights (tiny)") for w in warnings)
+    assert any(w.startswith("random-init scorers (clip tiny-clip): clip_score") for w in warnings)
+    text = console_summary(summary)
+    assert "rouge1 0.000" in text and "TTFT p50 240 ms · TPOT p50 4.5 ms" in text and "(12 samples, 0 scored)" in text
+    assert text.count("warning  ") == 3
+    part = {**summary, "metrics": {"n_samples": 12, "format_invalid": 5}, "run": {}}
+    assert run_warnings(part) == ["5 of 12 answers unparsable (format_invalid): see scores.reason / the answers "
+                                  "in samples.jsonl"]
+
+
+@pytest.mark.slow
+def test_a_plain_run_prints_no_warning_logs_to_its_file_and_ends_with_a_summary(tmp_path):
+    """Old code: every run printed Hydra's 'SweepProgress ... MissingMandatoryValue' warning, cli.log stayed empty
+    and the run ended with a JSON dump."""
+    run_dir = tmp_path / "run"
+    proc = harness_cmd(f"hydra.run.dir={run_dir}", "wandb.mode=disabled", "dataset.limit=2",
+                       "generation.max_new_tokens=4", "engine.warmup=0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MissingMandatoryValue" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"run      {run_dir}\n") and "\nlatency  TTFT p50 " in proc.stdout
+    assert "warning  random-init model weights" in proc.stdout and "answers unparsable" in proc.stdout
+    log = (run_dir / "cli.log").read_text(encoding="utf-8")
+    assert f"{run_dir}: attempt 1, cache not read" in log and "warning: random-init model weights" in log
+    assert "summary.json written" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert any("random-init scorers" in w for w in summary["warnings"])
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_git_commit_is_the_project_s_own_or_null(tmp_path, monkeypatch):
+    """Old code: the commit of whatever git repository enclosed the package (a larger checkout holding a copy)."""
+    from harness.envinfo import git_commit
+
+    monkeypatch.delenv("HARNESS_GIT_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    pkg = outer / "vendor" / "moe-vlm-harness" / "harness"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "pyproject.toml").write_text('[project]\nname = "moe-vlm-harness"\n')
+    (pkg / "__init__.py").write_text("")
+    _git(outer, "init", "-q")
+    _git(outer, "add", ".")
+    _git(outer, "commit", "-qm", "outer")
+    assert git_commit(pkg) is None  # the enclosing repository is not this project's
+    _git(pkg.parent, "init", "-q")
+    _git(pkg.parent, "add", ".")
+    _git(pkg.parent, "commit", "-qm", "project")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pkg.parent, capture_output=True, text=True).stdout.strip()
+    assert git_commit(pkg) == sha
+    (pkg / "__init__.py").write_text("x = 1\n")
+    assert git_commit(pkg) == sha + "-dirty"
+    (pkg.parent / "pyproject.toml").write_text('[project]\nname = "another-project"\n')
+    assert git_commit(pkg) is None

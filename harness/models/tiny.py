@@ -125,11 +125,40 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     building at once keep whichever finished first. Shared by every locally built artefact (the tiny model,
     the tiny scorer encoders).
     """
+    import fcntl
+    import glob
+    import os
+    import time
+
+    # Each build holds an flock on its temporary directory, which the kernel drops when the builder dies: a
+    # ``<name>.<random>`` sibling that can be locked is what a killed build left (older than a minute, so a build
+    # between mkdtemp and its flock is never taken for one) and is removed, also when the target is complete by
+    # now (a glob of one directory per call). A live build's stays.
+    stale_s = 60.0
+    for stale in target.parent.glob(glob.escape(target.name) + ".*"):
+        try:
+            if not stale.is_dir() or time.time() - stale.stat().st_mtime < stale_s:
+                continue
+            fd = os.open(stale, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live build holds it (or this file system has no flock): leave it
+            os.close(fd)
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        os.close(fd)
     if (target / MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    lock = os.open(tmp, os.O_RDONLY)
     try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # no flock here: the build still works, it is only not protected from clean-up
+            pass
         build(tmp)
         try:
             tmp.rename(target)
@@ -138,6 +167,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     return target
 
 

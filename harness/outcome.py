@@ -1,0 +1,132 @@
+"""What a user reads about a run: the prompt and parsed answer in each ``samples.jsonl`` line, the warnings of
+``summary.json`` (``warnings``) and the short console summary ``python -m harness`` ends with.
+
+Why a module of its own: the same warnings ("all 12 answers unparsable", "random-init weights") must reach the
+console, the run's log file and ``summary.json`` alike, worded once. Only the standard library is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping
+
+# quality keys shown on the console, per benchmark (the first present of each group)
+CONSOLE_METRICS = (("comprehensive", "rouge1", "edit_score", "kendall", "clip_score", "alignment"),
+                   ("ocrbench_score",), ("mcq_accuracy",))
+RANDOM_SCORER_METRICS = {"clip": ("clip_score",), "embed": ("alignment",)}
+
+
+def prompt_text(content: list[dict[str, Any]]) -> str:
+    """The request's text as the model reads it, images as ``<image k>`` markers (k = 1-based request order)."""
+    parts = []
+    for part in content:
+        if part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        elif part.get("type") == "image":
+            parts.append(f"<image {int(part.get('index', 0)) + 1}>")
+    return "".join(parts)
+
+
+def prompt_record(sample: Any) -> dict[str, Any]:
+    """``samples.jsonl`` ``prompt`` (the full text, before the engine's chat template) and ``prompt_sha256``
+    (a stable reference: equal prompts have equal hashes across runs and engines)."""
+    text = prompt_text(sample.content or [])
+    return {"prompt": text, "prompt_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+
+
+def parsed_answer(sample: Any, answer: str, scores: Mapping[str, Any]) -> Any:
+    """What the scorer read out of the raw answer: RAG-IGBench's ``answer`` field of the model's JSON (None when
+    unparsable), CCBench's extracted choice, OCRBench's whole answer (it scores substrings of it)."""
+    if not answer:
+        return None
+    if sample.task == "rag_igbench":
+        from harness.metrics.rag_igbench import parse_answer
+
+        return parse_answer(answer)
+    if sample.task == "mcq":
+        return scores.get("pred")
+    return answer
+
+
+def _n(x: Any) -> int:
+    return int(x) if isinstance(x, (int, float)) else 0
+
+
+def run_warnings(summary: Mapping[str, Any]) -> list[str]:
+    """The caveats of one run's numbers, one sentence each (``summary.json`` ``warnings``)."""
+    run, metrics, lat = (summary.get(k) or {} for k in ("run", "metrics", "latency"))
+    out: list[str] = []
+    if run.get("weights") == "random-init":
+        name = (run.get("model") or {}).get("name") or "model"
+        out.append(f"random-init model weights ({name}): the quality numbers mean nothing, only latency does")
+    scoring = run.get("scoring") or {}
+    random_scorers = [f"{kind} {scoring.get(f'{kind}_model')}" for kind in ("clip", "embed")
+                      if scoring.get(f"{kind}_weights") == "random-init"]
+    if random_scorers:
+        hit = [m for kind in ("clip", "embed") if scoring.get(f"{kind}_weights") == "random-init"
+               for m in RANDOM_SCORER_METRICS[kind]]
+        out.append(f"random-init scorers ({', '.join(random_scorers)}): {', '.join(hit)} and comprehensive "
+                   "mean nothing")
+    n = _n(metrics.get("n_samples"))
+    blocks = [metrics, *(metrics.get("per_task") or {}).values()] if metrics.get("per_task") else [metrics]
+    for block in blocks:
+        for key, what in (("format_invalid", "answers unparsable (format_invalid)"),
+                          ("unparsed", "answers with no recognisable choice (unparsed)")):
+            bad = _n(block.get(key))
+            total = _n(block.get("n_samples") or block.get("n_rows") or n)
+            if bad:
+                share = f"all {bad}" if bad >= total else f"{bad} of {total}"
+                out.append(f"{share} {what}: see scores.reason / the answers in samples.jsonl")
+    errors = _n(metrics.get("errors"))
+    if errors:
+        out.append(f"{errors} of {n} samples failed (scored 0): see error in samples.jsonl")
+    data_errors = metrics.get("data_errors")
+    if isinstance(data_errors, Mapping) and _n(data_errors.get("total", sum(
+            _n(v) for v in data_errors.values() if not isinstance(v, Mapping)))):
+        out.append(f"data errors in the dataset: {dict(data_errors)}")
+    if lat.get("partial"):
+        out.append(f"latency partial: {_n(lat.get('n_measured'))} requests timed, {_n(lat.get('n_cached'))} "
+                   "replayed from the generation cache (no timings)")
+    for tech in ("sere",):
+        block = summary.get(tech) or {}
+        if block.get("partial"):
+            out.append(f"{tech} statistics cover the {_n(block.get('requests_covered'))} requests generated in "
+                       f"this attempt, not the {_n(block.get('requests_replayed'))} replayed")
+    return out
+
+
+def _fmt_ms(d: Any) -> str:
+    p50 = d.get("p50") if isinstance(d, Mapping) else None
+    return "n/a" if p50 is None else f"{p50:.1f} ms" if p50 < 100 else f"{p50:.0f} ms"
+
+
+def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> str:
+    """A few lines for the end of ``python -m harness``: where, what, key metrics, latency, warnings."""
+    run, metrics, lat = (summary.get(k) or {} for k in ("run", "metrics", "latency"))
+    model = (run.get("model") or {}).get("name") or "?"
+    lines = [f"run      {run_dir or run.get('run_dir')}",
+             f"setup    {model} ({run.get('weights') or '?'}) · {run.get('engine')} {run.get('engine_version') or ''}"
+             f" · {run.get('dtype')} · {run.get('device_name')}"]
+    quality = []
+    for group in CONSOLE_METRICS:
+        shown = [k for k in group if isinstance(metrics.get(k), (int, float))]
+        for k in shown[:4]:
+            v = metrics[k]
+            quality.append(f"{k} {v:.1%}" if k == "mcq_accuracy" else f"{k} {v:.0f}" if k == "ocrbench_score"
+                           else f"{k} {v:.3f}")
+    n, scored = metrics.get("n_samples"), metrics.get("n_scored")
+    count = f"{n} samples" + (f", {scored} scored" if scored is not None else "")
+    lines.append(f"quality  {' · '.join(quality) or 'n/a'}  ({count})")
+    lines.append(f"latency  TTFT p50 {_fmt_ms(lat.get('ttft_ms'))} · TPOT p50 {_fmt_ms(lat.get('tpot_ms'))} · "
+                 f"E2E p50 {_fmt_ms(lat.get('e2e_ms'))}  ({_n(lat.get('n_measured'))} timed"
+                 + (f", {_n(lat.get('n_cached'))} replayed" if lat.get("n_cached") else "") + ")")
+    for tech, keys in (("visionzip", ("keep_rate",)), ("sere", ("expert_union_before", "expert_union_after"))):
+        block = summary.get(tech)
+        if isinstance(block, Mapping) and any(block.get(k) is not None for k in keys):
+            lines.append(f"{tech:<9}" + " · ".join(f"{k} {block[k]:.3f}" for k in keys
+                                                   if isinstance(block.get(k), (int, float))))
+    for w in summary.get("warnings") or run_warnings(summary):
+        lines.append(f"warning  {w}")
+    files = "summary.json, samples.jsonl, config.yaml"
+    lines.append(f"files    {files}" + (f"; W&B {run['wandb_dir']}" if run.get("wandb_dir") else ""))
+    return "\n".join(lines)
