@@ -1,8 +1,15 @@
-"""``python -m harness [overrides]``: compose the Hydra config and run one experiment (or a sweep with -m)."""
+"""``python -m harness [overrides]``: compose the Hydra config and run one experiment (or a sweep with -m).
+
+Exit codes: 0 done; 2 the configuration or the data was refused before any model loaded (one line on stderr
+naming the key, the value and what is allowed: :mod:`harness.validate`), including Hydra's own composition
+errors (a misspelt key, a wrong type, an unknown option), which Hydra would print over several lines with
+exit code 1; anything else is a crash (traceback, exit code 1).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,13 +29,34 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 def main(cfg: DictConfig) -> None:
     from harness.datasets.base import DatasetError
     from harness.run import TechniqueNotAvailable, run_experiment
+    from harness.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError) as e:
+    except (TechniqueNotAvailable, DatasetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     short = {"run_dir": str(run_dir), "metrics": summary["metrics"],
              "ttft_ms": summary["latency"].get("ttft_ms"), "tpot_ms": summary["latency"].get("tpot_ms")}
     print(json.dumps(short, ensure_ascii=False, indent=2))
+
+
+def entry() -> None:
+    """``python -m harness`` / ``moe-vlm-harness``: :func:`main`, with Hydra's composition errors as one line and
+    exit code 2 like every other refused configuration.
+
+    Hydra catches every exception itself unless ``HYDRA_FULL_ERROR`` is set, so it is set here (unless the user
+    chose a value) and the exceptions Hydra raises while composing come back to this function; any other
+    exception propagates with its full traceback."""
+    from harness.validate import hydra_error_line
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - only composition errors are turned into a line; the rest re-raised
+        line = hydra_error_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
