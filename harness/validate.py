@@ -361,7 +361,7 @@ def schema_keys() -> Any:
 def check_keys(cfg: Any, schema: Any = None, prefix: str = "") -> None:
     """Refuse keys the schema does not have (Hydra's ``+key=value`` adds them even to struct configs).
     Free-form dict fields of the schema (``dataset.sources``) accept any key."""
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, ListConfig
 
     schema = schema_keys() if schema is None else schema
     allowed = list(schema.keys())  # not `key in schema`: a DictConfig hides keys whose value is ??? (MISSING)
@@ -369,7 +369,9 @@ def check_keys(cfg: Any, schema: Any = None, prefix: str = "") -> None:
         full = f"{prefix}{key}"
         if key not in allowed:
             known = ", ".join(str(k) for k in allowed)
-            raise ConfigError(f"{full} is not a config key: {prefix.rstrip('.') or 'the config'} has {known}")
+            node = cfg._get_node(key)
+            shown = "" if isinstance(node, (DictConfig, ListConfig)) else f"={node._value()}"
+            raise ConfigError(f"{full}{shown} is not a config key: {prefix.rstrip('.') or 'the config'} has {known}")
         sub, sub_schema = cfg._get_node(key), schema._get_node(key)
         if isinstance(sub, DictConfig) and isinstance(sub_schema, DictConfig) and sub_schema.keys() \
                 and not sub._is_none():
@@ -437,6 +439,10 @@ def hydra_error_line(exc: BaseException) -> str | None:
         options = [line for line in lines[2:] if not line.startswith(("Config search path", "provider="))
                    and not line.endswith("_schema")]
         head = lines[0].split(": ", 1)[-1] if lines else str(exc)
+        m = re.search(r"Could not find '(.+)/([^/']+)'", head)
+        if m:
+            group, option = m.groups()
+            return f"{group}={option} is not an option: {group} has {', '.join(options) or 'no options'}"
         return f"{head}; available: {', '.join(options)}" if options else head
     if isinstance(exc, ConfigCompositionException):
         cause = exc.__cause__
