@@ -156,7 +156,12 @@ def reference_clip_tokenizer(simple_tokenizer: Any) -> _ReferenceClipTokenizer:
 
     ranks = simple_tokenizer.bpe_ranks
     merges = sorted(ranks, key=ranks.get)
-    hf = CLIPTokenizer(vocab=dict(simple_tokenizer.encoder), merges=[tuple(m) for m in merges])
+    vocab = dict(simple_tokenizer.encoder)
+    bos, eos = (simple_tokenizer.decoder[i] for i in (simple_tokenizer.sot_token_id, simple_tokenizer.eot_token_id))
+    # open_clip names them <start_of_text> / <end_of_text>; OpenAI's and HF's files <|startoftext|> / <|endoftext|>:
+    # the same ids (49406 / 49407), so the same token sequences
+    hf = CLIPTokenizer(vocab=vocab, merges=[tuple(m) for m in merges], bos_token=bos, eos_token=eos, unk_token=eos,
+                       pad_token=eos)
     return _ReferenceClipTokenizer(hf, int(simple_tokenizer.context_length), int(simple_tokenizer.eot_token_id))
 
 
