@@ -177,7 +177,7 @@ RULES: tuple[Rule, ...] = (
     Rule("visionzip.layer", number(integer=True, note="-1 = last; checked against the vision depth")),
     Rule("visionzip.min_per_image", at_least(0)),
     # SERE (k=0 is normalised to null before the rules run: see NORMALIZE)
-    Rule("sere.k", optional(at_least(1, "below the model's experts per token"), "off")),
+    Rule("sere.k", optional(at_least(1, "below the model's experts per token"), "off, as is 0")),
     Rule("sere.rho", number(0, 1)),
     Rule("sere.protect", at_least(0, "below the model's number of experts")),
     Rule("sere.similarity", optional(Check(existing_file, "an existing file"), "calibrate once and cache")),
@@ -205,7 +205,7 @@ class CrossRule:
     key: str
     applies: Callable[[Any], bool]
     ok: Callable[[Any], bool]
-    allowed: str
+    allowed: str | Callable[[Any], str]  # or a function of the config, to name the offending values
 
 
 def _clip_needs_open_clip(cfg: Any) -> bool:
@@ -242,8 +242,9 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "or tiny, transformers:<repo or dir>, or null (no CLIP score)"),
     CrossRule("scoring.allow_random_scorers", lambda cfg: cfg.model.weights == "real",
               lambda cfg: bool(cfg.scoring.get("allow_random_scorers", False)) or not _random_scorers(cfg),
-              "true to combine real model weights with random-init scorers (scoring.clip_model/embed_model "
-              "'tiny' or unpretrained); use scoring=reference for the paper's scorers"),
+              lambda cfg: "true to score a real-weight model with random-init scorers ("
+              + ", ".join(f"scoring.{k}_model={cfg.scoring[f'{k}_model']!r}" for k in _random_scorers(cfg))
+              + " has random weights); scoring=reference selects the reference's scorers"),
 )
 
 
@@ -402,7 +403,7 @@ def validate_config(cfg: Any) -> list[str]:
         if value is _MISSING:
             value = None
         if rule.applies(cfg) and not rule.ok(cfg):
-            raise refusal(rule.key, value, rule.allowed)
+            raise refusal(rule.key, value, rule.allowed(cfg) if callable(rule.allowed) else rule.allowed)
     return notes
 
 
