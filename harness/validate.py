@@ -50,7 +50,10 @@ class Check:
     """A predicate on one value and the sentence saying what is allowed."""
 
     ok: Callable[[Any], bool]
-    allowed: str
+    allowed: str | Callable[[], str]  # or computed when a value is refused (registries may grow at run time)
+
+    def text(self) -> str:
+        return self.allowed() if callable(self.allowed) else self.allowed
 
 
 def _is_num(v: Any) -> bool:
@@ -90,7 +93,12 @@ def one_of(*choices: Any, note: str = "") -> Check:
 
 def optional(check: Check, means: str = "") -> Check:
     """``null`` or what ``check`` allows."""
-    return Check(lambda v: v is None or check.ok(v), f"null{f' ({means})' if means else ''} or {check.allowed}")
+    return Check(lambda v: v is None or check.ok(v), lambda: f"null{f' ({means})' if means else ''} or {check.text()}")
+
+
+def registered(registry: dict[str, str]) -> Check:
+    """A name of a registry (engines, dataset loaders), read when checked: tests and plugins add entries."""
+    return Check(lambda v: v in registry, lambda: "one of " + ", ".join(registry))
 
 
 def pattern(regex: str, allowed: str) -> Check:
@@ -139,7 +147,7 @@ RULES: tuple[Rule, ...] = (
     Rule("model.seed", at_least(0)),
     Rule("model.max_images_per_prompt", at_least(1)),
     # dataset
-    Rule("dataset.name", one_of(*LOADERS)),
+    Rule("dataset.name", registered(LOADERS)),
     Rule("dataset.limit", optional(at_least(1), "every sample")),
     Rule("dataset.format", optional(one_of("json", "tsv", "hf"), "detect")),
     Rule("dataset.language", one_of("zh", "en")),
@@ -147,7 +155,7 @@ RULES: tuple[Rule, ...] = (
     Rule("dataset.images_per_request", at_least(1)),
     Rule("dataset.seed", at_least(0)),
     # engine
-    Rule("engine.name", one_of(*ENGINES)),
+    Rule("engine.name", registered(ENGINES)),
     Rule("engine.device", pattern(r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")),
     Rule("engine.dtype", one_of("auto", "float32", "bfloat16", "float16")),
     Rule("engine.batch_size", at_least(1)),
@@ -322,13 +330,19 @@ def model_facts(config: dict[str, Any]) -> ModelFacts:
 def read_model_config(model_path: str) -> dict[str, Any] | None:
     """The checkpoint's ``config.json`` (a local directory, or the hub cache / hub), or None if unreadable:
     then the engine's own loading reports the problem."""
-    local = Path(model_path).expanduser() / "config.json"
+    local = Path(model_path).expanduser()
     try:
-        if local.is_file():
-            return json.loads(local.read_text(encoding="utf-8"))
+        if local.is_dir():
+            return json.loads((local / "config.json").read_text(encoding="utf-8"))
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_path)):
+            return None  # neither a directory nor a hub id: the engine decides what it is
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(repo_id=model_path, filename="config.json")).read_text("utf-8"))
+        try:  # the hub cache first: no network for a checkpoint already there
+            path = hf_hub_download(repo_id=model_path, filename="config.json", local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached: fetch the one small file the weights load would fetch first
+            path = hf_hub_download(repo_id=model_path, filename="config.json")
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except Exception:  # noqa: BLE001 - not readable here: loading the model will say why
         return None
 
@@ -397,7 +411,7 @@ def validate_config(cfg: Any) -> list[str]:
         if value is _MISSING or (rule.when is not None and not rule.when(cfg)):
             continue
         if not rule.check.ok(value):
-            raise refusal(rule.key, value, rule.check.allowed)
+            raise refusal(rule.key, value, rule.check.text())
     for rule in CROSS_RULES:
         value = _select(cfg, rule.key)
         if value is _MISSING:

@@ -343,3 +343,24 @@ def test_cli_refuses_with_exit_2_and_one_line_before_the_model_loads(tmp_path, o
     assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "samples.jsonl").exists()
+
+
+def test_engines_and_loaders_registered_at_run_time_are_accepted(compose_cfg, monkeypatch):
+    """Registries are read when a value is checked (tests and plugins add engines after import)."""
+    from harness.engines import ENGINES
+    from harness.validate import ConfigError, validate_config
+
+    cfg = compose_cfg(["engine.name=scripted"])
+    with pytest.raises(ConfigError, match="^engine.name='scripted' is not allowed: expected one of hf, vllm$"):
+        validate_config(cfg)
+    monkeypatch.setitem(ENGINES, "scripted", "somewhere:Engine")
+    validate_config(cfg)
+
+
+def test_model_config_is_not_fetched_for_a_path_that_is_no_hub_id(monkeypatch):
+    import huggingface_hub
+
+    from harness.validate import read_model_config
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the hub"))
+    assert read_model_config("unused") is None and read_model_config("/no/such/dir") is None
