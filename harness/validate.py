@@ -246,8 +246,8 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: cfg.sere.k < _moe_top_k(cfg), "an integer below moe.top_k (SERE re-routes within the "
               "truncated top-k)"),
     CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
-              "an open_clip model needs the [clip] extra (pip install 'moe-vlm-harness[clip]'); "
-              "or tiny, transformers:<repo or dir>, or null (no CLIP score)"),
+              "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
+              "model needs pip install 'moe-vlm-harness[clip]')"),
     CrossRule("scoring.allow_random_scorers", lambda cfg: cfg.model.weights == "real",
               lambda cfg: bool(cfg.scoring.get("allow_random_scorers", False)) or not _random_scorers(cfg),
               lambda cfg: "true to score a real-weight model with random-init scorers ("
