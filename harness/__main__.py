@@ -1,6 +1,6 @@
 """Entry point of ``python -m harness``."""
 
-from harness.cli import main
+from harness.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -1,7 +1,14 @@
-"""``python -m harness [overrides]``: compose the Hydra config and run one experiment (or a sweep with -m)."""
+"""``python -m harness [overrides]``: compose the Hydra config and run one experiment (or a sweep with -m).
+
+Exit codes: 0 done; 2 the configuration or the data was refused before any model loaded (one line on stderr
+naming the key, the value and what is allowed: :mod:`harness.validate`), including Hydra's own composition
+errors (a misspelt key, a wrong type, an unknown option), which Hydra would print over several lines with
+exit code 1; anything else is a crash (traceback, exit code 1).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,12 +30,33 @@ def main(cfg: DictConfig) -> None:
     from harness.outcome import console_summary
     from harness.run import TechniqueNotAvailable, run_experiment
     from harness.run_state import RunDirLocked
+    from harness.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError, RunDirLocked) as e:
+    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     # a short summary (key metrics, latency, warnings) rather than a JSON dump: the numbers are in summary.json
     print(console_summary(summary, str(run_dir)), flush=True)
+
+
+def entry() -> None:
+    """``python -m harness`` / ``moe-vlm-harness``: :func:`main`, with Hydra's composition errors as one line and
+    exit code 2 like every other refused configuration.
+
+    Hydra catches every exception itself unless ``HYDRA_FULL_ERROR`` is set, so it is set here (unless the user
+    chose a value) and the exceptions Hydra raises while composing come back to this function; any other
+    exception propagates with its full traceback."""
+    from harness.validate import hydra_error_line
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - only composition errors are turned into a line; the rest re-raised
+        line = hydra_error_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)

@@ -1,7 +1,9 @@
 """Typed schemas of every config group, registered in Hydra's ConfigStore.
 
 Why dataclasses: Hydra validates a composed config against them, so ``sere.kk=2`` (a misspelt key) or
-``engine.batch_size=two`` (a wrong type) stops the run with Hydra's own error before any model loads.
+``engine.batch_size=two`` (a wrong type) stops the run before any model loads. Types only: ranges,
+enumerations, keys force-added with ``+`` and values the checkpoint decides are checked by
+:mod:`harness.validate` (one table of rules).
 Each group's YAML in ``conf/<group>/`` extends ``<group>_schema`` (see its defaults list) and the
 top-level ``conf/config.yaml`` extends ``base_config``. Only ``hydra-core``/``omegaconf`` and the standard
 library are imported here.
@@ -121,6 +123,9 @@ class ScoringConfig:
     clip_model: Optional[str] = None  # e.g. "ViT-L-14"; None = skip the CLIP score
     clip_pretrained: Optional[str] = None  # e.g. "openai" or a local checkpoint path
     embed_model: Optional[str] = None  # e.g. "TencentBAC/Conan-embedding-v1"; None = skip alignment
+    # model.weights=real with a random-init scorer (tiny, or an open_clip name without weights) is refused
+    # (harness/validate.py) unless this is true: a real model's `comprehensive` would mix in random scores.
+    allow_random_scorers: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.results import SamplesLog, run_block, utc_now, write_json
+from harness.validate import validate_config, validate_model
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.progress import RunProgress
     from harness.run_state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
-    check_techniques(cfg)
+    validate_config(cfg)  # harness/validate.py: every key's range / enumeration, unknown keys, cross-key rules
     run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -233,6 +234,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
+        validate_model(cfg, model_path)  # values the checkpoint's config.json decides, before weights load
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
         if cfg.engine.name == "vllm":

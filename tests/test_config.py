@@ -1,7 +1,11 @@
-"""The Hydra configuration composes for every group option and rejects bad keys and types."""
+"""The Hydra configuration composes for every group option and rejects bad keys and types; every config value
+the issue tried (and more) is refused before any model loads with one line naming the key, or accepted
+(harness/validate.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +19,8 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from harness.config import GROUP_SCHEMAS, register_configs
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "harness/conf"
 
 
 @pytest.fixture
@@ -28,7 +33,11 @@ def compose_cfg():
 
 
 def group_options() -> list[tuple[str, str]]:
-    return [(g, f.stem) for g in GROUP_SCHEMAS for f in sorted((CONF / g).glob("*.yaml"))]
+    return [(g, o) for g in GROUP_SCHEMAS for o in _options(g)]
+
+
+def _options(group: str) -> list[str]:
+    return [f.stem for f in sorted((CONF / group).glob("*.yaml"))]
 
 
 def test_every_group_has_a_yaml_and_a_schema():
@@ -80,3 +89,278 @@ def test_help_lists_the_groups():
                          timeout=120, check=True).stdout
     for group in ("model", "dataset", "engine", "visionzip", "sere", "wandb"):
         assert f"{group}:" in out
+
+
+# ------------------------------------------------------------------------------------- real-model defaults
+
+
+def test_real_model_composes_the_reference_scorers_and_answer_length(compose_cfg):
+    cfg = compose_cfg(["model=qwen3_vl_30b_a3b"])
+    assert cfg.model.weights == "real"
+    assert (cfg.scoring.clip_model, cfg.scoring.clip_pretrained) == ("ViT-L-14", "openai")
+    assert cfg.scoring.embed_model == "TencentBAC/Conan-embedding-v1"
+    assert cfg.generation.max_new_tokens == 2048  # RAG-IGBench's reference generations
+    # the command line still wins over the model's choices
+    cfg = compose_cfg(["model=qwen3_vl_30b_a3b", "generation.max_new_tokens=256", "scoring.embed_model=null"])
+    assert cfg.generation.max_new_tokens == 256 and cfg.scoring.embed_model is None
+    assert compose_cfg().scoring.clip_model == "tiny" and compose_cfg().generation.max_new_tokens == 64
+
+
+def test_summary_records_random_scorers():
+    from harness.scoring import Scorer
+
+    d = Scorer(OmegaConf.create({"rouge_variant": "reference", "clip_model": "tiny", "clip_pretrained": None,
+                                 "embed_model": "tiny", "allow_random_scorers": True})).describe()
+    assert d["clip_weights"] == d["embed_weights"] == "random-init" and d["allow_random_scorers"] is True
+
+
+# ----------------------------------------------------------------------------- validation: the table
+
+
+def _tiny_model_config() -> dict:
+    """What the embedded model's config.json says, from its spec (16 experts, top-4, a 4-block vision tower)."""
+    from harness.models.tiny import TinyModelSpec
+
+    spec = TinyModelSpec()
+    return {"text_config": {"num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok},
+            "vision_config": {"depth": spec.vision_depth}}
+
+
+VZ, VLLM, QWEN = "visionzip.keep=0.6", "engine=vllm", "model=qwen3_vl_30b_a3b"
+# (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
+# embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
+CASES: list[tuple[tuple[str, ...], str | None]] = [
+    # VisionZip
+    (("visionzip.keep=1.5",), "visionzip.keep"),
+    (("visionzip.keep=0",), "visionzip.keep"),
+    (("visionzip.keep=-0.1",), "visionzip.keep"),
+    (("visionzip.keep=0.6",), None),
+    (("visionzip.keep=1.0",), None),
+    ((VZ, "visionzip.contextual=1.5"), "visionzip.contextual"),
+    ((VZ, "visionzip.contextual=0.2"), None),
+    (("visionzip.scope=bogus",), "visionzip.scope"),
+    ((VZ, "visionzip.scope=image"), None),
+    (("visionzip.min_per_image=-1",), "visionzip.min_per_image"),
+    ((VZ, "visionzip.layer=10"), "visionzip.layer"),
+    ((VZ, "visionzip.layer=-5"), "visionzip.layer"),
+    ((VZ, "visionzip.layer=3"), None),
+    ((VZ, "visionzip.layer=-4"), None),
+    (("visionzip.layer=10",), None),  # VisionZip off: the layer is not used
+    (("visionzip.keep=abc",), "visionzip.keep"),
+    # SERE
+    (("sere.k=100",), "sere.k"),
+    (("sere.k=4",), "sere.k"),  # = the model's top-k: would move nothing
+    (("sere.k=2",), None),
+    (("sere.k=3",), None),
+    (("sere.k=0",), None),  # SERE off, recorded as null (test below)
+    (("sere.k=-1",), "sere.k"),
+    (("sere.rho=1.5",), "sere.rho"),
+    (("sere.rho=-0.1",), "sere.rho"),
+    (("sere.rho=0",), None),
+    (("sere.rho=1",), None),
+    (("sere.protect=-1",), "sere.protect"),
+    (("sere.k=2", "sere.protect=16"), "sere.protect"),
+    (("sere.k=2", "sere.protect=15"), None),
+    (("sere.similarity=/nonexistent/sim.pt",), "sere.similarity"),
+    (("+sere.kk=2",), "sere.kk"),  # Hydra's own suggestion for a misspelt key: a key nothing reads
+    (("sere.kk=2",), "sere.kk"),
+    (("+unknown.key=1",), "unknown"),
+    (("+engine.batchsize=8",), "engine.batchsize"),
+    # engine
+    (("engine.batch_size=0",), "engine.batch_size"),
+    (("engine.batch_size=-3",), "engine.batch_size"),
+    (("engine.batch_size=two",), "engine.batch_size"),
+    (("engine.batch_size=8",), None),
+    (("engine.name=other",), "engine.name"),
+    ((VLLM,), None),
+    (("engine.dtype=fp8",), "engine.dtype"),
+    (("engine.dtype=bfloat16",), None),
+    (("engine.device=gpu",), "engine.device"),
+    (("engine.device=cuda:1",), None),
+    (("engine.warmup=-1",), "engine.warmup"),
+    (("engine.experts_implementation=magic",), "engine.experts_implementation"),
+    (("engine.experts_implementation=grouped_mm",), None),
+    (("engine.attn_implementation=bogus",), "engine.attn_implementation"),
+    ((VLLM, "engine.gpu_memory_utilization=1.5"), "engine.gpu_memory_utilization"),
+    ((VLLM, "engine.tensor_parallel_size=0"), "engine.tensor_parallel_size"),
+    ((VLLM, "engine.max_model_len=0"), "engine.max_model_len"),
+    (("engine=bogus",), "engine"),
+    # generation
+    (("generation.max_new_tokens=0",), "generation.max_new_tokens"),
+    (("generation.max_new_tokens=-5",), "generation.max_new_tokens"),
+    (("generation.max_new_tokens=2048",), None),
+    (("generation.do_sample=maybe",), "generation.do_sample"),
+    # dataset
+    (("dataset.limit=0",), "dataset.limit"),
+    (("dataset.limit=2",), None),
+    (("dataset.language=fr",), "dataset.language"),
+    (("dataset.language=en",), None),
+    (("dataset.format=xml",), "dataset.format"),
+    (("dataset.name=bogus",), "dataset.name"),
+    (("dataset=ocr_cc_mix_sample", "dataset.images_per_request=0"), "dataset.images_per_request"),
+    (("dataset=ocr_cc_mix_sample", "dataset.n_per_source=0"), "dataset.n_per_source"),
+    (("dataset=ccbench_sample",), None),
+    # load (vLLM)
+    (("load.qps=4",), "load.qps"),  # engine=hf has no load mode
+    ((VLLM, "load.qps=4"), None),
+    ((VLLM, "load.qps=0"), "load.qps"),
+    ((VLLM, "load.qps=4", "load.burstiness=0"), "load.burstiness"),
+    ((VLLM, "load.qps=4", "load.num_requests=0"), "load.num_requests"),
+    ((VLLM, "load.warmup=-1"), "load.warmup"),
+    # VisionZip in vLLM
+    ((VLLM, VZ), "visionzip.scope"),  # the request-wide budget is HF-only
+    ((VLLM, VZ, "visionzip.scope=image"), None),
+    ((VLLM, VZ, "visionzip.scope=image", "visionzip.min_per_image=0"), "visionzip.min_per_image"),
+    ((VLLM, VZ, "visionzip.scope=image", "visionzip.contextual=0.2"), "visionzip.contextual"),
+    # W&B
+    (("wandb.mode=ofline",), "wandb.mode"),
+    (("wandb.mode=online",), None),
+    (("wandb.mode=disabled",), None),
+    (("wandb.project=''",), "wandb.project"),
+    (("wandb.tags=[a,'']",), "wandb.tags"),
+    # generation cache
+    (("cache.read=sometimes",), "cache.read"),
+    (("cache.read=never",), None),
+    (("cache.path=''",), "cache.path"),
+    # model and scoring
+    (("seed=-1",), "seed"),
+    (("model.weights=fake",), "model.weights"),
+    (("model.max_images_per_prompt=0",), "model.max_images_per_prompt"),
+    ((QWEN,), None),  # real weights with the reference scorers
+    ((QWEN, "scoring=default"), "scoring.allow_random_scorers"),  # real weights, random-init scorers
+    ((QWEN, "scoring.clip_model=tiny"), "scoring.allow_random_scorers"),
+    ((QWEN, "scoring.clip_model=ViT-B-32", "scoring.clip_pretrained=null"), "scoring.allow_random_scorers"),
+    ((QWEN, "scoring=default", "scoring.allow_random_scorers=true"), None),
+    ((QWEN, "scoring.clip_model=null", "scoring.embed_model=null"), None),
+    ((QWEN, "model.path=null"), "model.path"),
+    (("scoring.rouge_variant=bogus",), "scoring.rouge_variant"),
+    (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
+]
+
+
+def outcome(compose_cfg, overrides) -> tuple[bool, str, object]:
+    """(refused, message, cfg): what ``python -m harness OVERRIDES`` decides before any weights load."""
+    from harness.validate import ConfigError, hydra_error_line, validate_config, validate_model
+
+    try:
+        cfg = compose_cfg(list(overrides))
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors, as the CLI prints them
+        line = hydra_error_line(e)
+        assert line is not None, f"{overrides}: not a composition error: {e!r}"
+        return True, line, None
+    try:
+        validate_config(cfg)
+        validate_model(cfg, "tiny", config=_tiny_model_config())
+    except ConfigError as e:
+        return True, str(e), cfg
+    return False, "", cfg
+
+
+def test_the_table_is_the_issues_size():
+    assert len(CASES) >= 52 and len({c for c, _ in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("overrides,key", CASES, ids=[" ".join(c) for c, _ in CASES])
+def test_config_value_is_refused_naming_the_key_or_accepted(compose_cfg, overrides, key):
+    refused, message, _ = outcome(compose_cfg, overrides)
+    if key is None:
+        assert not refused, message
+        return
+    assert refused, f"{overrides} was accepted"
+    assert "\n" not in message and message.startswith(key), message  # one line, the key first
+    value = overrides[-1].split("=", 1)[1] if "=" in overrides[-1] else ""
+    hydra_unknown = "not a config key" in message and not overrides[-1].startswith("+")  # Hydra names no value
+    if key == overrides[-1].split("=", 1)[0].lstrip("+") and value not in ("", "''") and "[" not in value \
+            and not hydra_unknown:
+        assert value in message, message  # and the value
+
+
+def test_sere_k_0_is_recorded_as_off(compose_cfg):
+    _, _, cfg = outcome(compose_cfg, ["sere.k=0"])
+    assert cfg.sere.k is None  # what config.yaml / summary.json record: SERE off
+
+
+def test_open_clip_model_without_open_clip_is_refused_before_the_model(compose_cfg, monkeypatch):
+    import importlib.util
+
+    from harness.validate import ConfigError, validate_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "open_clip" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^scoring.clip_model='ViT-L-14' .*\[clip\] extra"):
+        validate_config(compose_cfg(["model=qwen3_vl_30b_a3b"]))
+    validate_config(compose_cfg())  # the default (tiny, transformers) needs no open_clip
+
+
+def test_moe_top_k_rule_is_inert_without_the_group_and_checked_with_it(compose_cfg, monkeypatch):
+    """The ``moe`` group (plain top-K truncation) may not exist yet: its rules apply once it does."""
+    from omegaconf import open_dict
+
+    import harness.validate as v
+
+    cfg = compose_cfg()
+    v.validate_config(cfg)
+    v.validate_model(cfg, "tiny", config=_tiny_model_config())  # no moe key: nothing checked
+    schema = v.schema_keys()
+    with open_dict(schema):
+        schema.moe = {"top_k": None}
+    monkeypatch.setattr(v, "schema_keys", lambda: schema)
+    for top_k, sere_k, key in ((0, None, "moe.top_k"), (4, None, "moe.top_k"), (2, 2, "sere.k"), (3, 2, None)):
+        c = compose_cfg([f"sere.k={sere_k if sere_k is not None else 'null'}"])
+        with open_dict(c):
+            c.moe = {"top_k": top_k}
+        try:
+            v.validate_config(c)
+            v.validate_model(c, "tiny", config=_tiny_model_config())
+        except v.ConfigError as e:
+            assert key is not None and str(e).startswith(key), (top_k, sere_k, str(e))
+        else:
+            assert key is None, (top_k, sere_k)
+
+
+def test_model_facts_are_read_from_the_checkpoint_config(tmp_path):
+    from harness.validate import model_facts, read_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(_tiny_model_config()))
+    facts = model_facts(read_model_config(str(tmp_path)))
+    assert (facts.num_experts, facts.experts_per_token, facts.vision_depth) == (16, 4, 4)
+    text_only = model_facts({"num_local_experts": 8, "num_experts_per_tok": 2})  # Mixtral-style, no vision
+    assert (text_only.num_experts, text_only.experts_per_token, text_only.vision_depth) == (8, 2, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,key", [("visionzip.keep=1.5", "visionzip.keep"), ("+sere.kk=2", "sere.kk"),
+                                          ("sere.k=100", "sere.k")])
+def test_cli_refuses_with_exit_2_and_one_line_before_the_model_loads(tmp_path, override, key):
+    """The real command: exit code 2, one ``error:`` line naming the key, nothing written (sere.k=100 is
+    checked against the built tiny model's config.json, before its weights load)."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "harness", override, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "samples.jsonl").exists()
+
+
+def test_engines_and_loaders_registered_at_run_time_are_accepted(compose_cfg, monkeypatch):
+    """Registries are read when a value is checked (tests and plugins add engines after import)."""
+    from harness.engines import ENGINES
+    from harness.validate import ConfigError, validate_config
+
+    cfg = compose_cfg(["engine.name=scripted"])
+    with pytest.raises(ConfigError, match="^engine.name='scripted' is not allowed: expected one of hf, vllm$"):
+        validate_config(cfg)
+    monkeypatch.setitem(ENGINES, "scripted", "somewhere:Engine")
+    validate_config(cfg)
+
+
+def test_model_config_is_not_fetched_for_a_path_that_is_no_hub_id(monkeypatch):
+    import huggingface_hub
+
+    from harness.validate import read_model_config
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the hub"))
+    assert read_model_config("unused") is None and read_model_config("/no/such/dir") is None

@@ -3,6 +3,7 @@ intended jobs, every job validates against the schemas, and the submitit launche
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -14,12 +15,13 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from harness.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = ROOT / "harness/sweeps"
+CONF = ROOT / "harness/conf"
 SEARCHPATH = f"hydra.searchpath=[file://{ROOT / 'harness/conf'}]"
 EXPECTED_JOBS = {"visionzip_keep": 16, "sere_grid": 24, "joint": 16, "baseline": 2}
 SLURM_ENV = ("HARNESS_SLURM_PARTITION", "HARNESS_SLURM_ACCOUNT", "HARNESS_SLURM_QOS", "HARNESS_SLURM_CONSTRAINT",
@@ -28,15 +30,26 @@ SLURM_ENV = ("HARNESS_SLURM_PARTITION", "HARNESS_SLURM_ACCOUNT", "HARNESS_SLURM_
              "HARNESS_SLURM_MAX_REQUEUE", "HARNESS_SLURM_SETUP", "HARNESS_SLURM_EXTRA", "WANDB_MODE")
 
 
-def _compose(config_name: str, overrides: list[str] = ()):
-    """Compose like ``python -m harness --config-dir sweeps --config-name NAME [overrides]`` (hydra node kept)."""
+def _compose(config_name: str, overrides: list[str] = (), old_form: bool = False):
+    """Compose like ``python -m harness --config-name NAME [overrides]`` (the sweep found by name in the package's
+    config directory, from anywhere), or with ``old_form`` like ``--config-dir sweeps --config-name NAME``
+    (hydra node kept)."""
     register_configs()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(SWEEPS), version_base="1.3"):
-            return compose(config_name=config_name, overrides=[SEARCHPATH, *overrides], return_hydra_config=True)
+        with initialize_config_dir(config_dir=str(SWEEPS if old_form else CONF), version_base="1.3"):
+            extra = [SEARCHPATH] if old_form else []
+            return compose(config_name=config_name, overrides=[*extra, *overrides], return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()
+
+
+def without_hydra(cfg):
+    """The job's config as the task function sees it (Hydra removes its own node)."""
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def expand(config_name: str, overrides: list[str] = ()) -> list[list[str]]:
@@ -61,6 +74,22 @@ def test_every_sweep_file_is_known():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_JOBS))
+def test_every_sweep_is_found_by_name_in_the_package_config_dir(name):
+    """``--config-name NAME`` works from any directory (an installed wheel included) because the package's config
+    directory links every sweep; the link must point at the one definition in harness/sweeps."""
+    link = CONF / f"{name}.yaml"
+    assert link.is_symlink() and link.resolve() == (SWEEPS / f"{name}.yaml").resolve()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_JOBS))
+def test_old_config_dir_form_composes_the_same_jobs(name):
+    new = [OmegaConf.to_container(without_hydra(_compose(name, job)), resolve=True) for job in expand(name)]
+    old = [OmegaConf.to_container(without_hydra(_compose(name, job, old_form=True)), resolve=True)
+           for job in expand(name)]
+    assert new == old
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_JOBS))
 def test_sweep_composes_with_a_stable_sweep_dir(name):
     cfg = _compose(name)
     assert cfg.hydra.sweep.dir.startswith(f"results/multirun/{name}/")
@@ -71,8 +100,11 @@ def test_sweep_composes_with_a_stable_sweep_dir(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_JOBS))
 def test_every_job_of_every_sweep_validates_against_the_schemas(name):
+    from harness.validate import validate_config
+
     for cfg in job_configs(name):
         OmegaConf.to_container(cfg, resolve=False)  # composed against the dataclass schemas
+        validate_config(without_hydra(cfg))  # and every value passes the rules checked before a model loads
         assert 0 < cfg.visionzip.keep <= 1.0 and cfg.visionzip.scope in {"request", "image"}
         assert cfg.sere.k is None or cfg.sere.k in {1, 2, 4}
 
@@ -108,7 +140,7 @@ def test_command_line_replaces_a_swept_value():
     jobs = expand("visionzip_keep", ["dataset=rag_igbench_sample,ocr_cc_mix_sample", "visionzip.keep=0.6"])
     assert len(jobs) == 4  # 2 datasets x 1 keep x 2 scopes
     cfgs = [_compose("visionzip_keep", j) for j in jobs]
-    assert settings(cfgs, "dataset.path") >= {("harness/datasets/bundled/rag_igbench_sample/data.jsonl",)}
+    assert any(str(p).endswith("harness/datasets/bundled/rag_igbench_sample/data.jsonl") for (p,) in settings(cfgs, "dataset.path"))
     assert {c.visionzip.keep for c in cfgs} == {0.6}
 
 
@@ -186,7 +218,7 @@ def test_submitit_local_runs_a_two_job_sweep(tmp_path, clean_env):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     env = {**os.environ, "WANDB_SILENT": "true"}
     proc = subprocess.run(
-        [sys.executable, "-m", "harness", "-m", "--config-dir", str(SWEEPS), "--config-name", "baseline",
+        [sys.executable, "-m", "harness", "-m", "--config-name", "baseline",  # found by name, from tmp_path
          "hydra/launcher=local", "dataset=rag_igbench_sample,ocr_cc_mix_sample", "dataset.limit=2",
          "generation.max_new_tokens=4", "engine.warmup=0", "wandb.mode=disabled"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

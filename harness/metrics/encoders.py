@@ -1,14 +1,28 @@
 """The two neural encoders behind RAG-IGBench's image-text metrics, loaded lazily and cached.
 
-* :class:`ClipScorer` — cosine(image, text) from an open_clip model. The default, ``('ViT-L-14', 'openai')``,
-  is OpenAI's CLIP ViT-L/14, the same weights as ``openai/clip-vit-large-patch14`` that the reference scorer
-  (zry13/RAG-IGBench ``score/eval.py``) loads through transformers; open_clip's preprocessing for the
-  ``openai`` tag (resize shortest side to 224 bicubic, centre crop, CLIP mean/std) matches the HF processor.
-  OpenAI's weights were trained with QuickGELU, which open_clip 3's plain ``ViT-L-14`` config lacks (it only
-  warns); the activation the pretrained tag declares is therefore forced. A local OpenAI checkpoint file
-  needs the ``ViT-L-14-quickgelu`` config name for the same reason.
-  One difference on purpose: open_clip truncates a text to the 77-token context, where the reference's HF
-  processor (``padding=True``, no truncation) raises for longer texts and the sample silently disappears.
+* :class:`ClipScorer` — cosine(image, text) from an open_clip model (the ``[clip]`` extra). The default,
+  ``('ViT-L-14', 'openai')``, is OpenAI's CLIP ViT-L/14, the same weights as ``openai/clip-vit-large-patch14``
+  that the reference scorer (zry13/RAG-IGBench ``score/eval.py``) loads through transformers; open_clip's
+  preprocessing for the ``openai`` tag (resize shortest side to 224 bicubic, centre crop, CLIP mean/std)
+  matches the HF processor. OpenAI's weights were trained with QuickGELU, which open_clip 3's plain
+  ``ViT-L-14`` config lacks (it only warns); the activation the pretrained tag declares is therefore forced.
+  A local OpenAI checkpoint file needs the ``ViT-L-14-quickgelu`` config name for the same reason.
+  **Tokenisation as the reference's**: open_clip's own tokenizer runs ``ftfy.fix_text`` and ``html.unescape``
+  first, which turn full-width Chinese punctuation into ASCII (``，`` → ``,``, ``！`` → ``!``, ``：`` → ``:``)
+  and so change the tokens of nearly every RAG-IGBench context. The reference's ``CLIPProcessor`` uses
+  transformers' ``CLIPTokenizer`` (the fast, ``tokenizers``-backed one): NFC, runs of whitespace → one space,
+  lower case, CLIP's pre-tokenisation regex, byte-level BPE — no ftfy. For models whose open_clip tokenizer
+  is CLIP's BPE (``SimpleTokenizer``: every OpenAI/LAION CLIP), :func:`reference_clip_tokenizer` builds exactly
+  that transformers tokenizer from open_clip's own vocabulary and merges (nothing downloaded) and
+  :class:`ClipScorer` tokenises with it; other tokenizers (multilingual models) are open_clip's.
+  One difference on purpose: texts are truncated to the 77-token context (the last token kept as end of
+  text, as open_clip does), where the reference's HF processor (``padding=True``, no truncation) raises for
+  longer texts and the sample silently disappears.
+* :class:`TransformersClipScorer` — the same cosine from a transformers ``CLIPModel`` directory or hub id
+  (``scoring.clip_model=transformers:openai/clip-vit-large-patch14`` is the reference's own stack), with the
+  PIL image processor (no torchvision) and the checkpoint's tokenizer. Base install only: the embedded
+  ``tiny`` CLIP of :mod:`harness.metrics.tiny_encoders` is such a directory, so the default run needs no
+  open_clip.
 * :class:`TextEmbedder` — sentence embeddings from a transformers checkpoint (default
   ``TencentBAC/Conan-embedding-v1``). The reference calls ``SentenceTransformer(path).encode``, which runs the
   checkpoint's own module pipeline (``modules.json``: Transformer → Pooling → Dense → Normalize). We read that
@@ -86,7 +100,10 @@ class ClipScorer:
                     force_quick_gelu=bool(tag.get("quick_gelu", False)),
                 )
                 model.eval()
-                self._loaded = (model, preprocess, open_clip.get_tokenizer(self.model_name))
+                tokenizer = open_clip.get_tokenizer(self.model_name)
+                if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer):  # CLIP's BPE: tokenise as HF does
+                    tokenizer = reference_clip_tokenizer(tokenizer)
+                self._loaded = (model, preprocess, tokenizer)
         return self._loaded
 
     def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
@@ -110,6 +127,99 @@ class ClipScorer:
 
     def __repr__(self) -> str:
         return f"ClipScorer({self.model_name!r}, {self.pretrained!r}, device={self.device!r})"
+
+
+class _ReferenceClipTokenizer:
+    """transformers' ``CLIPTokenizer`` on open_clip's vocabulary, called like an open_clip tokenizer: a
+    ``[B, context_length]`` LongTensor, zero-padded (open_clip's CLIP pools the text at the highest id, the end
+    of text, so padding after it changes nothing), truncated with the end-of-text token kept last."""
+
+    def __init__(self, hf_tokenizer: Any, context_length: int, eot_id: int):
+        self.hf, self.context_length, self.eot_id = hf_tokenizer, context_length, eot_id
+
+    def __call__(self, texts: Sequence[str]):
+        import torch
+
+        ids = self.hf([str(t) for t in texts], add_special_tokens=True)["input_ids"]
+        out = torch.zeros(len(ids), self.context_length, dtype=torch.long)
+        for i, row in enumerate(ids):
+            if len(row) > self.context_length:
+                row = [*row[: self.context_length - 1], self.eot_id]
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out
+
+
+def reference_clip_tokenizer(simple_tokenizer: Any) -> _ReferenceClipTokenizer:
+    """The reference scorer's CLIP tokenisation (transformers ``CLIPTokenizer``: no ftfy, no HTML unescaping)
+    on the vocabulary and merges of an open_clip ``SimpleTokenizer`` (the same files as OpenAI's)."""
+    from transformers import CLIPTokenizer
+
+    ranks = simple_tokenizer.bpe_ranks
+    merges = sorted(ranks, key=ranks.get)
+    vocab = dict(simple_tokenizer.encoder)
+    bos, eos = (simple_tokenizer.decoder[i] for i in (simple_tokenizer.sot_token_id, simple_tokenizer.eot_token_id))
+    # open_clip names them <start_of_text> / <end_of_text>; OpenAI's and HF's files <|startoftext|> / <|endoftext|>:
+    # the same ids (49406 / 49407), so the same token sequences
+    hf = CLIPTokenizer(vocab=vocab, merges=[tuple(m) for m in merges], bos_token=bos, eos_token=eos, unk_token=eos,
+                       pad_token=eos)
+    return _ReferenceClipTokenizer(hf, int(simple_tokenizer.context_length), int(simple_tokenizer.eot_token_id))
+
+
+class TransformersClipScorer:
+    """Cosine similarity of images and texts under a transformers ``CLIPModel`` (a directory or hub id).
+
+    The reference's stack (``CLIPModel`` + ``CLIPProcessor``): the checkpoint's own tokenizer (for CLIP,
+    transformers' ``CLIPTokenizer``, padded to the longest text, truncated at the model's positions) and its
+    preprocessing read by the PIL image processor, so torchvision is never needed. Loaded on first use.
+    """
+
+    def __init__(self, name_or_path: str, device: str | None = None, *, batch_size: int = 16):
+        self.name_or_path, self.device, self.batch_size = name_or_path, device, batch_size
+        self._loaded: tuple[Any, Any, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            if self._loaded is None:
+                from transformers import AutoTokenizer, CLIPModel
+                from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+                self.device = self.device or _default_device()
+                model = CLIPModel.from_pretrained(self.name_or_path).to(self.device).eval()
+                self._loaded = (model, CLIPImageProcessorPil.from_pretrained(self.name_or_path),
+                                AutoTokenizer.from_pretrained(self.name_or_path))
+        return self._loaded
+
+    def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
+        """cos(image_i, text_i) for each pair (images: PIL images or paths)."""
+        if len(images) != len(texts):
+            raise ValueError(f"{len(images)} images but {len(texts)} texts")
+        if not images:
+            return []
+        import torch
+
+        model, processor, tokenizer = self._load()
+        limit = int(model.config.text_config.max_position_embeddings)
+        out: list[float] = []
+        for i in range(0, len(images), self.batch_size):
+            pixels = processor(images=[_load_image(im) for im in images[i : i + self.batch_size]],
+                               return_tensors="pt")["pixel_values"]
+            toks = tokenizer([str(t) for t in texts[i : i + self.batch_size]], padding=True, truncation=True,
+                             max_length=limit, return_tensors="pt")
+            with torch.no_grad():
+                img = _features(model.get_image_features(pixel_values=pixels.to(self.device)))
+                txt = _features(model.get_text_features(input_ids=toks["input_ids"].to(self.device),
+                                                        attention_mask=toks["attention_mask"].to(self.device)))
+            out.extend(torch.nn.functional.cosine_similarity(img.float(), txt.float(), dim=-1).tolist())
+        return out
+
+    def __repr__(self) -> str:
+        return f"TransformersClipScorer({self.name_or_path!r}, device={self.device!r})"
+
+
+def _features(out: Any):
+    """Projected features: transformers 5 returns a ``BaseModelOutputWithPooling`` (``pooler_output``)."""
+    return out.pooler_output if hasattr(out, "pooler_output") else out
 
 
 def _resolve(name_or_path: str, relpath: str) -> str | None:

@@ -7,14 +7,16 @@ and ``TencentBAC/Conan-embedding-v1``) that CI cannot download. As with the embe
 (``"weights": "random-init"`` in ``harness_model.json`` and in :meth:`harness.scoring.Scorer.describe`):
 scores computed with them exercise the scoring path (image loading, preprocessing, tokenisation, pooling,
 projection, the cosine → score maps, aggregation) and mean nothing. For paper-comparable numbers use
-``scoring.clip_model=ViT-L-14 scoring.clip_pretrained=openai scoring.embed_model=TencentBAC/Conan-embedding-v1``.
+``scoring=reference`` (``clip_model=ViT-L-14 clip_pretrained=openai embed_model=TencentBAC/Conan-embedding-v1``;
+the CLIP needs the ``[clip]`` extra); ``model=qwen3_vl_30b_a3b`` selects it.
 
-* :func:`ensure_tiny_clip` — an open_clip ``CLIP`` (ViT image tower 64 px / patch 16, 2-layer text tower of
-  width 32, joint dimension 32) written as an open_clip *local directory* (``open_clip_config.json`` +
-  ``open_clip_model.safetensors``), loaded with ``ClipScorer("local-dir:<dir>", None)``. It uses open_clip's
-  own bundled CLIP BPE tokenizer (byte-level, so Chinese contexts tokenise; nothing is downloaded), hence
-  the 49408-token vocabulary. Scoring the 59 images of the bundled RAG-IGBench sample takes well under a
-  second on two CPU cores.
+* :func:`ensure_tiny_clip` — a transformers ``CLIPModel`` (ViT image tower 64 px / patch 16, 2-layer text
+  tower of width 32, projection 32) saved with ``save_pretrained`` beside transformers' ``CLIPTokenizer`` (the
+  reference's CLIP normalisation and byte-level pre-tokenisation, on a merge-free byte vocabulary: CLIP's own
+  merges ship only with open_clip) and the OpenAI preprocessing for the PIL image processor, loaded with
+  ``TransformersClipScorer(<dir>)``. Built and scored with the base install alone — no open_clip, no
+  torchvision — so the default run needs no extra. Scoring the 59 images of the bundled RAG-IGBench sample
+  takes well under a second on two CPU cores.
 * :func:`ensure_tiny_text_embedder` — a 2-layer BERT of width 32 with a byte-level BPE tokenizer trained
   here with ``tokenizers`` on a few lines of Chinese and English (any text encodes, no ``[UNK]``), saved
   with ``save_pretrained`` plus the sentence-transformers module files the real Conan checkpoint has
@@ -43,7 +45,6 @@ from harness.models.tiny import MARKER, build_once, default_cache_dir
 #: The marker written last into a built directory (its presence means "complete").
 #: The config value that selects these models (``scoring.clip_model=tiny``, ``scoring.embed_model=tiny``).
 TINY = "tiny"
-CLIP_WEIGHTS_FILE = "open_clip_model.safetensors"
 
 # Text the embedder's tokenizer is trained on: RAG-IGBench-like Chinese prose around images, English, digits
 # and markdown. Byte-level BPE encodes anything; the corpus only decides which pieces get merged.
@@ -75,37 +76,35 @@ class TinyClipSpec:
     """Every number that decides the tiny CLIP; its hash names the cache directory."""
 
     seed: int = 0
-    embed_dim: int = 32
+    projection_dim: int = 32
     image_size: int = 64
     patch_size: int = 16
     vision_width: int = 32
     vision_layers: int = 2
-    vision_head_width: int = 16
+    vision_heads: int = 2
     text_width: int = 32
     text_heads: int = 2
     text_layers: int = 2
-    context_length: int = 77
-    vocab_size: int = 49408  # ids of open_clip's bundled SimpleTokenizer (CLIP BPE)
-    format_version: int = 1  # bump when the writer changes the files it produces
+    context_length: int = 77  # CLIP's text positions (a 25-character Chinese context is 75 byte tokens + 2)
+    format_version: int = 2  # 2: a transformers CLIPModel directory (1 was an open_clip one)
 
     def fingerprint(self) -> str:
         return _fingerprint(self)
 
-    def model_cfg(self) -> dict[str, Any]:
-        """open_clip ``model_cfg`` (the schema of open_clip's built-in ``model_configs/*.json``)."""
+    def clip_config(self, vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
+        """``transformers.CLIPConfig`` keyword arguments (eos != 2: pooling at the first end-of-text token)."""
         return {
-            "embed_dim": self.embed_dim,
-            "vision_cfg": {"image_size": self.image_size, "layers": self.vision_layers, "width": self.vision_width,
-                           "patch_size": self.patch_size, "head_width": self.vision_head_width},
-            "text_cfg": {"context_length": self.context_length, "vocab_size": self.vocab_size,
-                         "width": self.text_width, "heads": self.text_heads, "layers": self.text_layers},
+            "projection_dim": self.projection_dim,
+            "text_config": {"vocab_size": vocab_size, "hidden_size": self.text_width,
+                            "intermediate_size": 2 * self.text_width, "num_hidden_layers": self.text_layers,
+                            "num_attention_heads": self.text_heads, "max_position_embeddings": self.context_length,
+                            "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
+                            "projection_dim": self.projection_dim},
+            "vision_config": {"hidden_size": self.vision_width, "intermediate_size": 2 * self.vision_width,
+                              "num_hidden_layers": self.vision_layers, "num_attention_heads": self.vision_heads,
+                              "image_size": self.image_size, "patch_size": self.patch_size,
+                              "projection_dim": self.projection_dim},
         }
-
-    def preprocess_cfg(self) -> dict[str, Any]:
-        """The OpenAI CLIP preprocessing (shortest side resize, bicubic, centre crop, CLIP mean/std) at our size."""
-        return {"size": self.image_size, "mode": "RGB", "mean": [0.48145466, 0.4578275, 0.40821073],
-                "std": [0.26862954, 0.26130258, 0.27577711], "interpolation": "bicubic",
-                "resize_mode": "shortest"}
 
 
 @dataclass(frozen=True)
@@ -167,20 +166,37 @@ def seeded_init(model: Any, seed: int) -> None:
 # ------------------------------------------------------------------------------------------------- CLIP
 
 
+def build_clip_tokenizer():
+    """transformers' ``CLIPTokenizer`` (the reference's CLIP normalisation: NFC, whitespace, lower case, CLIP's
+    regex, byte-level with ``</w>`` word ends) on a merge-free vocabulary: the 256 byte symbols, each also with
+    ``</w>``, then ``<|startoftext|>`` and ``<|endoftext|>``. Any text encodes; nothing is downloaded (CLIP's
+    own 49k-entry vocabulary ships only with open_clip)."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    symbols = [*alphabet, *(a + "</w>" for a in alphabet), "<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={sym: i for i, sym in enumerate(symbols)}, merges=[],
+                         model_max_length=TinyClipSpec().context_length)
+
+
 def build_tiny_clip(out_dir: str | Path, spec: TinyClipSpec | None = None) -> Path:
-    """Write the tiny CLIP as an open_clip local directory (config, safetensors weights, marker)."""
-    from open_clip.model import CLIP
-    from safetensors.torch import save_file
+    """Write the tiny CLIP as a transformers directory (``CLIPModel`` weights, ``CLIPTokenizer``, the OpenAI
+    preprocessing at ``image_size`` for the PIL image processor, marker). Base install only (no open_clip)."""
+    from transformers import CLIPConfig, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     spec = spec or TinyClipSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = CLIP(**spec.model_cfg())
+    tokenizer = build_clip_tokenizer()
+    bos, eos = tokenizer.convert_tokens_to_ids(["<|startoftext|>", "<|endoftext|>"])
+    model = CLIPModel(CLIPConfig(**spec.clip_config(len(tokenizer), bos, eos))).eval()
     seeded_init(model, spec.seed)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / CLIP_WEIGHTS_FILE),
-              metadata={"format": "pt"})
-    (out / "open_clip_config.json").write_text(json.dumps(
-        {"model_cfg": spec.model_cfg(), "preprocess_cfg": spec.preprocess_cfg()}, indent=2) + "\n")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": spec.image_size},
+                          crop_size={"height": spec.image_size, "width": spec.image_size}).save_pretrained(out)
     (out / MARKER).write_text(json.dumps(
         {"name": "tiny-clip", "weights": "random-init", "fingerprint": spec.fingerprint(),
          "spec": dataclasses.asdict(spec),
@@ -188,18 +204,11 @@ def build_tiny_clip(out_dir: str | Path, spec: TinyClipSpec | None = None) -> Pa
     return out
 
 
-def ensure_tiny_clip(cache_dir: str | Path | None = None, seed: int = 0,
-                     spec: TinyClipSpec | None = None) -> tuple[str, str]:
-    """``(model_name, checkpoint_path)`` of the tiny CLIP, building it on first use.
-
-    ``model_name`` is open_clip's ``"local-dir:<directory>"`` (config and weights read from there): use it as
-    ``ClipScorer(model_name, None)`` or ``open_clip.create_model_and_transforms(model_name)`` and
-    ``open_clip.get_tokenizer(model_name)``. ``checkpoint_path`` is the safetensors file inside it.
-    """
+def ensure_tiny_clip(cache_dir: str | Path | None = None, seed: int = 0, spec: TinyClipSpec | None = None) -> str:
+    """Directory of the tiny CLIP (``TransformersClipScorer(path)`` loads it), building it on first use."""
     spec = spec or TinyClipSpec(seed=seed)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = build_once(root / clip_dir_name(spec), lambda tmp: build_tiny_clip(tmp, spec))
-    return f"local-dir:{target}", str(target / CLIP_WEIGHTS_FILE)
+    return str(build_once(root / clip_dir_name(spec), lambda tmp: build_tiny_clip(tmp, spec)))
 
 
 # --------------------------------------------------------------------------------------- text embedder

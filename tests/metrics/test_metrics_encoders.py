@@ -79,6 +79,36 @@ def test_clip_scorer_matches_the_model(tiny_clip, images):
     assert scorer.cosines([], []) == []
 
 
+def test_clip_text_is_tokenised_as_the_reference_clip_tokenizer(tiny_clip):
+    """The reference scorer tokenises with transformers' CLIPTokenizer: NFC, whitespace runs → one space, lower
+    case, no ftfy (open_clip's own tokenizer runs ftfy, which turns full-width Chinese punctuation into ASCII,
+    and unescapes HTML). Checked against open_clip's BPE code fed the reference's normalisation."""
+    import unicodedata
+
+    from open_clip.tokenizer import whitespace_clean
+
+    ckpt, _, _ = tiny_clip
+    ours = ClipScorer(TINY_CLIP, pretrained=ckpt, device="cpu")._load()[2]
+    simple = open_clip.get_tokenizer(TINY_CLIP)
+    by_hand = open_clip.tokenizer.SimpleTokenizer()
+    by_hand.clean_fn = lambda t: whitespace_clean(unicodedata.normalize("NFC", t)).lower()
+    texts = ["推荐大家去北京，早上五点就要出发！", "护肤：清洁、精华“面霜”。", "Tom &amp; Jerry  2024\n", "a photo",
+             "成都火锅" * 30]  # the last one is longer than the 77-token context
+    ids = ours(texts)
+    assert ids.shape == (len(texts), 77)
+    for row, text in zip(ids.tolist(), texts):
+        expected = [by_hand.sot_token_id, *by_hand.encode(text), by_hand.eot_token_id]
+        if len(expected) > 77:
+            expected = [*expected[:76], by_hand.eot_token_id]
+        assert row == expected + [0] * (77 - len(expected)), text
+    # the difference that matters: full-width punctuation survives (open_clip's ftfy makes it ASCII)
+    decoded = by_hand.decode([i for i in ids[0].tolist() if i])
+    assert "，" in decoded and "！" in decoded and "," not in decoded and "!" not in decoded
+    assert not torch.equal(ids[0], simple([texts[0]])[0])
+    assert torch.equal(simple([texts[0]])[0], simple(["推荐大家去北京,早上五点就要出发!"])[0])
+    assert torch.equal(ids[3], simple([texts[3]])[0])  # plain text: the same tokens either way
+
+
 def test_clip_score_range_and_mapping(tiny_clip, images):
     ckpt, _, _ = tiny_clip
     ims, _ = images

@@ -1,5 +1,6 @@
 """The embedded random-weight scorer models (harness/metrics/tiny_encoders.py): determinism, caching,
-loading through the production scorers, and the ``tiny`` config value of ``Scorer``."""
+loading through the production scorers, and the ``tiny`` config value of ``Scorer``. Nothing here needs
+open_clip: the tiny CLIP is a transformers CLIPModel, so the default run needs only the base install."""
 
 import json
 from pathlib import Path
@@ -10,9 +11,7 @@ import torch
 
 from harness.metrics import rag_igbench as rb
 from harness.metrics import tiny_encoders as te
-from harness.metrics.encoders import ClipScorer, TextEmbedder
-
-pytest.importorskip("open_clip")
+from harness.metrics.encoders import TextEmbedder, TransformersClipScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = sorted((ROOT / "harness/datasets/bundled/rag_igbench_sample/images").glob("*"))
@@ -50,17 +49,16 @@ def tiny_embedder(cache):
 
 
 def test_tiny_clip_is_a_function_of_the_seed(tiny_clip, cache, tmp_path):
-    name, ckpt = tiny_clip
-    directory = Path(name.removeprefix("local-dir:"))
-    assert name.startswith("local-dir:") and Path(ckpt).parent == directory and Path(ckpt).is_file()
+    directory = Path(tiny_clip)
     assert directory.name == te.clip_dir_name() and directory.parent == Path(cache)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= {
+        p.name for p in directory.iterdir()}
     marker = json.loads((directory / te.MARKER).read_text())
     assert marker["weights"] == "random-init" and marker["spec"]["seed"] == 0
-    again_name, _ = te.ensure_tiny_clip(tmp_path / "elsewhere", seed=0)
-    assert _same(_tensors(directory), _tensors(Path(again_name.removeprefix("local-dir:"))))
-    other_name, _ = te.ensure_tiny_clip(tmp_path / "elsewhere", seed=1)
-    assert other_name != again_name
-    assert not _same(_tensors(directory), _tensors(Path(other_name.removeprefix("local-dir:"))))
+    again = Path(te.ensure_tiny_clip(tmp_path / "elsewhere", seed=0))
+    assert _same(_tensors(directory), _tensors(again))
+    other = Path(te.ensure_tiny_clip(tmp_path / "elsewhere", seed=1))
+    assert other != again and not _same(_tensors(directory), _tensors(other))
 
 
 def test_tiny_text_embedder_is_a_function_of_the_seed(tiny_embedder, cache, tmp_path):
@@ -86,7 +84,7 @@ def test_built_models_are_reused_not_rebuilt(tiny_clip, tiny_embedder, cache, mo
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     def broken(out, spec=None):
-        (Path(out) / "open_clip_model.safetensors").write_bytes(b"half")
+        (Path(out) / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed")
 
     monkeypatch.setattr(te, "build_tiny_clip", broken)
@@ -105,29 +103,55 @@ def test_home_cache_follows_harness_cache(tmp_path, monkeypatch):
 
 
 def test_clip_scorer_loads_the_tiny_clip_and_scores_in_range(tiny_clip):
-    import open_clip
     from safetensors.torch import load_file
 
-    name, ckpt = tiny_clip
-    scorer = ClipScorer(name, None, device="cpu")
+    scorer = TransformersClipScorer(tiny_clip, device="cpu")
     texts = ["这是第一张图片，展示了成都火锅的红油锅底和各种新鲜食材"[:25], "a photo of a cat", ""]
     cos = scorer.cosines(IMAGES[:3], texts)
     assert len(cos) == 3 and all(-1.0 <= c <= 1.0 for c in cos)
     assert len(set(cos)) == 3  # inputs matter, even with random weights
-    model = scorer._load()[0]
-    stored = load_file(ckpt)
+    model, processor, tokenizer = scorer._load()
+    stored = load_file(str(Path(tiny_clip) / "model.safetensors"))
     assert all(torch.equal(stored[k], v) for k, v in model.state_dict().items() if k in stored)
-    assert scorer._load()[1].transforms[0].size == te.TinyClipSpec().image_size
-    tokens = open_clip.get_tokenizer(name)(["成都火锅"])
-    assert tokens.shape == (1, 77) and int((tokens > 0).sum()) > 2  # Chinese tokenises (CLIP's byte-level BPE)
+    assert processor.crop_size["height"] == te.TinyClipSpec().image_size
+    ids = tokenizer(["成都火锅，好吃！"])["input_ids"][0]
+    # byte-level (CLIP's decoder puts a space at each word end), full-width punctuation kept as the reference does
+    assert tokenizer.decode(ids, skip_special_tokens=True).replace(" ", "") == "成都火锅，好吃！"
+    # the same numbers by hand: projected features of the model, cosine
+    pixels = processor(images=[te_image(p) for p in IMAGES[:3]], return_tensors="pt")["pixel_values"]
+    toks = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        img = model.get_image_features(pixel_values=pixels).pooler_output
+        txt = model.get_text_features(**toks).pooler_output
+    assert cos == pytest.approx(torch.nn.functional.cosine_similarity(img, txt, dim=-1).tolist(), abs=1e-5)
     value = rb.clip_score(IMAGES[:3], texts, scorer)
     assert 0.0 <= value <= 1.0
+
+
+def te_image(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def test_tiny_clip_builds_and_scores_without_open_clip(tmp_path, monkeypatch):
+    """The default run's CLIP score needs only the base install (the old tiny CLIP was an open_clip model)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # `import open_clip` raises ImportError
+    from harness.scoring import Scorer
+
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
+    scorer = Scorer(_cfg(clip_model="tiny"))
+    assert isinstance(scorer.clip, TransformersClipScorer)
+    assert len(scorer.clip.cosines(IMAGES[:2], ["图片", "风景"])) == 2
 
 
 def test_clip_on_every_bundled_image_is_fast(tiny_clip):
     import time
 
-    scorer = ClipScorer(tiny_clip[0], None, device="cpu")
+    scorer = TransformersClipScorer(tiny_clip, device="cpu")
     scorer._load()
     t0 = time.perf_counter()
     cos = scorer.cosines(IMAGES, ["图片"] * len(IMAGES))
@@ -172,10 +196,10 @@ def test_scorer_tiny_builds_lazily_and_describes_random_weights(tmp_path, monkey
     scorer = Scorer(_cfg(clip_model="tiny", clip_pretrained="openai", embed_model="tiny"))
     assert scorer.describe() == {
         "clip_model": te.clip_dir_name(), "clip_pretrained": None, "clip_weights": "random-init",
-        "embed_model": te.text_embedder_dir_name(), "embed_weights": "random-init"}
+        "clip_backend": "transformers", "embed_model": te.text_embedder_dir_name(), "embed_weights": "random-init",
+        "allow_random_scorers": False}
     assert not (tmp_path / "models").exists()  # describing builds nothing
-    assert scorer.clip.model_name == f"local-dir:{tmp_path / 'models' / te.clip_dir_name()}"
-    assert scorer.clip.pretrained is None
+    assert scorer.clip.name_or_path == str(tmp_path / "models" / te.clip_dir_name())
     assert scorer.embed.name_or_path == str(tmp_path / "models" / te.text_embedder_dir_name())
     assert scorer.clip._loaded is None and scorer.embed._loaded is None  # loaded on first use
     scorer.prepare()
@@ -186,10 +210,14 @@ def test_scorer_describes_other_settings(tiny_embedder):
     from harness.scoring import Scorer
 
     assert Scorer(_cfg()).describe() == {"clip_model": None, "clip_pretrained": None, "clip_weights": None,
-                                         "embed_model": None, "embed_weights": None}
+                                         "clip_backend": None, "embed_model": None, "embed_weights": None,
+                                         "allow_random_scorers": False}
     paper = Scorer(_cfg(clip_model="ViT-L-14", clip_pretrained="openai",
                         embed_model="TencentBAC/Conan-embedding-v1")).describe()
     assert paper["clip_weights"] == "pretrained" and paper["embed_weights"] == "pretrained"
+    assert paper["clip_backend"] == "open_clip"
+    hf = Scorer(_cfg(clip_model="transformers:openai/clip-vit-large-patch14", clip_pretrained="ignored")).describe()
+    assert (hf["clip_backend"], hf["clip_weights"], hf["clip_pretrained"]) == ("transformers", "pretrained", None)
     assert paper["clip_model"] == "ViT-L-14" and paper["clip_pretrained"] == "openai"
     assert Scorer(_cfg(clip_model="ViT-B-32")).describe()["clip_weights"] == "random-init"  # no weights given
     assert Scorer(_cfg(embed_model=tiny_embedder)).describe()["embed_weights"] == "random-init"  # by its marker
