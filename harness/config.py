@@ -145,8 +145,9 @@ class CacheConfig:
     """Generation cache (``harness.cache``): every finished generation is written as its batch returns.
 
     ``read`` says when it is looked up: ``resume`` (default) only when the run directory holds an interrupted
-    attempt (``samples.jsonl`` without ``summary.json``: a killed run rerun with the same ``hydra.run.dir``, a
-    sweep rerun with the same ``hydra.sweep.dir``, a Slurm job requeued), and a directory that already holds
+    attempt (its ``run_state.json`` says an earlier attempt did not finish — ``harness.run_state``: a killed run
+    rerun with the same ``hydra.run.dir``, a sweep rerun with the same ``hydra.sweep.dir``, a Slurm job requeued,
+    a resume that was itself killed), and a directory that already holds
     this configuration's ``summary.json`` is not run again; ``always`` replays any cached generation (quality
     studies; latency partial); ``never`` generates and times everything. Latency is never taken from the cache:
     ``summary.json`` ``latency.partial`` / ``n_measured`` / ``n_cached`` say what was timed in the run."""

@@ -22,22 +22,6 @@ class TechniqueNotAvailable(RuntimeError):
     """A technique was enabled in the config but is not implemented for this engine yet."""
 
 
-def check_techniques(cfg: Any) -> None:
-    """Refuse, loudly, techniques that would otherwise be silently ignored."""
-    if cfg.visionzip.keep < 1.0 and cfg.engine.name not in ("hf", "vllm"):
-        raise TechniqueNotAvailable(
-            f"visionzip.keep={cfg.visionzip.keep}: VisionZip is not available yet in engine "
-            f"{cfg.engine.name!r} (issue 5). Use visionzip.keep=1.0."
-        )
-    if cfg.sere.k is not None and cfg.engine.name not in ("hf", "vllm"):
-        raise TechniqueNotAvailable(
-            f"sere.k={cfg.sere.k}: SERE is not available yet in engine {cfg.engine.name!r} (issue 6). "
-            "Use sere.k=null."
-        )
-    if cfg.load.qps is not None and cfg.engine.name != "vllm":
-        raise TechniqueNotAvailable(f"load.qps={cfg.load.qps}: load mode needs engine=vllm")
-
-
 def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
     (the OCRBench+CCBench budget competition) and the time spent on importance."""

@@ -229,8 +229,24 @@ def _random_scorers(cfg: Any) -> list[str]:
     return [k for k in ("clip", "embed") if d[f"{k}_weights"] == "random-init"]
 
 
+#: Engines that implement the techniques (VisionZip, SERE, plain top-K); any other registered engine (a user's,
+#: a test's scripted one) would run them as stock, so they are refused there rather than silently ignored.
+TECHNIQUE_ENGINES = ("hf", "vllm")
+
+
+def _technique_engine(cfg: Any) -> bool:
+    return cfg.engine.name in TECHNIQUE_ENGINES
+
+
 #: Rules between keys (what one engine or one model can do with another key's value).
 CROSS_RULES: tuple[CrossRule, ...] = (
+    CrossRule("visionzip.keep", _vz_on, _technique_engine,
+              lambda cfg: f"1.0 with engine={cfg.engine.name} (VisionZip is implemented in {', '.join(TECHNIQUE_ENGINES)})"),
+    CrossRule("sere.k", _sere_on, _technique_engine,
+              lambda cfg: f"null with engine={cfg.engine.name} (SERE is implemented in {', '.join(TECHNIQUE_ENGINES)})"),
+    CrossRule("moe.top_k", lambda cfg: _moe_top_k(cfg) is not None, _technique_engine,
+              lambda cfg: f"null with engine={cfg.engine.name} (moe.top_k is implemented in "
+              f"{', '.join(TECHNIQUE_ENGINES)})"),
     CrossRule("model.path", lambda cfg: not cfg.model.embedded, lambda cfg: bool(cfg.model.path),
               "a checkpoint directory or hub id (required unless model.embedded=true)"),
     CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,

@@ -72,16 +72,21 @@ def test_wandb_offline_logs_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("override,name", [("sere.k=2", "SERE"), ("visionzip.keep=0.6", "VisionZip")])
-def test_technique_an_engine_lacks_stops_the_run(override, name):
+def test_technique_an_engine_lacks_stops_the_run(override, name, monkeypatch):
+    """A registered engine that does not implement a technique refuses it (it would otherwise run stock)."""
     from omegaconf import OmegaConf
 
     from harness.config import Config
-    from harness.run import TechniqueNotAvailable, check_techniques
+    from harness.engines import ENGINES
+    from harness.validate import ConfigError, validate_config
 
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([override, "engine.name=other"]))
-    with pytest.raises(TechniqueNotAvailable, match=f"{name} is not available yet in engine 'other'"):
-        check_techniques(cfg)
-    check_techniques(OmegaConf.merge(cfg, {"engine": {"name": "hf"}}))  # the HF engine has both
+    register_configs()  # the ${harness_cache:...} resolver of the cache.path default
+    monkeypatch.setitem(ENGINES, "other", f"{__name__}:ScriptedEngine")
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(
+        [override, "engine.name=other", "dataset.name=rag_igbench", "model.embedded=true"]))
+    with pytest.raises(ConfigError, match=f"{name} is implemented in hf, vllm"):
+        validate_config(cfg)
+    validate_config(OmegaConf.merge(cfg, {"engine": {"name": "hf"}}))  # the HF engine has both
 
 
 @pytest.mark.slow
