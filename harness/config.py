@@ -114,6 +114,14 @@ class SereConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Plain MoE routing changes (``harness.techniques.moe_topk``). ``top_k=null`` is off."""
+
+    top_k: Optional[int] = None  # keep each token's K highest experts, renormalised as the router does
+    scope: str = "decode"  # "decode" = decode steps only (as SERE), "all" = every pass (prefill too)
+
+
+@dataclass
 class ScoringConfig:
     """Scoring options (the definitions are in ``harness.metrics``)."""
 
@@ -161,6 +169,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     visionzip: VisionZipConfig = field(default_factory=VisionZipConfig)
     sere: SereConfig = field(default_factory=SereConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -175,6 +184,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "generation": GenerationConfig,
     "visionzip": VisionZipConfig,
     "sere": SereConfig,
+    "moe": MoeConfig,
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
