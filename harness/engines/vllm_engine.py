@@ -201,9 +201,12 @@ class VLLMEngine:
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None, *,
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
-                 sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None):
+                 sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
+                 moe_cfg: Any = None):
         from harness import compat
+        from harness.techniques.moe_topk import moe_settings
 
+        moe = moe_settings(moe_cfg, sere_cfg)  # refuses moe.top_k + sere.k before anything loads
         compat.install()
         self.visionzip = resolve_visionzip(visionzip_cfg)
         from transformers import AutoProcessor
@@ -228,6 +231,9 @@ class VLLMEngine:
         hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
         self.sere = resolve_sere(sere_cfg, self.model_path, model_id)
+        from harness.vllm_topk import MoeSettings
+
+        self.moe = MoeSettings(*moe) if moe is not None else None  # exported as HARNESS_MOE_* (vllm_topk)
         if self.sere is not None and sere_trace:
             self.sere.trace_path = sere_trace
         self._env_saved: dict[str, str | None] = {}
@@ -247,11 +253,14 @@ class VLLMEngine:
 
     def _export_env(self) -> None:
         from harness.vllm_plugin import SERE_ENV, VZ_ENV
+        from harness.vllm_topk import MOE_ENV
 
         wanted = self.sere.env() if self.sere is not None else {}
         if self.visionzip is not None:
             wanted.update(self.visionzip.env())
-        for key in SERE_ENV + VZ_ENV:
+        if self.moe is not None:
+            wanted.update(self.moe.env())
+        for key in SERE_ENV + VZ_ENV + MOE_ENV:
             if key not in self._env_saved:
                 self._env_saved[key] = os.environ.get(key)
             if key in wanted:
@@ -361,6 +370,9 @@ class VLLMEngine:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
                             "where": "vllm plugin custom_routing_function, decode rows only"}
+        if self.moe is not None:
+            info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope,
+                           "where": "vllm plugin custom_routing_function (zero-weight padded slots)"}
         return info
 
     def sampling_params(self, max_tokens: int | None = None, **kwargs: Any):
@@ -392,15 +404,18 @@ class VLLMEngine:
             self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
         if self.sere is not None:
             self._worker_sere_stats(reset=True)
+        if self.moe is not None:
+            self._worker_sere_stats(reset=True, method="harness_moe_stats")
 
-    def _worker_sere_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+    def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.vllm_plugin import STATS_METHOD
 
+        method = method or STATS_METHOD
         if self._llm is not None:
-            return self._llm.collective_rpc(STATS_METHOD, kwargs={"reset": reset})
+            return self._llm.collective_rpc(method, kwargs={"reset": reset})
         if self._async is not None:
             async def call():
-                return await self._async.collective_rpc(STATS_METHOD, kwargs={"reset": reset})
+                return await self._async.collective_rpc(method, kwargs={"reset": reset})
 
             return self._loop.run(call())
         return []
@@ -408,17 +423,21 @@ class VLLMEngine:
     def technique_stats(self) -> dict[str, Any]:
         """``summary.json`` ``sere``: the decode-step routing statistics the plugin kept in the worker (the
         HF engine's fields; one worker = tensor_parallel_size 1, else the first worker's, with ``workers``)."""
-        if self.sere is None or self._closed:
+        if self._closed:
             return {}
-        try:
-            per_worker = self._worker_sere_stats()
-        except Exception as e:  # noqa: BLE001 - statistics never fail a run
-            return {"sere": {"error": f"{type(e).__name__}: {e}"}}
-        if not per_worker:
-            return {}
-        out = dict(per_worker[0])
-        out["workers"] = len(per_worker)
-        return {"sere": out}
+        out: dict[str, Any] = {}
+        for name, on, method in (("sere", self.sere is not None, None),
+                                 ("moe", self.moe is not None, "harness_moe_stats")):
+            if not on:
+                continue
+            try:
+                per_worker = self._worker_sere_stats(method=method)
+            except Exception as e:  # noqa: BLE001 - statistics never fail a run
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            if per_worker:
+                out[name] = {**per_worker[0], "workers": len(per_worker)}
+        return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
