@@ -111,6 +111,11 @@ class SereConfig:
     protect: int = 0  # protected (never re-routed) experts per layer, built on first use when > 0
     similarity: Optional[str] = None  # path of calibrated [E, E] matrices; None = calibrate once and cache
     protection: Optional[str] = None  # path of a 0/1 [L, E] protection artifact; None = build if protect > 0
+    # calibration data when an artifact is built here (harness/techniques/sere_calibration.py): a text file,
+    # .jsonl/.json of documents, or a directory of those; None = the shipped ~3k-token text (embedded model)
+    calibration_text: Optional[str] = None
+    calibration_field: Optional[str] = None  # JSON field holding a document's text (None: text|content|document)
+    calibration_tokens: int = 16384  # token budget: the reference's 32 documents x 512 tokens
 
 
 @dataclass

@@ -459,6 +459,16 @@ def attach(handle: SereHandle, model: torch.nn.Module, eos_token_ids: Any = None
         handle._install(st)
 
 
+def calibration_kwargs(sere_cfg: Any) -> dict[str, Any]:
+    """``text_path`` / ``text_field`` / ``max_tokens`` for the calibration builders from ``sere.calibration_*``
+    (absent keys: the builders' defaults)."""
+    from harness.techniques.sere_calibration import DEFAULT_MAX_TOKENS
+
+    get = (lambda k: sere_cfg.get(k)) if isinstance(sere_cfg, dict) else (lambda k: getattr(sere_cfg, k, None))
+    return {"text_path": get("calibration_text") or None, "text_field": get("calibration_field") or None,
+            "max_tokens": int(get("calibration_tokens") or DEFAULT_MAX_TOKENS)}
+
+
 def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, model_id: str,
                      cache_dir: str | None = None, eos_token_ids: Any = None) -> SereHandle | None:
     """Build SERE from the ``sere`` config group (``k``, ``rho``, ``protect``, ``similarity``,
@@ -468,10 +478,11 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
         return None
     from harness.techniques.sere_calibration import load_similarity, similarity_for
 
+    data = calibration_kwargs(sere_cfg)
     if sere_cfg.similarity:
         similarity, _ = load_similarity(sere_cfg.similarity)
     else:
-        similarity = similarity_for(model, tokenizer, model_id, cache_dir)
+        similarity = similarity_for(model, tokenizer, model_id, cache_dir, **data)
     protected = None
     n = int(sere_cfg.protect or 0)
     if n > 0 or sere_cfg.protection:
@@ -481,6 +492,6 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
             protected, _ = load_protection(sere_cfg.protection, n=n or None)
         else:
             protected = protection_for(model, tokenizer, model_id, similarity, int(sere_cfg.k),
-                                       float(sere_cfg.rho), n, cache_dir)
+                                       float(sere_cfg.rho), n, cache_dir, **data)
     return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
                         eos_token_ids=eos_token_ids)

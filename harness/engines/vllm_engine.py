@@ -135,17 +135,23 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
             similarity_for,
         )
 
+        from harness.engines.hf_sere import calibration_kwargs
+
+        data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
         model, tokenizer = load_model_for_calibration(str(model_path))
         if sim_path:
             similarity, _ = load_similarity(sim_path)
         else:
-            similarity = similarity_for(model, tokenizer, model_id)
-            sim_path = str(similarity_cache_path(model, model_id))
+            similarity = similarity_for(model, tokenizer, model_id, **data)
+            sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
+                                                 text_field=data["text_field"]))
         if protect > 0 and not prot_path:
             from harness.techniques.sere_protection import protection_cache_path, protection_for
 
-            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect)
-            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho))
+            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect, **data)
+            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho, None,
+                                                  data["text_path"], data["max_tokens"],
+                                                  text_field=data["text_field"]))
         del model
     for path in (sim_path, prot_path):
         if path and not Path(path).is_file():
