@@ -383,8 +383,10 @@ class VisionZipSettings:
         keep = (env.get(ENV_VZ_KEEP) or "").strip()
         if not keep or float(keep) >= 1.0:
             return None
-        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1),
-                   min_per_image=int(env.get(ENV_VZ_MIN) or 1))
+        min_per_image = int(env.get(ENV_VZ_MIN) or 1)
+        if min_per_image < 1:  # an empty placeholder run fails vLLM's placeholder validation
+            raise RuntimeError(f"{ENV_VZ_MIN}={min_per_image}: vLLM needs at least one token per image")
+        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1), min_per_image=min_per_image)
 
     def env(self) -> dict[str, str]:
         return {ENV_VZ_KEEP: repr(float(self.keep)), ENV_VZ_LAYER: str(self.layer),

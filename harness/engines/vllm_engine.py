@@ -29,8 +29,9 @@ queued_ts``), ``batch_size`` and ``finish_reason``.
 
 **Load mode** (:meth:`VLLMEngine.run_load`, when ``load.qps`` is set): ``AsyncLLM`` in this process (its
 engine core in a child process, as ``vllm serve`` runs it), requests sent at Poisson/gamma arrival
-times (``vllm bench serve``'s rule: gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)), one seeded
-generator), each streamed: TTFT = first streamed chunk − send time, ITL = gaps between chunks,
+times by ``vllm bench serve``'s rule (:func:`arrival_offsets`: n gaps ~ Gamma(shape=burstiness,
+scale=1/(qps·burstiness)) — the first request waits its gap too —, summed, then rescaled so that the last
+send is at exactly n/qps; burstiness = inf gives constant 1/qps gaps; one seeded generator), each streamed: TTFT = first streamed chunk − send time, ITL = gaps between chunks,
 E2E = last chunk − send time, TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one
 by one first and discarded; a failed request becomes a Generation with ``error`` (counted by
 ``latency_summary``). Every time is ``time.perf_counter()`` in this process.
@@ -161,6 +162,27 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
                      protect=protect if (prot_path and protect > 0) else None)
 
 
+def arrival_offsets(n: int, qps: float, burstiness: float = 1.0, seed: int = 0):
+    """Send times (seconds from the start) of ``n`` requests at ``qps``, as ``vllm bench serve`` draws them:
+    gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)) (exponential for burstiness 1; constant 1/qps
+    for burstiness = inf), cumulated from the first gap (the first request is not sent at 0), then scaled so
+    the last send is at n/qps exactly (vLLM does this to make throughput independent of the seed). The
+    generator is ``numpy.random.default_rng(seed)`` (vLLM seeds numpy's global generator: same law, other
+    draws)."""
+    import numpy as np
+
+    if n < 1 or not qps > 0 or not burstiness > 0:
+        raise ValueError(f"arrival_offsets: need n >= 1, qps > 0, burstiness > 0 (got {n}, {qps}, {burstiness})")
+    if burstiness == float("inf"):
+        gaps = np.full(n, 1.0 / qps)
+    else:
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=n)
+    offsets = np.cumsum(gaps)
+    if offsets[-1] > 0:
+        offsets = offsets * ((n / qps) / offsets[-1])
+    return offsets
+
+
 def resolve_visionzip(vz_cfg: Any):
     """``VisionZipSettings`` for ``visionzip`` (None when ``keep >= 1``). vLLM supports the per-image fixed
     ratio only (``scope="image"``, ``contextual=0``): the number of placeholder tokens of an image must be
@@ -179,6 +201,11 @@ def resolve_visionzip(vz_cfg: Any):
             "after the prompt's placeholders are fixed (docs/vllm.md)")
     if contextual > 0:
         raise NotImplementedError("visionzip.contextual > 0 is not implemented in engine=vllm (docs/vllm.md)")
+    if int(_get(vz_cfg, "min_per_image", 1)) < 1:
+        raise NotImplementedError(
+            f"visionzip.min_per_image={_get(vz_cfg, 'min_per_image')} in engine=vllm: an image pruned to 0 tokens "
+            "leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; use "
+            "visionzip.min_per_image >= 1 (or engine=hf, where an image may lose every token)")
     return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)),
                              min_per_image=int(_get(vz_cfg, "min_per_image", 1)))
 
@@ -593,7 +620,7 @@ class VLLMEngine:
     def run_load(self, requests: list[Request], load_cfg: Any = None,
                  timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
         """Serving-style load test (see the module doc). Returns (one Generation per measured request, in
-        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the first send) and
+        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the start of the load phase; the first request waits its gap) and
         ``extra["source_uid"]``; info = qps, burstiness, num_requests, warmup, seed, duration_s (first send
         → last completion, the basis of output throughput), achieved_qps."""
         load_cfg = load_cfg if load_cfg is not None else self.load_cfg
@@ -620,11 +647,7 @@ class VLLMEngine:
                 await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
             except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
                 pass
-        rng = np.random.default_rng(seed)
-        theta = 1.0 / (qps * burstiness)
-        gaps = rng.gamma(shape=burstiness, scale=theta, size=n)
-        gaps[0] = 0.0
-        offsets = np.cumsum(gaps)
+        offsets = arrival_offsets(n, qps, burstiness, seed)
         tag = time.monotonic_ns()
 
         async def one(i: int, delay: float, start: float):
@@ -656,7 +679,13 @@ class VLLMEngine:
         start = time.perf_counter()
         gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
         duration = time.perf_counter() - start
+        sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
+        completed = sum(1 for g in gens if not g.error)
         info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
-                "duration_s": duration, "achieved_qps": n / float(offsets[-1]) if n > 1 and offsets[-1] > 0
-                else None, "completed": sum(1 for g in gens if not g.error)}
+                "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
+                "scheduled_last_send_s": float(offsets[-1]),
+                # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
+                "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
+                "request_throughput": completed / duration if duration > 0 else None,
+                "completed": completed}
         return list(gens), info
