@@ -131,6 +131,11 @@ class ScoringConfig:
     """Scoring options (the definitions are in ``harness.metrics``)."""
 
     rouge_variant: str = "reference"  # "reference" (jieba words minus stopwords, sets) | "rouge_score"
+    # Rouge-1 stopwords: "project" (harness/metrics/cn_stopwords.txt) | "none" | a file path (e.g. the
+    # reference's score/cn_stopwords.txt, for paper-exact Rouge-1)
+    stopwords: str = "project"
+    # CCBench/MCQ answer extraction: "vlmevalkit" (VLMEvalKit's exact rule, comparable) | "lenient"
+    mcq_extraction: str = "vlmevalkit"
     clip_model: Optional[str] = None  # e.g. "ViT-L-14"; None = skip the CLIP score
     clip_pretrained: Optional[str] = None  # e.g. "openai" or a local checkpoint path
     embed_model: Optional[str] = None  # e.g. "TencentBAC/Conan-embedding-v1"; None = skip alignment
