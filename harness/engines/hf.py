@@ -98,7 +98,7 @@ class HFEngine:
 
         from harness.techniques.moe_topk import moe_settings
 
-        moe = moe_settings(moe_cfg, sere_cfg)  # refuses moe.top_k + sere.k before the model loads
+        moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before the model loads
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
         self.device = resolve_device(engine_cfg.device)
@@ -133,17 +133,23 @@ class HFEngine:
 
             if not supports_visionzip(self.model):
                 raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
-        self.sere = None
-        if sere_cfg is not None and sere_cfg.k is not None:
-            from harness.engines.hf_sere import sere_from_config
+        self.sere = self.moe = None
+        sere_artifacts = None
+        if sere_cfg is not None and sere_cfg.k is not None:  # computed on the stock model, before any hook
+            from harness.engines.hf_sere import sere_artifacts_from_config
 
-            self.sere = sere_from_config(self.model, self.processor.tokenizer, sere_cfg, model_id or model_path,
-                                         eos_token_ids=sorted(self.eos_ids))
-        self.moe = None  # moe.top_k: plain top-K truncation (hf_topk), same hooks and statistics as SERE
-        if moe is not None:
+            sere_artifacts = sere_artifacts_from_config(self.model, self.processor.tokenizer, sere_cfg,
+                                                        model_id or model_path)
+        if moe is not None:  # moe.top_k: plain top-K truncation (hf_topk); before SERE, which re-routes its output
             from harness.engines.hf_topk import install_topk
 
             self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.eos_ids))
+        if sere_artifacts is not None:
+            from harness.engines.hf_sere import install_sere
+
+            similarity, protected = sere_artifacts
+            self.sere = install_sere(self.model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
+                                     eos_token_ids=sorted(self.eos_ids))
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -195,7 +201,7 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("sere", "moe"):
+        for name in ("sere", "moe"):  # SERE first: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()

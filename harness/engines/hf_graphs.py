@@ -115,12 +115,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def _sere_handles(model: torch.nn.Module) -> list:
-    """Installed ``hf_sere.SereHandle`` objects (every MoE block carries its handle as ``_harness_sere``)."""
+    """Installed ``hf_sere.SereHandle`` objects (every MoE block carries its handle as ``_harness_sere``, and
+    a ``moe.top_k`` handle, also a ``SereHandle``, as ``_harness_topk``)."""
     found: dict[int, Any] = {}
     for module in model.modules():
-        handle = getattr(module, "_harness_sere", None)
-        if handle is not None and not getattr(handle, "removed", False):
-            found[id(handle)] = handle
+        for slot in ("_harness_topk", "_harness_sere"):
+            handle = getattr(module, slot, None)
+            if handle is not None and not getattr(handle, "removed", False):
+                found[id(handle)] = handle
     return list(found.values())
 
 

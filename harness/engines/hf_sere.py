@@ -111,6 +111,7 @@ class SereHandle:
     """Installed SERE hooks on one model: ``mode``, ``stats()``, ``reset_stats()``, ``remove()``."""
 
     kind = "sere"
+    slot = "_harness_sere"  # the per-block attribute naming the installed handle (hf_graphs finds it there)
 
     def __init__(self, k_primary: int, rho: float, mode: str, collect_stats: bool, op: Callable | None):
         self.k_primary = k_primary
@@ -216,7 +217,7 @@ class SereHandle:
             st.block.register_forward_hook(block_post),
             st.gate.register_forward_hook(gate_post),
         ]
-        st.block._harness_sere = self
+        setattr(st.block, self.slot, self)
 
     def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
         t, k = old.shape
@@ -368,8 +369,8 @@ class SereHandle:
                 h.remove()
             st.hooks = []
             st.active = False
-            if getattr(st.block, "_harness_sere", None) is self:
-                del st.block._harness_sere
+            if getattr(st.block, self.slot, None) is self:
+                delattr(st.block, self.slot)
         self.removed = True
 
     def __enter__(self) -> "SereHandle":
@@ -432,10 +433,10 @@ def block_device(block: torch.nn.Module) -> torch.device:
     return block.gate.weight.device if hasattr(block.gate, "weight") else block.experts.gate_up_proj.device
 
 
-def refuse_if_installed(blocks: list) -> None:
-    """One routing rewrite per model: SERE and ``moe.top_k`` share the ``_harness_sere`` slot."""
+def refuse_if_installed(blocks: list, slot: str = "_harness_sere") -> None:
+    """One handle of a kind per model (SERE in ``_harness_sere``, ``moe.top_k`` in ``_harness_topk``)."""
     for ref in blocks:
-        other = getattr(ref.block, "_harness_sere", None)
+        other = getattr(ref.block, slot, None)
         if other is not None:
             raise RuntimeError(f"{getattr(other, 'kind', 'SERE')} is already installed on {ref.name}: "
                                "remove() the first handle")
@@ -474,6 +475,19 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
     """Build SERE from the ``sere`` config group (``k``, ``rho``, ``protect``, ``similarity``,
     ``protection``, ``calibration_text``, ``calibration_tokens``); None when ``sere.k`` is null. Missing
     artifacts are computed from the calibration data and cached (``similarity_for`` / ``protection_for``)."""
+    artifacts = sere_artifacts_from_config(model, tokenizer, sere_cfg, model_id, cache_dir)
+    if artifacts is None:
+        return None
+    similarity, protected = artifacts
+    return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
+                        eos_token_ids=eos_token_ids)
+
+
+def sere_artifacts_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, model_id: str,
+                               cache_dir: str | None = None) -> tuple[dict, dict | None] | None:
+    """``(similarity, protected)`` for the ``sere`` config group (read, or computed on the stock model and
+    cached), None when ``sere.k`` is null. Separate from installing, so the engine can compute them before
+    any routing hook is on the model and install ``moe.top_k`` before SERE."""
     if sere_cfg.k is None:
         return None
     from harness.techniques.sere_calibration import load_similarity, similarity_for
@@ -493,5 +507,4 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
         else:
             protected = protection_for(model, tokenizer, model_id, similarity, int(sere_cfg.k),
                                        float(sere_cfg.rho), n, cache_dir, **data)
-    return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
-                        eos_token_ids=eos_token_ids)
+    return similarity, protected

@@ -13,7 +13,13 @@ so both behave alike where it matters for comparing them:
   layer and decode step before (the router's top-k) and after (its top-K), per batch size; read once by
   :meth:`TopKHandle.stats` into ``summary.json`` ``moe``;
 - the handle is a ``SereHandle`` for ``hf_graphs`` (the CUDA-graph decoder replays its device counters the
-  same way) and occupies the same per-block slot, so SERE and top-K cannot both be installed.
+  same way), kept in its own per-block slot ``_harness_topk``.
+
+**With SERE** (``moe.top_k=K'`` and ``sere.k=K``, :mod:`harness.techniques.moe_topk`): install top-K first,
+then SERE. Forward hooks run in registration order and each sees the output the previous one returned, so
+SERE re-routes the truncated ``[T, K']`` routing (slots K..K'-1); :func:`install_topk` refuses a model that
+already carries SERE, where the order would be the wrong one. The ``moe`` statistics describe the
+truncation (top-k → top-K'), the ``sere`` statistics the re-routing of the truncated routing.
 
 A layer whose ``top_k`` is at least the router's top-k is left unchanged (the ids and weights the router
 returned), so ``moe.top_k = k`` is the baseline bit for bit.
@@ -47,6 +53,7 @@ class TopKHandle(SereHandle):
     """Installed top-K hooks: ``top_k``, ``scope``, ``stats()``, ``reset_stats()``, ``remove()``."""
 
     kind = "moe.top_k"
+    slot = "_harness_topk"
 
     def __init__(self, top_k: int, scope: str, collect_stats: bool):
         if scope not in SCOPES:
@@ -89,7 +96,10 @@ def install_topk(model: torch.nn.Module, top_k: int, scope: str = "decode", *, c
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ValueError("no MoE block found in the model")
-    refuse_if_installed(blocks)
+    refuse_if_installed(blocks, TopKHandle.slot)
+    if any(getattr(ref.block, "_harness_sere", None) is not None for ref in blocks):
+        raise RuntimeError("install moe.top_k before SERE: SERE must re-route the truncated routing "
+                           "(hooks run in the order they were installed)")
     handle = TopKHandle(top_k, scope, collect_stats)
     for ref in blocks:
         handle.layers.append(_Layer(ref.layer, ref.block, ref.block.gate, ref.num_experts, None, None,

@@ -19,9 +19,10 @@ prefill — SERE's rule (the seed re-routes in decode only), so that ``moe.top_k
 *only* in what happens to the secondary slots (dropped vs re-routed) and their TPOT/quality are
 comparable; ``all`` truncates every pass, prefill included (a model that simply runs with top-K).
 
-**Combination with SERE**: refused (:func:`check_moe_config`). Both rewrite the same router output; a
-combined rule (truncate to K', then re-route slots K..K'-1) is well defined but is not what either
-published row measures, so it is not offered silently.
+**Combination with SERE** (``moe.top_k=K'`` with ``sere.k=K``): defined as *SERE on a top-K' model* — the
+router is truncated to K' first, then SERE (decode steps) re-routes the truncated routing's secondary slots
+K..K'-1 onto the batch's primary union; K >= K' leaves nothing to re-route (= plain top-K'). So a sweep
+``sere.k=null,2,1 moe.top_k=null,2`` runs every cell, and each cell means one thing.
 
 Only torch is imported (lazily).
 """
@@ -48,8 +49,8 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def moe_settings(moe_cfg: Any, sere_cfg: Any = None) -> tuple[int, str] | None:
     """``(top_k, scope)`` from the ``moe`` config group, or None when ``moe.top_k`` is null. Raises
-    ``ValueError`` for a bad value and ``NotImplementedError`` for ``moe.top_k`` combined with ``sere.k``
-    (the run maps the latter to exit code 2 before any model loads)."""
+    ``ValueError`` for a bad value. ``sere_cfg`` is accepted for symmetry: the combination is defined
+    (module doc)."""
     top_k = _get(moe_cfg, "top_k")
     if top_k is None:
         return None
@@ -58,15 +59,11 @@ def moe_settings(moe_cfg: Any, sere_cfg: Any = None) -> tuple[int, str] | None:
     scope = str(_get(moe_cfg, "scope", "decode"))
     if scope not in SCOPES:
         raise ValueError(f"moe.scope={scope!r}: expected one of {', '.join(SCOPES)}")
-    if _get(sere_cfg, "k") is not None:
-        raise NotImplementedError(
-            f"moe.top_k={top_k} with sere.k={_get(sere_cfg, 'k')}: plain top-K truncation and SERE both rewrite "
-            "the router's output and their combination is not defined; set one of them to null")
     return top_k, scope
 
 
 def check_moe_config(cfg: Any) -> None:
-    """Config-level check (``cfg`` has ``moe`` and ``sere``): raises as :func:`moe_settings` does."""
+    """Config-level check (``cfg`` has ``moe``): raises as :func:`moe_settings` does (for the validator)."""
     moe_settings(_get(cfg, "moe"), _get(cfg, "sere"))
 
 

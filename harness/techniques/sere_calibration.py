@@ -269,7 +269,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def refuse_if_sere_installed(blocks: list[MoeBlockRef]) -> None:
     """Calibration must see the stock routing: refuse a model carrying SERE hooks (``hf_sere``)."""
     for ref in blocks:
-        if getattr(ref.block, "_harness_sere", None) is not None:
+        if getattr(ref.block, "_harness_sere", None) is not None or getattr(ref.block, "_harness_topk", None):
             raise RuntimeError(f"SERE hooks are installed on {ref.name}: remove() them before calibrating")
 
 

@@ -137,18 +137,56 @@ def test_truncated_routing_equals_reference(tiny, baseline, top_k, scope):
     json.dumps(st)
 
 
-def test_one_rewrite_per_model(tiny):
+def test_one_handle_of_each_kind_and_the_order(tiny):
+    eye = {r.layer: torch.eye(16) for r in find_moe_blocks(tiny["model"])}
     handle = install_topk(tiny["model"], 2)
     try:
         with pytest.raises(RuntimeError, match="moe.top_k is already installed"):
-            install_sere(tiny["model"], {r.layer: torch.eye(16) for r in find_moe_blocks(tiny["model"])}, 1, 0.0)
-        with pytest.raises(RuntimeError, match="already installed"):
             install_topk(tiny["model"], 1)
     finally:
         handle.remove()
-    assert all(not hasattr(r.block, "_harness_sere") for r in find_moe_blocks(tiny["model"]))
+    sere = install_sere(tiny["model"], eye, 1, 0.0)
+    try:
+        with pytest.raises(RuntimeError, match="before SERE"):          # SERE must see the truncated routing
+            install_topk(tiny["model"], 2)
+    finally:
+        sere.remove()
+    blocks = find_moe_blocks(tiny["model"])
+    assert all(not hasattr(r.block, "_harness_sere") and not hasattr(r.block, "_harness_topk") for r in blocks)
     with pytest.raises(ValueError):
         install_topk(tiny["model"], 0)
+
+
+def test_top_k_then_sere_reroutes_the_truncated_routing(tiny):
+    """moe.top_k=3 with sere.k=1: the experts receive reroute(router's top-3, K=1) with the top-3 weights."""
+    from harness.techniques.sere import reroute
+    from harness.techniques.sere_calibration import compute_similarity
+
+    model = tiny["model"]
+    sims, _ = compute_similarity(model, tiny["proc"].tokenizer, max_tokens=256)
+    with capture(model) as log:
+        topk = install_topk(model, 3)
+        sere = install_sere(model, sims, 1, 0.0, op=reroute)
+        try:
+            generate(tiny)
+            moe_st, sere_st = topk.stats(), sere.stats()
+        finally:
+            sere.remove()
+            topk.remove()
+    moved = 0
+    for layer, entries in log.items():
+        for e in entries:
+            if e["seq"] > 1:                                   # prefill: neither (scope decode, SERE decode)
+                assert torch.equal(e["used"], e["orig"]) and torch.equal(e["used_w"], e["orig_w"])
+                continue
+            want_w, want_ids = truncate_routing(e["logits"], e["orig"], 3, True)
+            assert torch.equal(e["used_w"], want_w)
+            want = reroute(want_ids, sims[layer], 1, 0.0)
+            assert torch.equal(e["used"], want)
+            moved += int((want != want_ids).sum())
+    assert moved > 0
+    assert sere_st["expert_union_before"] == pytest.approx(moe_st["expert_union_after"])  # SERE starts at top-3
+    assert sere_st["expert_union_after"] < sere_st["expert_union_before"]
 
 
 def test_engine_wiring_and_refusal(tiny):
@@ -159,8 +197,9 @@ def test_engine_wiring_and_refusal(tiny):
                               experts_implementation=None, cuda_graphs=False, warmup=0)
     gen_cfg = SimpleNamespace(max_new_tokens=4)
     sere_off, moe = SimpleNamespace(k=None), SimpleNamespace(top_k=2, scope="decode")
-    with pytest.raises(NotImplementedError, match="sere.k"):
-        HFEngine("/nonexistent/never/loaded", eng_cfg, gen_cfg, sere_cfg=SimpleNamespace(k=2), moe_cfg=moe)
+    with pytest.raises(ValueError, match="moe.top_k"):       # a bad value fails before the model loads
+        HFEngine("/nonexistent/never/loaded", eng_cfg, gen_cfg, sere_cfg=sere_off,
+                 moe_cfg=SimpleNamespace(top_k=0, scope="decode"))
     engine = HFEngine(tiny["path"], eng_cfg, gen_cfg, sere_cfg=sere_off, moe_cfg=moe)
     try:
         reqs = [Request(uid=str(i), content=[{"type": "text", "text": t}])
@@ -177,7 +216,7 @@ def test_engine_wiring_and_refusal(tiny):
 
 
 def test_run_records_moe(tmp_path):
-    """End to end: summary.json has the ``moe`` block and the config; moe.top_k + sere.k exits 2."""
+    """End to end: summary.json has the ``moe`` block and the config; with sere.k both blocks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     common = [sys.executable, "-m", "harness", "wandb.mode=disabled", "dataset.limit=2", "engine.batch_size=2",
               "generation.max_new_tokens=4", "scoring.clip_model=null", "scoring.embed_model=null",
@@ -189,6 +228,9 @@ def test_run_records_moe(tmp_path):
     assert summary["config"]["moe"] == {"top_k": 2, "scope": "decode"}
     assert summary["moe"]["top_k"] == 2 and summary["moe"]["steps"] > 0
     assert summary["moe"]["expert_union_after"] < summary["moe"]["expert_union_before"]
-    bad = subprocess.run(common + ["moe.top_k=2", "sere.k=2", f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "sere.k" in bad.stderr + bad.stdout
+    both = subprocess.run(common + ["moe.top_k=3", "sere.k=1", f"hydra.run.dir={tmp_path / 'both'}"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert both.returncode == 0, both.stderr[-3000:]
+    summary = json.loads((tmp_path / "both" / "summary.json").read_text())
+    assert summary["moe"]["top_k"] == 3 and summary["sere"]["k_primary"] == 1
+    assert summary["sere"]["expert_union_before"] == pytest.approx(summary["moe"]["expert_union_after"])

@@ -79,8 +79,8 @@ def test_settings_and_refusals():
             moe_settings(SimpleNamespace(top_k=bad, scope="decode"))
     with pytest.raises(ValueError, match="moe.scope"):
         moe_settings(SimpleNamespace(top_k=2, scope="prefill"))
-    with pytest.raises(NotImplementedError, match="sere.k"):
-        moe_settings(SimpleNamespace(top_k=2, scope="decode"), SimpleNamespace(k=2))
+    # the combination with SERE is defined (SERE on the top-K' model), so a sweep over both runs every cell
+    assert moe_settings(SimpleNamespace(top_k=2, scope="decode"), SimpleNamespace(k=1)) == (2, "decode")
     check_moe_config(SimpleNamespace(moe=SimpleNamespace(top_k=2, scope="decode"), sere=SimpleNamespace(k=None)))
-    with pytest.raises(NotImplementedError):
-        check_moe_config({"moe": {"top_k": 1}, "sere": {"k": 1}})
+    with pytest.raises(ValueError):
+        check_moe_config({"moe": {"top_k": 0}, "sere": {"k": 1}})
