@@ -19,7 +19,7 @@ engine (spawned processes inherit them):
 ``HARNESS_VZ_KEEP``       VisionZip keep < 1 = register the VisionZip Qwen3-VL-MoE architecture
 ``HARNESS_VZ_LAYER``      scoring vision block (default -1); ``HARNESS_VZ_MIN_PER_IMAGE`` (default 1)
 ``HARNESS_MOE_TOP_K``     ``moe.top_k``: plain top-K truncation per layer (``harness.vllm_topk``), with
-                          ``HARNESS_MOE_SCOPE`` = ``decode`` (default) | ``all``; refused beside SERE
+                          ``HARNESS_MOE_SCOPE`` = ``decode`` (default) | ``all``; with SERE, truncation first
 ======================== ==========================================================================
 
 What :func:`register` does:
@@ -328,8 +328,10 @@ def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
 
 def make_routing_function(layer: int, similarity, k_primary: int, rho: float, protected=None,
                           trace: _Trace | None = None, op: Callable | None = None,
-                          stats: _LayerStats | None = None) -> Callable:
-    """The ``custom_routing_function`` of one MoE layer (see the module doc)."""
+                          stats: _LayerStats | None = None, truncate: Any = None,
+                          truncate_stats: Any = None) -> Callable:
+    """The ``custom_routing_function`` of one MoE layer (see the module doc). ``truncate``: a
+    ``harness.vllm_topk.MoeSettings`` applied before re-routing (``moe.top_k`` with SERE)."""
     import torch
 
     op = op or _reroute_fn()
@@ -345,14 +347,22 @@ def make_routing_function(layer: int, similarity, k_primary: int, rho: float, pr
 
     def routing(hidden_states, gating_output, topk, renormalize):
         weights, ids = stock_topk(gating_output, topk, renormalize)
+        width = topk
+        if truncate is not None:  # moe.top_k first; SERE sees the truncated routing's first K' columns
+            from harness.vllm_topk import apply_topk
+
+            weights, ids, width = apply_topk(gating_output, weights, ids, renormalize, truncate.top_k,
+                                             truncate.scope, truncate_stats)
         mask = _DECODE.rows(gating_output.device, gating_output.shape[0])
-        if mask is None or k_primary >= topk:
+        if mask is None or k_primary >= width:
             new = ids
         else:
             sim, prot = on(gating_output.device)
-            new = op(ids, sim, k_primary, rho, prot, mask)
+            head = ids[:, :width]
+            new_head = op(head.contiguous(), sim, k_primary, rho, prot, mask)
+            new = new_head if width == topk else torch.cat([new_head, ids[:, width:]], dim=1)
             if stats is not None and _DECODE.n_decode > 0 and not _DECODE.dummy:
-                stats.add(ids, new, mask, k_primary, _DECODE.n_decode)
+                stats.add(head, new_head, mask, k_primary, _DECODE.n_decode)
         if trace is not None:
             rows = mask.nonzero().reshape(-1).tolist() if mask is not None else []
             changed = (new != ids)
@@ -605,8 +615,15 @@ class _SereArtifacts:
             raise RuntimeError(f"SERE: layer {layer} similarity is {tuple(sim.shape)}, the layer has "
                                f"{num_experts} experts")
         stats = _STATS[layer] = _LayerStats(layer, sim.shape[0], self.protected.get(layer))
+        moe = _STATE.get("moe")  # moe.top_k as well: SERE re-routes the truncated routing (harness.vllm_topk)
+        moe_stats = None
+        if moe is not None:
+            from harness.vllm_topk import layer_stats
+
+            moe_stats = layer_stats(layer, num_experts if num_experts is not None else sim.shape[0], prefix)
         return make_routing_function(layer, sim, self.settings.k_primary, self.settings.rho,
-                                     self.protected.get(layer), self.trace, stats=stats)
+                                     self.protected.get(layer), self.trace, stats=stats, truncate=moe,
+                                     truncate_stats=moe_stats)
 
 
 def _patch_factory(artifacts: Any) -> None:
@@ -729,11 +746,8 @@ def register() -> None:
         from harness.vllm_topk import MoeSettings, TopKRouting
 
         moe = MoeSettings.from_env()
-        if moe is not None and settings is not None:
-            raise RuntimeError("moe.top_k and SERE are both set (HARNESS_MOE_TOP_K and HARNESS_SERE_K): their "
-                               "combination is not defined")
+        _STATE["moe"] = moe  # with SERE too: SERE's routing function truncates first (harness.vllm_topk)
         if moe is not None:
-            _STATE["moe"] = moe
             _patch_factory(TopKRouting(moe))
             _patch_runner()
             _patch_worker_stats_method()

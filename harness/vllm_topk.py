@@ -18,8 +18,9 @@ Statistics (``harness_moe_stats`` on the workers, ``summary.json`` ``moe``): dis
 decode step before (top-k) and after (top-K), over the rows the rule applies to, as the HF engine's
 ``TopKHandle.stats()``.
 
-Refused in one process together with SERE (``register`` raises): the combination is not defined
-(:mod:`harness.techniques.moe_topk`).
+With SERE (``HARNESS_SERE_K`` too; :mod:`harness.techniques.moe_topk` defines it): SERE's routing function
+applies :func:`apply_topk` first and re-routes the truncated routing's first K' columns (the padded slots
+name the row's first expert, which is primary, and are left alone), as the HF engine chains the two hooks.
 """
 
 from __future__ import annotations
@@ -61,31 +62,44 @@ class MoeSettings:
 _MOE_STATS: dict[int, Any] = {}
 
 
+def apply_topk(gating_output, weights, ids, renormalize: bool, top_k: int, scope: str = "decode",
+               stats: Any = None):
+    """The stock routing ``(weights, ids)`` [T, k] truncated to ``top_k`` on the rows ``scope`` names, in the
+    padded [T, k] form; returns ``(weights, ids, K)`` with K = min(top_k, k) (the meaningful columns)."""
+    import torch
+
+    from harness.techniques.moe_topk import pad_routing, truncate_routing
+    from harness.vllm_plugin import _DECODE
+
+    topk = ids.shape[1]
+    rows = gating_output.shape[0]
+    if scope == "all":
+        mask = None if _DECODE.dummy else torch.ones(rows, dtype=torch.bool, device=gating_output.device)
+        n_rows = rows
+    else:
+        mask = _DECODE.rows(gating_output.device, rows)
+        n_rows = _DECODE.n_decode
+    if mask is None or top_k >= topk:
+        new_w, new_ids = weights, ids
+    else:
+        w_k, ids_k = truncate_routing(gating_output, ids, top_k, renormalize)
+        pad_w, pad_ids = pad_routing(w_k, ids_k, topk)
+        new_w = torch.where(mask[:, None], pad_w, weights)
+        new_ids = torch.where(mask[:, None], pad_ids, ids)
+    if stats is not None and mask is not None and n_rows > 0 and not _DECODE.dummy:
+        stats.add(ids, new_ids, mask, min(top_k, topk), n_rows)
+    return new_w, new_ids, min(top_k, topk)
+
+
 def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", stats: Any = None) -> Callable:
     """The ``custom_routing_function`` of one MoE layer (module doc)."""
     import torch
 
-    from harness.techniques.moe_topk import pad_routing, truncate_routing
-    from harness.vllm_plugin import _DECODE, stock_topk
+    from harness.vllm_plugin import stock_topk
 
     def routing(hidden_states, gating_output, topk, renormalize):
         weights, ids = stock_topk(gating_output, topk, renormalize)
-        rows = gating_output.shape[0]
-        if scope == "all":
-            mask = None if _DECODE.dummy else torch.ones(rows, dtype=torch.bool, device=gating_output.device)
-            n_rows = rows
-        else:
-            mask = _DECODE.rows(gating_output.device, rows)
-            n_rows = _DECODE.n_decode
-        if mask is None or top_k >= topk:
-            new_w, new_ids = weights, ids
-        else:
-            w_k, ids_k = truncate_routing(gating_output, ids, top_k, renormalize)
-            pad_w, pad_ids = pad_routing(w_k, ids_k, topk)
-            new_w = torch.where(mask[:, None], pad_w, weights)
-            new_ids = torch.where(mask[:, None], pad_ids, ids)
-        if stats is not None and mask is not None and n_rows > 0 and not _DECODE.dummy:
-            stats.add(ids, new_ids, mask, min(top_k, topk), n_rows)
+        new_w, new_ids, _ = apply_topk(gating_output, weights, ids, renormalize, top_k, scope, stats)
         return new_w, new_ids.to(torch.int32)
 
     routing.harness_layer = layer  # type: ignore[attr-defined]
@@ -99,15 +113,23 @@ class TopKRouting:
         self.settings = settings
 
     def routing_for(self, prefix: str, num_experts: int | None) -> Callable:
-        from harness.vllm_plugin import _LayerStats, layer_index
+        from harness.vllm_plugin import layer_index
 
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"moe.top_k: cannot find the layer index in the MoE prefix {prefix!r}")
-        if num_experts is None:
-            raise RuntimeError(f"moe.top_k: the MoE layer {prefix!r} was built without num_experts")
-        stats = _MOE_STATS[layer] = _LayerStats(layer, int(num_experts), None)
-        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope, stats)
+        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope,
+                                          layer_stats(layer, num_experts, prefix))
+
+
+def layer_stats(layer: int, num_experts: int | None, prefix: str = "") -> Any:
+    """A fresh ``moe.top_k`` statistics object for one layer (registered for :func:`moe_stats`)."""
+    from harness.vllm_plugin import _LayerStats
+
+    if num_experts is None:
+        raise RuntimeError(f"moe.top_k: the MoE layer {prefix!r} was built without num_experts")
+    stats = _MOE_STATS[layer] = _LayerStats(layer, int(num_experts), None)
+    return stats
 
 
 def moe_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:

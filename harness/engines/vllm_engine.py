@@ -239,7 +239,7 @@ class VLLMEngine:
         from harness import compat
         from harness.techniques.moe_topk import moe_settings
 
-        moe = moe_settings(moe_cfg, sere_cfg)  # refuses moe.top_k + sere.k before anything loads
+        moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before anything loads
         compat.install()
         self.visionzip = resolve_visionzip(visionzip_cfg)
         from transformers import AutoProcessor
