@@ -38,8 +38,17 @@ class Scorer:
     """
 
     def __init__(self, scoring_cfg: Any):
+        from harness.metrics.mcq import EXTRACTION_RULES
+        from harness.metrics.rag_igbench import resolve_stopwords
+
         self.cfg = scoring_cfg
         self._clip = self._embed = None
+        self.stopwords_choice = str(getattr(scoring_cfg, "stopwords", None) or "project")
+        self.stopwords = resolve_stopwords(self.stopwords_choice)  # a missing file fails here, not per sample
+        self.mcq_extraction = str(getattr(scoring_cfg, "mcq_extraction", None) or "vlmevalkit")
+        if self.mcq_extraction not in EXTRACTION_RULES:
+            raise ValueError(f"scoring.mcq_extraction={self.mcq_extraction!r}: expected one of "
+                             f"{', '.join(EXTRACTION_RULES)}")
 
     @property
     def clip(self):
@@ -112,7 +121,9 @@ class Scorer:
         return {"clip_model": clip_model, "clip_pretrained": clip_pretrained, "clip_weights": clip_weights,
                 "clip_backend": clip_backend(self.cfg.clip_model) if self.cfg.clip_model else None,
                 "embed_model": embed_model, "embed_weights": embed_weights,
-                "allow_random_scorers": bool(getattr(self.cfg, "allow_random_scorers", False))}
+                "allow_random_scorers": bool(getattr(self.cfg, "allow_random_scorers", False)),
+                "stopwords": self.stopwords_choice, "stopword_count": len(self.stopwords),
+                "mcq_extraction": self.mcq_extraction}
 
     def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
         if sample.task == "rag_igbench":
@@ -127,6 +138,7 @@ class Scorer:
                 embed=self.embed,
                 error=error,
                 rouge_variant=self.cfg.rouge_variant,
+                stopwords=self.stopwords,
             )
         if sample.task == "ocrbench":
             from harness.metrics.ocrbench import score_one
@@ -135,10 +147,10 @@ class Scorer:
             return {"score": 0 if error else score_one(answer, ref["answers"], ref.get("dataset_name")),
                     "type": ref.get("type"), "error": error}
         if sample.task == "mcq":
-            from harness.metrics.mcq import extract_choice
+            from harness.metrics.mcq import extract
 
             ref = sample.reference
-            pred = None if error else extract_choice(answer, ref["options"])
+            pred = None if error else extract(answer, ref["options"], self.mcq_extraction)
             return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
                     "group": ref.get("group"), "category": ref.get("category"), "error": error}
         raise KeyError(f"no scorer for task {sample.task!r}")

@@ -192,8 +192,12 @@ RULES: tuple[Rule, ...] = (
     Rule("sere.protection", optional(Check(existing_file, "an existing file"), "build when sere.protect > 0")),
     # plain top-K truncation (the `moe` group; inert until it exists)
     Rule("moe.top_k", optional(at_least(1, "below the model's experts per token"), "the model's top-k")),
+    Rule("moe.scope", one_of("decode", "all")),
     # scoring
     Rule("scoring.rouge_variant", one_of("reference", "rouge_score")),
+    Rule("scoring.stopwords", optional(Check(lambda v: v in ("project", "none") or existing_file(v),
+                                             "project, none or an existing stopword file"), "project")),
+    Rule("scoring.mcq_extraction", one_of("vlmevalkit", "lenient")),
     # W&B
     Rule("wandb.mode", one_of("online", "offline", "disabled")),
     Rule("wandb.project", NONEMPTY),
@@ -258,9 +262,6 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg),
               lambda cfg: cfg.visionzip.min_per_image >= 1,
               ">= 1 with engine=vllm (an image of 0 tokens breaks vLLM's placeholder validation)"),
-    CrossRule("sere.k", lambda cfg: _sere_on(cfg) and _moe_top_k(cfg) is not None,
-              lambda cfg: cfg.sere.k < _moe_top_k(cfg), "an integer below moe.top_k (SERE re-routes within the "
-              "truncated top-k)"),
     CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
               "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
               "model needs pip install 'moe-vlm-harness[clip]')"),
@@ -428,6 +429,11 @@ def validate_config(cfg: Any) -> list[str]:
             continue
         if not rule.check.ok(value):
             raise refusal(rule.key, value, rule.check.text())
+    k, top_k = _select(cfg, "sere.k"), _moe_top_k(cfg)
+    if k not in (None, _MISSING) and top_k is not None and k >= top_k:
+        notes.append(f"sere.k={k} >= moe.top_k={top_k}: SERE has no secondary slot to re-route, so this run is "
+                     f"plain top-{top_k} (harness.techniques.moe_topk)")
+        print(f"note: {notes[-1]}", file=sys.stderr)
     for rule in CROSS_RULES:
         value = _select(cfg, rule.key)
         if value is _MISSING:

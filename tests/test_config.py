@@ -292,30 +292,35 @@ def test_open_clip_model_without_open_clip_is_refused_before_the_model(compose_c
     validate_config(compose_cfg())  # the default (tiny, transformers) needs no open_clip
 
 
-def test_moe_top_k_rule_is_inert_without_the_group_and_checked_with_it(compose_cfg, monkeypatch):
-    """The ``moe`` group (plain top-K truncation) may not exist yet: its rules apply once it does."""
-    from omegaconf import open_dict
-
+@pytest.mark.parametrize("overrides,key", [
+    (["moe.top_k=0"], "moe.top_k"),
+    (["moe.top_k=4"], "moe.top_k"),  # = the model's top-k: truncates nothing
+    (["moe.scope=prefill"], "moe.scope"),
+    (["moe.top_k=2"], None),
+    (["moe.top_k=3", "sere.k=2"], None),  # SERE on a top-3 model
+    (["moe.top_k=2", "sere.k=2"], None),  # SERE has nothing to move: a note, not a refusal (sweeps go on)
+    (["scoring.stopwords=/no/such/list.txt"], "scoring.stopwords"),
+    (["scoring.stopwords=none"], None),
+    (["scoring.mcq_extraction=fuzzy"], "scoring.mcq_extraction"),
+])
+def test_moe_and_scoring_choices(compose_cfg, overrides, key):
     import harness.validate as v
 
-    cfg = compose_cfg()
-    v.validate_config(cfg)
-    v.validate_model(cfg, "tiny", config=_tiny_model_config())  # no moe key: nothing checked
-    schema = v.schema_keys()
-    with open_dict(schema):
-        schema.moe = {"top_k": None}
-    monkeypatch.setattr(v, "schema_keys", lambda: schema)
-    for top_k, sere_k, key in ((0, None, "moe.top_k"), (4, None, "moe.top_k"), (2, 2, "sere.k"), (3, 2, None)):
-        c = compose_cfg([f"sere.k={sere_k if sere_k is not None else 'null'}"])
-        with open_dict(c):
-            c.moe = {"top_k": top_k}
-        try:
-            v.validate_config(c)
-            v.validate_model(c, "tiny", config=_tiny_model_config())
-        except v.ConfigError as e:
-            assert key is not None and str(e).startswith(key), (top_k, sere_k, str(e))
-        else:
-            assert key is None, (top_k, sere_k)
+    c = compose_cfg(overrides)
+    try:
+        v.validate_config(c)
+        v.validate_model(c, "tiny", config=_tiny_model_config())
+    except v.ConfigError as e:
+        assert key is not None and str(e).startswith(key), (overrides, str(e))
+    else:
+        assert key is None, overrides
+
+
+def test_sere_at_or_above_moe_top_k_is_noted(compose_cfg):
+    from harness.validate import validate_config
+
+    notes = validate_config(compose_cfg(["moe.top_k=2", "sere.k=2"]))
+    assert any("plain top-2" in n for n in notes)
 
 
 def test_model_facts_are_read_from_the_checkpoint_config(tmp_path):

@@ -218,7 +218,8 @@ def test_circular_mcq_scoring_through_the_run(tmp_path, monkeypatch):
     def answer(s):
         wrong = s.reference["group"] == "0" and s.reference["rotation"] == 1
         gold = s.reference["answer"]
-        return f"答案是{'A' if wrong and gold != 'A' else 'B' if wrong else gold}"
+        # "答案: X" is read by both extraction rules (VLMEvalKit's default needs the letter as its own token)
+        return f"答案: {'A' if wrong and gold != 'A' else 'B' if wrong else gold}"
 
     m = run_scripted(tmp_path, monkeypatch, "ccbench_sample", answer)
     assert m["n_questions"] == 6 and m["mcq_accuracy"] == pytest.approx(5 / 6)

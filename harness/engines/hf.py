@@ -91,10 +91,14 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
-                 sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None):
+                 sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
+                 moe_cfg: Any = None):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        from harness.techniques.moe_topk import moe_settings
+
+        moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before the model loads
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
         self.device = resolve_device(engine_cfg.device)
@@ -129,11 +133,23 @@ class HFEngine:
 
             if not supports_visionzip(self.model):
                 raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
-        self.sere = None
-        if sere_cfg is not None and sere_cfg.k is not None:
-            from harness.engines.hf_sere import sere_from_config
+        self.sere = self.moe = None
+        sere_artifacts = None
+        if sere_cfg is not None and sere_cfg.k is not None:  # computed on the stock model, before any hook
+            from harness.engines.hf_sere import sere_artifacts_from_config
 
-            self.sere = sere_from_config(self.model, self.processor.tokenizer, sere_cfg, model_id or model_path)
+            sere_artifacts = sere_artifacts_from_config(self.model, self.processor.tokenizer, sere_cfg,
+                                                        model_id or model_path)
+        if moe is not None:  # moe.top_k: plain top-K truncation (hf_topk); before SERE, which re-routes its output
+            from harness.engines.hf_topk import install_topk
+
+            self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.eos_ids))
+        if sere_artifacts is not None:
+            from harness.engines.hf_sere import install_sere
+
+            similarity, protected = sere_artifacts
+            self.sere = install_sere(self.model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
+                                     eos_token_ids=sorted(self.eos_ids))
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -154,12 +170,18 @@ class HFEngine:
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
-        if self.sere is not None:
-            self.sere.reset_stats()
+        for handle in (self.sere, self.moe):
+            if handle is not None:
+                handle.reset_stats()
 
     def technique_stats(self) -> dict[str, Any]:
-        """Statistics of the installed techniques, for ``summary.json`` (``sere``)."""
-        return {"sere": self.sere.stats()} if self.sere is not None else {}
+        """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
+        out: dict[str, Any] = {}
+        if self.sere is not None:
+            out["sere"] = self.sere.stats()
+        if self.moe is not None:
+            out["moe"] = self.moe.stats()
+        return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         """Generate in batches of ``engine.batch_size``; a failing batch is retried request by request so
@@ -179,9 +201,11 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        if self.sere is not None:
-            self.sere.remove()
-            self.sere = None
+        for name in ("sere", "moe"):  # SERE first: the reverse of installation
+            handle = getattr(self, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(self, name, None)
         self._graph_decoder = None
         self.model = None
         if self._torch.cuda.is_available():

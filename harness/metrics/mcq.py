@@ -1,7 +1,29 @@
 """Multiple-choice scoring for the MMBench family (CCBench): rule-based choice extraction, circular accuracy.
 
-**Extraction** (:func:`extract_choice`) is rule-based only — an LLM judge, which VLMEvalKit can add, is off
-here — and returns None rather than guess. The text is NFKC-normalised first (full-width ``Ｂ``, ``（Ｂ）``,
+Two extraction rules (``scoring.mcq_extraction``, :func:`extract`); both return None rather than guess, and
+an LLM judge (which VLMEvalKit can add after its rules fail) is off:
+
+* ``vlmevalkit`` (default, so that accuracies compare with VLMEvalKit's CCBench numbers) —
+  :func:`extract_choice_vlmevalkit`, VLMEvalKit's exact-matching rule (its ``can_infer``: option letters
+  first, option texts second, then "failed"), re-implemented from its definition:
+
+  1. a refusal phrase anywhere in the answer ("Sorry, I can't help with images of people yet.", "I can't
+     process this file.", "I'm sorry, but without the image provided", "Cannot determine the answer") →
+     no answer;
+  2. the characters ``. ( ) [ ] , : ; ! * # { }`` become spaces and the text is split at whitespace; if
+     exactly one option letter occurs as a whole token (case-sensitive: ``b`` is not ``B``) → that letter
+     (so "A cat sits on B" gives nothing, but "A cat" gives A: VLMEvalKit's own quirk, kept); no letter but
+     a token ``Z`` → no answer;
+  3. otherwise, the options whose text (lower-cased) is a substring of the lower-cased answer: exactly one →
+     it;
+  4. otherwise no answer (VLMEvalKit's ``Z``, "failed in prefetch" without a judge).
+
+  No Unicode normalisation: a full-width ``Ｂ`` or ``答案是B`` (no space) is not read as B.
+* ``lenient`` — :func:`extract_choice`, this project's rules for free-form Chinese/English answers, below
+  (reads ``答案是B``, ``（Ｂ）``, ``选B``; ignores English "A"/"I" words). It answers more questions than
+  VLMEvalKit's rule would, so its accuracy is not comparable with published VLMEvalKit figures.
+
+**Lenient extraction** (:func:`extract_choice`). The text is NFKC-normalised first (full-width ``Ｂ``, ``（Ｂ）``,
 ``：`` become ``B``, ``(B)``, ``:``) and markdown emphasis is dropped. Rules, first that decides wins:
 
 1. the whole answer is a letter, optionally bracketed or followed by ``.``/``:``/``)``/``、`` (``B``, ``(B)``);
@@ -89,6 +111,55 @@ def extract_choice(prediction: str | None, options: Mapping[str, Any]) -> str | 
     found = {k: _norm(v).casefold() for k, v in letters.items() if _norm(v) and _norm(v).casefold() in folded}
     found = [k for k, v in found.items() if not any(v != w and v in w for w in found.values())]
     return found[0] if len(found) == 1 else None
+
+
+EXTRACTION_RULES = ("vlmevalkit", "lenient")
+_VLMEVAL_SEPARATORS = ".()[],:;!*#{}"
+_VLMEVAL_REFUSALS = (
+    "Sorry, I can't help with images of people yet.",
+    "I can't process this file.",
+    "I'm sorry, but without the image provided",
+    "Cannot determine the answer",
+)
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def extract_choice_vlmevalkit(prediction: str | None, options: Mapping[str, Any]) -> str | None:
+    """VLMEvalKit's exact-matching choice extraction (module docstring), or None where it infers nothing
+    (its ``False`` / ``Z``). ``options`` maps letters to option texts; a missing (None / NaN) text is not an
+    option, as VLMEvalKit builds its choices from the non-NaN option columns."""
+    if not isinstance(prediction, str):
+        return None
+    choices = {str(k).strip(): str(v) for k, v in options.items()
+               if len(str(k).strip()) == 1 and str(k).strip().isupper() and not _is_missing(v)}
+    if not choices:
+        return None
+    if any(phrase in prediction for phrase in _VLMEVAL_REFUSALS):
+        return None
+    text = prediction
+    for ch in _VLMEVAL_SEPARATORS:
+        text = text.replace(ch, " ")
+    tokens = set(text.split())
+    letters = [c for c in choices if c in tokens]
+    if len(letters) == 1:
+        return letters[0]
+    if not letters and "Z" in tokens:
+        return None
+    folded = prediction.lower()
+    found = [c for c, v in choices.items() if v.lower() in folded]
+    return found[0] if len(found) == 1 else None
+
+
+def extract(prediction: str | None, options: Mapping[str, Any], rule: str = "vlmevalkit") -> str | None:
+    """The option letter by ``rule`` (``scoring.mcq_extraction``): ``vlmevalkit`` or ``lenient``."""
+    if rule == "vlmevalkit":
+        return extract_choice_vlmevalkit(prediction, options)
+    if rule == "lenient":
+        return extract_choice(prediction, options)
+    raise ValueError(f"scoring.mcq_extraction={rule!r}: expected one of {', '.join(EXTRACTION_RULES)}")
 
 
 def circular_group(index: Any) -> int:

@@ -76,6 +76,24 @@ BETA = 0.5
 #: lines), which is not redistributed here, so Rouge-1 can differ slightly from the paper's. For exact parity
 #: pass ``stopwords=<path to that file>`` (read the same way: one word per line, kept verbatim).
 DEFAULT_STOPWORDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cn_stopwords.txt")
+#: ``scoring.stopwords`` values besides a file path: ``project`` = :data:`DEFAULT_STOPWORDS`, ``none`` = no
+#: stopword is removed.
+STOPWORD_CHOICES = ("project", "none")
+
+
+def resolve_stopwords(choice: str | os.PathLike | None) -> frozenset[str]:
+    """The stopword set of ``scoring.stopwords``: ``project`` (or None) = the list shipped here, ``none`` = the
+    empty set, anything else = a file path (UTF-8, one word per line, e.g. the reference's
+    ``score/cn_stopwords.txt`` for paper-exact Rouge-1). A missing file raises ``FileNotFoundError``."""
+    if choice is None or str(choice) == "project":
+        return load_stopwords(DEFAULT_STOPWORDS)
+    if str(choice) == "none":
+        return frozenset()
+    path = os.fspath(choice)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"scoring.stopwords={path!r}: no such file (expected project, none or the path "
+                                "of a stopword list, one word per line)")
+    return load_stopwords(path)
 
 
 # ---------------------------------------------------------------------------------------------------- answer
@@ -585,11 +603,14 @@ def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Benchmark means and counts over per-sample dicts (from :func:`score_sample`, or ``{"error": ...}``).
 
     For each metric that some sample carries: ``<metric>`` = mean over **all** samples, a sample that is not
-    scored (error, format_invalid, hallucinated_image) counting 0; ``<metric>_valid_only`` = mean over scored
-    samples (the public scorer's printed figure); a scored sample without that metric counts 0 in both and
-    is counted in ``incomplete``. ``comprehensive`` (and ``comprehensive_valid_only``) only when all five
-    metrics are present; ``public_integrated_valid_only`` = (2·alignment + edit + kendall + clip)/5 over
-    scored samples, the public scorer's defective integrated score, for comparison. Counts: ``n_samples``,
+    scored (error, format_invalid, hallucinated_image) counting 0; ``<metric>_valid_only`` = mean over the
+    samples scored here (the public scorer's rule for which samples count, applied to this module's
+    per-sample scores — *not* the figure ``score/eval.py`` prints: it also drops every sample on which any of
+    its steps raises, which this module scores, and reads ``gt_answer``, so its sample set and values can
+    differ); a scored sample without that metric counts 0 in both and is counted in ``incomplete``.
+    ``comprehensive`` (and ``comprehensive_valid_only``) only when all five metrics are present;
+    ``public_integrated_valid_only`` = (2·alignment + edit + kendall + clip)/5 of the ``*_valid_only`` means:
+    the public scorer's defective printed formula on this module's sample set (its arithmetic, not its number). Counts: ``n_samples``,
     ``n_scored``, ``format_invalid``, ``hallucinated_image`` (model answers only), ``errors`` (each sample in
     one class, first of error > format_invalid > hallucinated_image) and their ``*_rate``s;
     ``reference_faults`` (samples whose reference is defective, also in ``errors``). Empty input → counts 0,
