@@ -87,7 +87,7 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     if lat.get("partial"):
         out.append(f"latency partial: {_n(lat.get('n_measured'))} requests timed, {_n(lat.get('n_cached'))} "
                    "replayed from the generation cache (no timings)")
-    for tech in ("sere",):
+    for tech in ("sere", "moe"):
         block = summary.get(tech) or {}
         if block.get("partial"):
             out.append(f"{tech} statistics cover the {_n(block.get('requests_covered'))} requests generated in "

@@ -61,8 +61,13 @@ QUALITY = {
     "ocrbench_score": ("OCRBench score", "score (0-1000)", 1.0, "{:.0f}"),
     "mcq_accuracy": ("CCBench accuracy (circular)", "accuracy (%)", 100.0, "{:.1f}"),
 }
-FAMILY_ORDER = ("baseline", "visionzip", "sere", "visionzip+sere")
-FAMILY_COLOR = {"baseline": "black", "visionzip": "tab:blue", "sere": "tab:orange", "visionzip+sere": "tab:purple"}
+# A run's family names the techniques it has on, in this order (``visionzip+top-k+sere``); top-K truncation
+# (``moe.top_k``) is the baseline SERE is judged against, so it must never be mistaken for the baseline itself.
+FAMILY_ORDER = ("baseline", "visionzip", "sere", "visionzip+sere", "top-k", "top-k+sere", "visionzip+top-k",
+                "visionzip+top-k+sere")
+FAMILY_COLOR = {"baseline": "black", "visionzip": "tab:blue", "sere": "tab:orange", "visionzip+sere": "tab:purple",
+                "top-k": "tab:red", "top-k+sere": "tab:brown", "visionzip+top-k": "tab:pink",
+                "visionzip+top-k+sere": "tab:olive"}
 LATENCY_AXES = (("ttft", "TTFT", "time to first token"), ("tpot", "TPOT", "time per output token"))
 
 
@@ -119,15 +124,19 @@ def _technique(summary: Mapping[str, Any]) -> dict[str, Any]:
     vz = {**(cfg.get("visionzip") or {}), **{k: v for k, v in (summary.get("visionzip") or {}).items()
                                              if k in {"keep", "scope", "contextual"}}}
     sere = cfg.get("sere") or {}
+    moe = cfg.get("moe") or {}
     keep = _num(vz.get("keep"))
     vz_on = keep is not None and keep < 1.0
     sere_on = sere.get("k") is not None
-    family = ("visionzip+sere" if vz_on and sere_on else "visionzip" if vz_on else "sere" if sere_on
-              else "baseline")
+    topk_on = moe.get("top_k") is not None
+    family = "+".join(name for name, on in (("visionzip", vz_on), ("top-k", topk_on), ("sere", sere_on)) if on
+                      ) or "baseline"
     parts = []
     if vz_on:
         parts.append(f"keep {keep:g}" + ("·img" if vz.get("scope") == "image" else "")
                      + (f" ctx{_num(vz.get('contextual')):g}" if _num(vz.get("contextual")) else ""))
+    if topk_on:
+        parts.append(f"top-{moe['top_k']}" + ("·all" if moe.get("scope") == "all" else ""))
     if sere_on:
         parts.append(f"K{sere['k']} ρ{_num(sere.get('rho')) or 0:g}"
                      + (f" P{sere.get('protect')}" if int(sere.get("protect") or 0) else ""))
@@ -140,6 +149,8 @@ def _technique(summary: Mapping[str, Any]) -> dict[str, Any]:
         "sere_k": sere.get("k") if sere_on else None,
         "sere_rho": _num(sere.get("rho")) if sere_on else None,
         "sere_protect": int(sere.get("protect") or 0) if sere_on else None,
+        "moe_top_k": moe.get("top_k") if topk_on else None,
+        "moe_scope": moe.get("scope") if topk_on else None,
     }
 
 
@@ -270,7 +281,7 @@ def _short(v: Any) -> str:
 
 def _sort_key(r: Mapping[str, Any]) -> tuple:
     return (r["platform"], r["dataset"], r["dataset_variant"], FAMILY_ORDER.index(r["family"]), -(r["vz_keep"] or 1.0),
-            r["vz_scope"] or "", r["sere_k"] or 0, r["sere_rho"] or 0.0, r["sere_protect"] or 0, r["run_dir"])
+            r["vz_scope"] or "", r["moe_top_k"] or 0, r["sere_k"] or 0, r["sere_rho"] or 0.0, r["sere_protect"] or 0, r["run_dir"])
 
 
 def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None

@@ -48,7 +48,7 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
     if not any(r["family"] == "baseline" for r in rows):
         lines += ["> No baseline run (VisionZip off and SERE off) among these: speed-ups and quality changes "
                   "are n/a. Run `sweeps/baseline.yaml` and give its directory too.", ""]
-    head = ["#", "run", "dataset", "technique", "keep", "scope", "K", "ρ", "prot."]
+    head = ["#", "run", "dataset", "technique", "keep", "scope", "top-K", "K", "ρ", "prot."]
     head += [f"{QUALITY[m][0].replace('RAG-IGBench ', '')}" for m in metrics]
     head += ["Δ quality", "TTFT p50 (ms)", "TTFT p90 (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "TTFT ×", "TPOT ×",
              "timed/n", "engine", "weights", "scorers"]
@@ -63,7 +63,9 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
         dataset = r["dataset"] + (f" ({r['dataset_variant']})" if r["dataset_variant"] else "")
         cells = [str(i), f"`{r['run_dir']}`", dataset, ("**baseline**" if r["family"] == "baseline"
                                                             else r["family"]),
-                 _fmt(r["vz_keep"], "{:g}"), r["vz_scope"] or "–", r["sere_k"] if r["sere_k"] is not None else "–",
+                 _fmt(r["vz_keep"], "{:g}"), r["vz_scope"] or "–",
+                 (f"{r['moe_top_k']}" + (" (all)" if r["moe_scope"] == "all" else "")) if r["moe_top_k"] else "–",
+                 r["sere_k"] if r["sere_k"] is not None else "–",
                  _fmt(r["sere_rho"], "{:g}") if r["sere_k"] is not None else "–",
                  r["sere_protect"] if r["sere_k"] is not None else "–", *qual,
                  (_fmt(delta * QUALITY[prim][2], QUALITY[prim][3].replace("{:", "{:+")) if delta is not None

@@ -45,10 +45,12 @@ def sweep_info() -> dict[str, Any] | None:
 
 
 def technique_label(config: dict[str, Any]) -> str:
-    """baseline | visionzip | sere | visionzip+sere, from the settings (the W&B job type of sweep runs)."""
-    vz = float((config.get("visionzip") or {}).get("keep", 1.0)) < 1.0
-    sere = (config.get("sere") or {}).get("k") is not None
-    return "visionzip+sere" if vz and sere else "visionzip" if vz else "sere" if sere else "baseline"
+    """baseline, or the techniques on in the order visionzip, top-k, sere (``visionzip+top-k+sere``), from the
+    settings (the W&B job type of sweep runs; the report's run family)."""
+    on = (("visionzip", float((config.get("visionzip") or {}).get("keep", 1.0)) < 1.0),
+          ("top-k", (config.get("moe") or {}).get("top_k") is not None),
+          ("sere", (config.get("sere") or {}).get("k") is not None))
+    return "+".join(name for name, is_on in on if is_on) or "baseline"
 
 
 def technique_tags(config: dict[str, Any], summary: dict[str, Any]) -> list[str]:
@@ -61,6 +63,9 @@ def technique_tags(config: dict[str, Any], summary: dict[str, Any]) -> list[str]
         tags += [f"keep={float(vz['keep']):g}", f"scope={vz.get('scope')}"]
         if vz.get("contextual"):
             tags.append(f"contextual={float(vz['contextual']):g}")
+    moe = config.get("moe") or {}
+    if moe.get("top_k") is not None:
+        tags += [f"moe.top_k={moe['top_k']}", f"moe.scope={moe.get('scope')}"]
     if sere.get("k") is not None:
         tags += [f"sere.k={sere['k']}", f"sere.rho={float(sere.get('rho') or 0):g}",
                  f"sere.protect={int(sere.get('protect') or 0)}"]
@@ -75,7 +80,7 @@ def run_name(config: dict[str, Any], run_dir: Path, sweep: dict[str, Any] | None
     if not sweep:
         return run_dir.name
     settings = [t for t in technique_tags(config, {"run": {}}) if t.split("=")[0] in
-                {"keep", "scope", "contextual", "sere.k", "sere.rho", "sere.protect"}]
+                {"keep", "scope", "contextual", "moe.top_k", "sere.k", "sere.rho", "sere.protect"}]
     dataset = (config.get("dataset") or {}).get("name")
     return " ".join([f"{sweep['name']}#{sweep['job_num']}", str(dataset), *settings] or [run_dir.name])
 

@@ -306,3 +306,21 @@ def test_keep_rate_plot_shows_only_runs_that_mix_sources(tmp_path):
     (ax,) = fig.axes
     assert [t.get_text() for t in ax.get_xticklabels()] == ["keep 0.5\nrag_igbench"]
     assert sorted(t.get_text() for t in ax.get_legend().get_texts())[:2] == ["ccbench", "nominal keep (visionzip.keep)"]
+
+
+def test_top_k_truncation_runs_are_never_the_baseline():
+    """A ``moe.top_k`` run computes fewer experts: it is its own family (SERE's comparison row), not the baseline."""
+    from harness.report import FAMILY_COLOR, FAMILY_ORDER, _technique
+    from harness.tracking import technique_label, technique_tags
+
+    def cfg(top_k=None, k=None, keep=1.0):
+        return {"visionzip": {"keep": keep}, "sere": {"k": k, "rho": 0.1}, "moe": {"top_k": top_k, "scope": "decode"}}
+
+    cases = {(None, None, 1.0): "baseline", (2, None, 1.0): "top-k", (3, 1, 1.0): "top-k+sere",
+             (2, None, 0.6): "visionzip+top-k", (None, 2, 0.6): "visionzip+sere"}
+    for (top_k, k, keep), family in cases.items():
+        t = _technique({"config": cfg(top_k, k, keep)})
+        assert t["family"] == family and technique_label(cfg(top_k, k, keep)) == family
+        assert family in FAMILY_ORDER and family in FAMILY_COLOR
+    assert _technique({"config": cfg(2)})["label"] == "top-2" and _technique({"config": cfg(2)})["moe_top_k"] == 2
+    assert "moe.top_k=2" in technique_tags(cfg(2), {"run": {}})
