@@ -111,6 +111,19 @@ class SereConfig:
     protect: int = 0  # protected (never re-routed) experts per layer, built on first use when > 0
     similarity: Optional[str] = None  # path of calibrated [E, E] matrices; None = calibrate once and cache
     protection: Optional[str] = None  # path of a 0/1 [L, E] protection artifact; None = build if protect > 0
+    # calibration data when an artifact is built here (harness/techniques/sere_calibration.py): a text file,
+    # .jsonl/.json of documents, or a directory of those; None = the shipped ~3k-token text (embedded model)
+    calibration_text: Optional[str] = None
+    calibration_field: Optional[str] = None  # JSON field holding a document's text (None: text|content|document)
+    calibration_tokens: int = 16384  # token budget: the reference's 32 documents x 512 tokens
+
+
+@dataclass
+class MoeConfig:
+    """Plain MoE routing changes (``harness.techniques.moe_topk``). ``top_k=null`` is off."""
+
+    top_k: Optional[int] = None  # keep each token's K highest experts, renormalised as the router does
+    scope: str = "decode"  # "decode" = decode steps only (as SERE), "all" = every pass (prefill too)
 
 
 @dataclass
@@ -161,6 +174,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     visionzip: VisionZipConfig = field(default_factory=VisionZipConfig)
     sere: SereConfig = field(default_factory=SereConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -175,6 +189,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "generation": GenerationConfig,
     "visionzip": VisionZipConfig,
     "sere": SereConfig,
+    "moe": MoeConfig,
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,

@@ -170,7 +170,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
-        extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "model_id": model_info["name"]}
+        extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe, "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
         if cfg.engine.name == "vllm":
             extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
@@ -184,7 +184,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     cache_model_id = model_key(model_info, model_path, engine.describe()) if cache is not None else ""
     cache_generation = {**OmegaConf.to_container(cfg.generation, resolve=True),
                         **({"seed": cfg.seed} if cfg.generation.do_sample else {})}
-    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere}
+    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere, **({"moe": cfg.moe} if cfg.moe.top_k is not None else {})}
 
     scorer = Scorer(cfg.scoring)
     samples_log = SamplesLog(run_dir / "samples.jsonl")

@@ -18,6 +18,8 @@ engine (spawned processes inherit them):
 ``HARNESS_SERE_TRACE``    optional path: append one JSON line per routing call (tests)
 ``HARNESS_VZ_KEEP``       VisionZip keep < 1 = register the VisionZip Qwen3-VL-MoE architecture
 ``HARNESS_VZ_LAYER``      scoring vision block (default -1); ``HARNESS_VZ_MIN_PER_IMAGE`` (default 1)
+``HARNESS_MOE_TOP_K``     ``moe.top_k``: plain top-K truncation per layer (``harness.vllm_topk``), with
+                          ``HARNESS_MOE_SCOPE`` = ``decode`` (default) | ``all``; refused beside SERE
 ======================== ==========================================================================
 
 What :func:`register` does:
@@ -90,8 +92,8 @@ VZ_ARCH = "HarnessVisionZipQwen3VLMoeForConditionalGeneration"
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"registered": False, "sere": None, "visionzip": None, "factory_patched": False,
-                          "runner_patched": False}
+_STATE: dict[str, Any] = {"registered": False, "sere": None, "moe": None, "visionzip": None,
+                          "factory_patched": False, "runner_patched": False}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,13 +279,11 @@ class _LayerStats:
 _STATS: dict[int, _LayerStats] = {}
 
 
-def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
-    """This process's SERE statistics (the HF engine's ``SereHandle.stats()`` fields; call it on the
-    workers with ``LLM.collective_rpc(sere_stats)``). ``reset=True`` clears them after reading."""
-    settings = _STATE.get("sere")
+def layer_stats_summary(stats: dict[int, _LayerStats], reset: bool = False) -> dict[str, Any]:
+    """Per-layer and overall means of ``_LayerStats`` counters (SERE's and ``moe.top_k``'s)."""
     per_layer, sums, tot_steps, tot_slots = [], [0, 0, 0, 0], 0, 0
-    for layer in sorted(_STATS):
-        st = _STATS[layer]
+    for layer in sorted(stats):
+        st = stats[layer]
         before, after, prim, moved = st.acc.tolist() if st.acc is not None else (0, 0, 0, 0)
         steps = st.steps
         per_layer.append({
@@ -305,14 +305,24 @@ def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
     mean = (lambda v: v / tot_steps) if tot_steps else (lambda v: None)
     before, after = mean(sums[0]), mean(sums[1])
     return {
-        "k_primary": settings.k_primary if settings else None, "rho": settings.rho if settings else None,
-        "mode": "decode", "layers": len(per_layer), "steps": n_steps,
+        "layers": len(per_layer), "steps": n_steps,
         "tokens_per_step": n_tokens / n_steps if n_steps else None,
         "expert_union_before": before, "expert_union_after": after,
         "experts_saved": before - after if tot_steps else None,
         "primary_union": mean(sums[2]),
         "moved_fraction": sums[3] / tot_slots if tot_slots else None,
-        "per_layer": per_layer, "pid": os.getpid(),
+        "per_layer": per_layer,
+    }
+
+
+def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
+    """This process's SERE statistics (the HF engine's ``SereHandle.stats()`` fields; call it on the
+    workers with ``LLM.collective_rpc(sere_stats)``). ``reset=True`` clears them after reading."""
+    settings = _STATE.get("sere")
+    summary = layer_stats_summary(_STATS, reset)
+    return {
+        "k_primary": settings.k_primary if settings else None, "rho": settings.rho if settings else None,
+        "mode": "decode", **summary, "pid": os.getpid(),
     }
 
 
@@ -373,8 +383,10 @@ class VisionZipSettings:
         keep = (env.get(ENV_VZ_KEEP) or "").strip()
         if not keep or float(keep) >= 1.0:
             return None
-        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1),
-                   min_per_image=int(env.get(ENV_VZ_MIN) or 1))
+        min_per_image = int(env.get(ENV_VZ_MIN) or 1)
+        if min_per_image < 1:  # an empty placeholder run fails vLLM's placeholder validation
+            raise RuntimeError(f"{ENV_VZ_MIN}={min_per_image}: vLLM needs at least one token per image")
+        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1), min_per_image=min_per_image)
 
     def env(self) -> dict[str, str]:
         return {ENV_VZ_KEEP: repr(float(self.keep)), ENV_VZ_LAYER: str(self.layer),
@@ -597,18 +609,23 @@ class _SereArtifacts:
                                      self.protected.get(layer), self.trace, stats=stats)
 
 
-def _patch_factory(artifacts: _SereArtifacts) -> None:
+def _patch_factory(artifacts: Any) -> None:
+    """``artifacts.routing_for(prefix, num_experts)`` gives each MoE layer its routing function (SERE's
+    ``_SereArtifacts`` or ``moe.top_k``'s ``harness.vllm_topk.TopKRouting``). The wrapper is installed once
+    and asks the latest provider, so a process that registers again with other settings builds with them."""
     from vllm.model_executor.models import qwen3_moe
 
+    _STATE["routing"] = artifacts
     original = qwen3_moe.FusedMoEFactory
     if getattr(original, "_harness_sere", False):
         return
 
     def factory(*args, **kwargs):
-        if kwargs.get("custom_routing_function") is None and not kwargs.get("use_grouped_topk") \
-                and kwargs.get("scoring_func", "softmax") == "softmax":
-            kwargs["custom_routing_function"] = artifacts.routing_for(kwargs.get("prefix", ""),
-                                                                      kwargs.get("num_experts"))
+        provider = _STATE.get("routing")
+        if provider is not None and kwargs.get("custom_routing_function") is None \
+                and not kwargs.get("use_grouped_topk") and kwargs.get("scoring_func", "softmax") == "softmax":
+            kwargs["custom_routing_function"] = provider.routing_for(kwargs.get("prefix", ""),
+                                                                     kwargs.get("num_experts"))
         return original(*args, **kwargs)
 
     factory._harness_sere = True  # type: ignore[attr-defined]
@@ -676,11 +693,16 @@ STATS_METHOD = "harness_sere_stats"
 
 def _patch_worker_stats_method() -> None:
     """``LLM.collective_rpc("harness_sere_stats", kwargs={"reset": ...})`` reads :func:`sere_stats` on every
-    worker (vLLM only sends callables by name unless insecure pickling is switched on)."""
+    worker (vLLM only sends callables by name unless insecure pickling is switched on); likewise
+    ``harness_moe_stats`` for ``moe.top_k`` (``harness.vllm_topk.moe_stats``)."""
     from vllm.v1.worker.worker_base import WorkerBase
+
+    from harness.vllm_topk import MOE_STATS_METHOD, moe_stats
 
     if not hasattr(WorkerBase, STATS_METHOD):
         setattr(WorkerBase, STATS_METHOD, lambda self, reset=False: sere_stats(self, reset))
+    if not hasattr(WorkerBase, MOE_STATS_METHOD):
+        setattr(WorkerBase, MOE_STATS_METHOD, lambda self, reset=False: moe_stats(self, reset))
 
 
 def register() -> None:
@@ -704,10 +726,28 @@ def register() -> None:
             _patch_cpu_runner_pruning_flag()
             _STATE["visionzip"] = vz
         settings = SereSettings.from_env()
-        if settings is None or _STATE["sere"] is not None:
+        from harness.vllm_topk import MoeSettings, TopKRouting
+
+        moe = MoeSettings.from_env()
+        if moe is not None and settings is not None:
+            raise RuntimeError("moe.top_k and SERE are both set (HARNESS_MOE_TOP_K and HARNESS_SERE_K): their "
+                               "combination is not defined")
+        if moe is not None:
+            _STATE["moe"] = moe
+            _patch_factory(TopKRouting(moe))
+            _patch_runner()
+            _patch_worker_stats_method()
+            logger.info("harness moe.top_k plugin: top_k=%d scope=%s (pid %d)", moe.top_k, moe.scope, os.getpid())
+        if settings is None:
+            if moe is None:  # this process's current settings name no routing change
+                _STATE["routing"] = None
+            return
+        if _STATE["sere"] is not None:
+            _STATE["routing"] = _STATE.get("sere_artifacts")
             return
         artifacts = _SereArtifacts(settings)
         _STATE["sere"] = settings
+        _STATE["sere_artifacts"] = artifacts
         _patch_factory(artifacts)
         _patch_runner()
         _patch_worker_stats_method()

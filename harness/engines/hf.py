@@ -91,10 +91,14 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
-                 sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None):
+                 sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
+                 moe_cfg: Any = None):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        from harness.techniques.moe_topk import moe_settings
+
+        moe = moe_settings(moe_cfg, sere_cfg)  # refuses moe.top_k + sere.k before the model loads
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
         self.device = resolve_device(engine_cfg.device)
@@ -133,7 +137,13 @@ class HFEngine:
         if sere_cfg is not None and sere_cfg.k is not None:
             from harness.engines.hf_sere import sere_from_config
 
-            self.sere = sere_from_config(self.model, self.processor.tokenizer, sere_cfg, model_id or model_path)
+            self.sere = sere_from_config(self.model, self.processor.tokenizer, sere_cfg, model_id or model_path,
+                                         eos_token_ids=sorted(self.eos_ids))
+        self.moe = None  # moe.top_k: plain top-K truncation (hf_topk), same hooks and statistics as SERE
+        if moe is not None:
+            from harness.engines.hf_topk import install_topk
+
+            self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.eos_ids))
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -154,12 +164,18 @@ class HFEngine:
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
-        if self.sere is not None:
-            self.sere.reset_stats()
+        for handle in (self.sere, self.moe):
+            if handle is not None:
+                handle.reset_stats()
 
     def technique_stats(self) -> dict[str, Any]:
-        """Statistics of the installed techniques, for ``summary.json`` (``sere``)."""
-        return {"sere": self.sere.stats()} if self.sere is not None else {}
+        """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
+        out: dict[str, Any] = {}
+        if self.sere is not None:
+            out["sere"] = self.sere.stats()
+        if self.moe is not None:
+            out["moe"] = self.moe.stats()
+        return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         """Generate in batches of ``engine.batch_size``; a failing batch is retried request by request so
@@ -179,9 +195,11 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        if self.sere is not None:
-            self.sere.remove()
-            self.sere = None
+        for name in ("sere", "moe"):
+            handle = getattr(self, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(self, name, None)
         self._graph_decoder = None
         self.model = None
         if self._torch.cuda.is_available():

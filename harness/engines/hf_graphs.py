@@ -159,6 +159,18 @@ def _device_counters(handles: list) -> list:
              for st in h.layers] for h in handles]
 
 
+def _row_states(handles: list) -> list:
+    """Each handle's per-row "finished" flags (``hf_sere``: finished rows leave SERE's P); the warm-up and an
+    emulated capture change them like any other step state, so they are put back with the buffers."""
+    return [h.row_state() if hasattr(h, "row_state") else None for h in handles]
+
+
+def _restore_row_states(handles: list, saved: list) -> None:
+    for h, state in zip(handles, saved, strict=True):
+        if state is not None:
+            h.load_row_state(state)
+
+
 def _restore_device_counters(handles: list, saved: list) -> None:
     """Values back in place (tensors keep their identity); counters born since the snapshot are zeroed."""
     for h, layers in zip(handles, saved, strict=True):
@@ -408,7 +420,7 @@ class StaticGreedyDecoder:
     def _warm_up(self, st: _State, handles: list) -> None:
         """``warmup_steps`` eager steps (side stream on CUDA), then every effect they had is put back."""
         saved = [t.clone() for t in st.buffers()]
-        host, dev = _host_counters(handles), _device_counters(handles)
+        host, dev, rows = _host_counters(handles), _device_counters(handles), _row_states(handles)
         if st.ids.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
@@ -424,18 +436,20 @@ class StaticGreedyDecoder:
             buf.copy_(value)
         _restore_device_counters(handles, dev)   # counters born in the warm-up exist now, zeroed
         _restore_host_counters(handles, host)
+        _restore_row_states(handles, rows)
 
     def _capture(self, st: _State, handles: list, emulate: bool = False) -> None:
         """Warm up, then capture the next decode step (recorded, not run: the caller replays it next)."""
         self._warm_up(st, handles)
         before = _host_counters(handles)
         if emulate:
-            saved, dev = [t.clone() for t in st.buffers()], _device_counters(handles)
+            saved, dev, rows = [t.clone() for t in st.buffers()], _device_counters(handles), _row_states(handles)
             self._step(st)
             after = _host_counters(handles)
             for buf, value in zip(st.buffers(), saved, strict=True):
                 buf.copy_(value)
             _restore_device_counters(handles, dev)
+            _restore_row_states(handles, rows)
             graph = _EmulatedGraph(lambda: self._step(st), handles)
         else:
             torch.cuda.synchronize()

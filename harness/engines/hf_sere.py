@@ -19,16 +19,24 @@ be taken for a decode step (impossible with a chat template). ``handle.mode`` ov
 ``"decode"`` (default), ``"all"`` (every pass, as the reference vLLM plugin does; P then spans every
 token of the pass, left padding included) or ``"off"``.
 
-**P in decode** is the union over the B rows of the step (``row_mask`` is not used): in a left-padded HF
-batch every row is a real token at decode time. Rows that already finished keep generating pad tokens
-in HF (``generate`` stops only when every row is done), and those rows' routing also joins P and the
-statistics — unlike a serving engine, where a finished request leaves the batch. State the batch size
-with any number.
+**P in decode** is the union over the step's **live** rows. In a left-padded HF batch every row is a
+real token at decode time, but ``generate`` keeps rows that already finished (the row fed its EOS, then pad
+tokens) in the batch until every row is done. Such a row's output is discarded, so it must not shape the
+others' routing: a forward pre-hook on the model reads the token each row is fed and keeps a per-row
+"finished" flag (set when the fed token is an EOS id; reset at every prefill), and the gate hook passes
+``row_mask = live rows`` to the op — a finished row is neither re-routed nor part of P, as in a serving
+engine, where a finished request leaves the batch (vLLM's plugin: the running decode rows). The flag
+lives in one persistent device buffer per batch size, updated in place with no host synchronisation, so a
+CUDA graph captured around the decode step (``hf_graphs``) keeps it current on replay; ``hf_graphs``
+saves and restores it around its warm-up steps (:meth:`SereHandle.row_state` /
+:meth:`SereHandle.load_row_state`). EOS ids: the ones given to :func:`install_sere` (the engine passes its
+own), else the model's ``generation_config.eos_token_id``; with none, every row counts as live.
 
-**Statistics** (decode passes only, or every re-routed pass with ``mode="all"``), per layer: distinct
-experts named by the ids before and after re-routing, the size of P, moved secondary slots. They are
-accumulated in one int64 device tensor per layer (no host synchronisation in the hook; step and slot
-counts are Python ints known from shapes) and read once by :meth:`SereHandle.stats`.
+**Statistics** (decode passes only, or every re-routed pass with ``mode="all"``), per layer, over live
+rows only: distinct experts named by the ids before and after re-routing, the size of P, moved secondary
+slots, live rows. They are accumulated in int64 device tensors per layer (no host synchronisation in the
+hook; step counts are Python ints known from shapes) and read once by :meth:`SereHandle.stats`. An id
+outside ``[0, E)`` (-1 = "no expert") never counts as an expert, in P or anywhere else.
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ def _default_op() -> Callable:
 
 # Per-layer device counters, summed over decode steps (read once by ``stats()``):
 # distinct experts before / after re-routing, |P|, moved secondary slots, secondary slots outside P,
-# of those the ones kept because no primary was similar enough (critical), and the ones kept because protected.
-COUNTERS = ("before", "after", "primary", "moved", "outside", "critical", "protected_hits")
+# of those the ones kept because no primary was similar enough (critical), the ones kept because protected,
+# and the live rows (tokens) the step counted.
+COUNTERS = ("before", "after", "primary", "moved", "outside", "critical", "protected_hits", "rows")
 
 
 def _union_counts(old: torch.Tensor, new: torch.Tensor, kp: int, num_experts: int,
@@ -80,14 +89,19 @@ class _Layer:
     block: torch.nn.Module
     gate: torch.nn.Module
     num_experts: int
-    similarity: torch.Tensor
+    similarity: torch.Tensor | None
     protected: torch.Tensor | None
+    renormalize: bool = True  # the router renormalises its top-k weights (moe.top_k uses it)
     active: bool = False
     steps: int = 0
+    # rows fed per step, finished ones included (host ints: hf_graphs replays them); stats() reports the
+    # live rows from the device counter "rows" instead
     tokens: int = 0
     secondary_slots: int = 0
+    slot_width: int = 0  # secondary slots per row (k - K) of the last recorded pass
     acc: torch.Tensor | None = None  # int64 [N_COUNTERS], see COUNTERS
-    by_batch: dict = field(default_factory=dict)  # batch size -> [steps (host int), int64 [2] before/after]
+    # rows of the step t -> [steps (host int), int64 [t + 1, 3] (steps, before, after) by live-row count]
+    by_batch: dict = field(default_factory=dict)
     offsets: torch.Tensor | None = None
     offsets_key: tuple | None = None
     hooks: list = field(default_factory=list)
@@ -96,7 +110,9 @@ class _Layer:
 class SereHandle:
     """Installed SERE hooks on one model: ``mode``, ``stats()``, ``reset_stats()``, ``remove()``."""
 
-    def __init__(self, k_primary: int, rho: float, mode: str, collect_stats: bool, op: Callable):
+    kind = "sere"
+
+    def __init__(self, k_primary: int, rho: float, mode: str, collect_stats: bool, op: Callable | None):
         self.k_primary = k_primary
         self.rho = float(rho)
         self.mode = mode
@@ -104,6 +120,10 @@ class SereHandle:
         self.op = op
         self.layers: list[_Layer] = []
         self.removed = False
+        self._eos: torch.Tensor | None = None           # EOS ids on the model's device
+        self._finished: dict[tuple, torch.Tensor] = {}  # (rows, device) -> bool [rows], persistent
+        self._live: torch.Tensor | None = None           # live rows of the current pass (None = all)
+        self._model_hook = None
 
     # -- mode -------------------------------------------------------------------------------------
     @property
@@ -123,7 +143,61 @@ class SereHandle:
             return False
         return hidden.dim() == 3 and hidden.shape[1] == 1
 
+    # -- live rows ----------------------------------------------------------------------------------
+    def _install_model_hook(self, model: torch.nn.Module, eos_ids: list[int], device: torch.device) -> None:
+        """Forward pre-hook on the model: which rows of a decode step still generate (module doc)."""
+        self._eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device) if eos_ids else None
+
+        def model_pre(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self._live = None
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+                for buf in self._finished.values():  # a prefill: a new batch starts, every row is live
+                    buf.zero_()
+                return
+            if self._eos is None:
+                return
+            key = (ids.shape[0], ids.device)
+            buf = self._finished.get(key)
+            if buf is None:
+                with torch.inference_mode(False):  # a normal tensor: updated in place in any mode
+                    buf = self._finished[key] = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            eos = self._eos if self._eos.device == ids.device else self._eos.to(ids.device)
+            buf.logical_or_(torch.isin(ids[:, 0], eos))
+            self._live = ~buf
+
+        self._model_hook = model.register_forward_pre_hook(model_pre, with_kwargs=True)
+
+    def row_state(self) -> dict[tuple, torch.Tensor]:
+        """A copy of the per-row finished flags (``hf_graphs`` restores them after its warm-up steps)."""
+        return {k: v.clone() for k, v in self._finished.items()}
+
+    def load_row_state(self, saved: dict[tuple, torch.Tensor]) -> None:
+        """Put flags saved by :meth:`row_state` back in place (buffers keep their identity)."""
+        for key, buf in self._finished.items():
+            if key in saved:
+                buf.copy_(saved[key])
+            else:
+                buf.zero_()
+
+    def _live_rows(self, rows: int) -> torch.Tensor | None:
+        live = self._live
+        return live if live is not None and live.shape[0] == rows else None
+
     # -- hooks ------------------------------------------------------------------------------------
+    def _rewrite(self, st: _Layer, output: Any, live: torch.Tensor | None) -> Any:
+        """SERE: new ids from ``reroute_op`` (finished rows masked out), weights unchanged; None = keep."""
+        ids = output[2]
+        k = ids.shape[-1]
+        new = ids if self.k_primary >= k else self.op(ids, st.similarity, self.k_primary, self.rho,
+                                                       st.protected, live)
+        if self.collect_stats:
+            self._record(st, ids, new, live)
+        if new is ids:
+            return None
+        return (*output[:2], new, *output[3:]) if isinstance(output, tuple) else type(output)(
+            [*output[:2], new, *output[3:]])
+
     def _install(self, st: _Layer) -> None:
         def block_pre(module, args, kwargs):
             hs = args[0] if args else kwargs.get("hidden_states")
@@ -135,16 +209,7 @@ class SereHandle:
         def gate_post(module, args, output):
             if not st.active:
                 return None
-            ids = output[2]
-            k = ids.shape[-1]
-            new = ids if self.k_primary >= k else self.op(ids, st.similarity, self.k_primary, self.rho,
-                                                           st.protected)
-            if self.collect_stats:
-                self._record(st, ids, new)
-            if new is ids:
-                return None
-            return (*output[:2], new, *output[3:]) if isinstance(output, tuple) else type(output)(
-                [*output[:2], new, *output[3:]])
+            return self._rewrite(st, output, self._live_rows(output[2].shape[0]))
 
         st.hooks = [
             st.block.register_forward_pre_hook(block_pre, with_kwargs=True),
@@ -153,42 +218,54 @@ class SereHandle:
         ]
         st.block._harness_sere = self
 
-    def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor) -> None:
+    def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
         t, k = old.shape
         kp = min(self.k_primary, k)
-        key = (t, k, kp, old.device)
+        e = st.num_experts
+        dev = old.device
+        key = (t, k, kp, dev)
         if st.offsets_key != key:  # bin offsets of the three segments, built once per batch shape
-            e1, dev = st.num_experts + 1, old.device
+            e1 = e + 1
             with torch.inference_mode(False):  # built on the device: no host-to-device copy
                 st.offsets = torch.cat([torch.zeros(t * k, dtype=torch.long, device=dev),
                                         torch.full((t * k,), e1, dtype=torch.long, device=dev),
                                         torch.full((t * kp,), 2 * e1, dtype=torch.long, device=dev)])
             st.offsets_key = key
-        counts = _union_counts(old, new, kp, st.num_experts, st.offsets)
+        if live is not None:  # finished rows name no expert: -1 is outside [0, E) everywhere below
+            old = torch.where(live[:, None], old, -1)
+            new = torch.where(live[:, None], new, -1)
+            n_live = live.sum()
+        else:
+            n_live = torch.full((), t, dtype=torch.long, device=dev)  # a fill: graph-capturable
+        counts = _union_counts(old, new, kp, e, st.offsets)
         sec_old, sec_new = old[:, kp:], new[:, kp:]
-        valid = (sec_old >= 0) & (sec_old < st.num_experts)
-        # index_fill_ with a Python scalar: no host-to-device copy, so this is capturable in a CUDA graph
-        in_p = torch.zeros(st.num_experts + 1, dtype=torch.bool, device=old.device).index_fill_(
-            0, old[:, :kp].clamp(0, st.num_experts).reshape(-1), True)
-        outside = valid & ~in_p[:-1][sec_old.clamp(0, st.num_experts - 1)]
+        valid = (sec_old >= 0) & (sec_old < e)
+        prim = old[:, :kp]
+        # invalid primary ids (-1) go to the spare bin E, never to expert 0; index_fill_ with a Python scalar:
+        # no host-to-device copy, so this is capturable in a CUDA graph
+        prim = torch.where((prim >= 0) & (prim < e), prim, e)
+        in_p = torch.zeros(e + 1, dtype=torch.bool, device=dev).index_fill_(0, prim.reshape(-1), True)
+        safe = sec_old.clamp(0, e - 1)
+        outside = valid & ~in_p[:-1][safe]
         stayed = outside & (sec_old == sec_new)
-        prot = st.protected[sec_old.clamp(0, st.num_experts - 1)] & stayed if st.protected is not None \
-            else torch.zeros_like(stayed)
-        extra = torch.stack([(old != new).sum(), outside.sum(), (stayed & ~prot).sum(), prot.sum()])
-        if st.acc is None or st.acc.device != old.device:
+        prot = st.protected[safe] & stayed if st.protected is not None else torch.zeros_like(stayed)
+        extra = torch.stack([(old != new).sum(), outside.sum(), (stayed & ~prot).sum(), prot.sum(), n_live])
+        if st.acc is None or st.acc.device != dev:
             with torch.inference_mode(False):  # a normal tensor: updatable inside and outside inference mode
-                st.acc = torch.zeros(len(COUNTERS), dtype=torch.long, device=old.device)
+                st.acc = torch.zeros(len(COUNTERS), dtype=torch.long, device=dev)
         st.acc[:3] += counts
         st.acc[3:] += extra
         entry = st.by_batch.get(t)
         if entry is None:
             with torch.inference_mode(False):
-                entry = st.by_batch[t] = [0, torch.zeros(2, dtype=torch.long, device=old.device)]
+                entry = st.by_batch[t] = [0, torch.zeros(t + 1, 3, dtype=torch.long, device=dev)]
+        one = torch.ones(1, dtype=torch.long, device=dev)
         entry[0] += 1
-        entry[1] += counts[:2]
+        entry[1].index_add_(0, n_live.reshape(1), torch.cat([one, counts[:2]]).reshape(1, 3))
         st.steps += 1
         st.tokens += t
         st.secondary_slots += t * (k - kp)
+        st.slot_width = k - kp
 
     # -- public API -------------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -212,13 +289,14 @@ class SereHandle:
     def stats(self) -> dict[str, Any]:
         """Decode-step routing statistics, for ``summary.json["sere"]`` (one host read of the counters).
 
-        Means are over (step, layer) pairs: ``expert_union_before`` / ``_after`` = distinct experts a
-        layer computes per step without / with SERE, ``primary_union`` = |P|, ``moved_fraction`` = moved
-        secondary slots / all secondary slots (B x (k - K) per step and layer), ``outside_primary_fraction``
-        = secondary slots whose expert is not in P, ``critical_fraction`` = of all secondary slots, those
+        Live rows only (finished rows of a static HF batch are left out, see the module doc). Means are
+        over (step, layer) pairs: ``expert_union_before`` / ``_after`` = distinct experts a layer computes
+        per step without / with SERE, ``primary_union`` = |P|, ``moved_fraction`` = moved secondary slots /
+        all secondary slots (live rows x (k - K) per step and layer), ``outside_primary_fraction`` =
+        secondary slots whose expert is not in P, ``critical_fraction`` = of all secondary slots, those
         outside P kept because no primary expert was similar enough (sim < ρ), ``protected_hits`` = secondary
-        slots outside P kept because their expert is protected, ``by_batch_size`` = the unions per decode
-        batch size (rows of the step; finished rows of a static HF batch still count).
+        slots outside P kept because their expert is protected, ``tokens_per_step`` = live rows per step,
+        ``by_batch_size`` = the unions per number of live rows in the step.
         """
         rows = self._read_counters()
         per_layer = []
@@ -226,36 +304,39 @@ class SereHandle:
         sums = [0] * len(COUNTERS)
         batch: dict[int, list[int]] = {}
         for st in self.layers:
-            for t, (n, acc) in st.by_batch.items():
-                b = batch.setdefault(t, [0, 0, 0])
-                before_after = acc.tolist()
-                b[0] += n
-                b[1] += before_after[0]
-                b[2] += before_after[1]
+            for _t, (_n, hist) in st.by_batch.items():
+                for live, (n, bsum, asum) in enumerate(hist.tolist()):
+                    if n:
+                        b = batch.setdefault(live, [0, 0, 0])
+                        b[0] += n
+                        b[1] += bsum
+                        b[2] += asum
         for st, row in zip(self.layers, rows, strict=True):
-            before, after, prim, moved, outside, critical, prot_hits = row
+            before, after, prim, moved, outside, critical, prot_hits, tokens = row
             steps = st.steps
+            slots = tokens * st.slot_width
             per_layer.append({
                 "layer": st.layer,
                 "steps": steps,
-                "tokens": st.tokens,
+                "tokens": tokens,
                 "expert_union_before": before / steps if steps else None,
                 "expert_union_after": after / steps if steps else None,
                 "primary_union": prim / steps if steps else None,
                 "moved_slots": moved,
-                "secondary_slots": st.secondary_slots,
-                "moved_fraction": moved / st.secondary_slots if st.secondary_slots else None,
-                "critical_fraction": critical / st.secondary_slots if st.secondary_slots else None,
+                "secondary_slots": slots,
+                "moved_fraction": moved / slots if slots else None,
+                "critical_fraction": critical / slots if slots else None,
                 "protected_hits": prot_hits,
                 "protected": int(st.protected.sum()) if st.protected is not None else 0,
             })
             tot_steps += steps
-            tot_slots += st.secondary_slots
+            tot_slots += slots
             sums = [a + b for a, b in zip(sums, row, strict=True)]
         n_steps = max((st.steps for st in self.layers), default=0)
-        n_tokens = max((st.tokens for st in self.layers), default=0)
+        n_tokens = max((p["tokens"] for p in per_layer), default=0)
         mean = (lambda v: v / tot_steps) if tot_steps else (lambda v: None)
         before, after = mean(sums[0]), mean(sums[1])
+        n_layers = max(len(self.layers), 1)
         return {
             "k_primary": self.k_primary,
             "rho": self.rho,
@@ -271,7 +352,7 @@ class SereHandle:
             "outside_primary_fraction": sums[4] / tot_slots if tot_slots else None,
             "critical_fraction": sums[5] / tot_slots if tot_slots else None,
             "protected_hits": sums[6],
-            "by_batch_size": {str(t): {"steps": n // max(len(self.layers), 1),
+            "by_batch_size": {str(t): {"steps": n // n_layers,
                                        "expert_union_before": bsum / n, "expert_union_after": asum / n}
                               for t, (n, bsum, asum) in sorted(batch.items())},
             "per_layer": per_layer,
@@ -279,6 +360,9 @@ class SereHandle:
 
     def remove(self) -> None:
         """Take every hook off; the model routes exactly as before ``install_sere``. Idempotent."""
+        if self._model_hook is not None:
+            self._model_hook.remove()
+            self._model_hook = None
         for st in self.layers:
             for h in st.hooks:
                 h.remove()
@@ -297,12 +381,15 @@ class SereHandle:
 
 def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | torch.Tensor, k_primary: int,
                  rho: float, protected: dict[int, torch.Tensor] | None = None, *, mode: str = "decode",
-                 collect_stats: bool = True, op: Callable | None = None) -> SereHandle:
+                 collect_stats: bool = True, op: Callable | None = None,
+                 eos_token_ids: Any = None) -> SereHandle:
     """Install SERE re-routing on every MoE block of ``model`` (see the module doc).
 
     ``similarity``: ``{layer: [E, E]}`` for exactly the model's MoE layers (decoder-layer indices), or one
     [L, E, E] tensor in block order. ``protected``: ``{layer: bool [E]}``; a missing layer has none.
     ``op``: the re-routing function (default ``harness.kernels.reroute.reroute_op``).
+    ``eos_token_ids``: ids that end a row (finished rows leave P and the statistics); default the model's
+    ``generation_config.eos_token_id``.
     """
     blocks = find_moe_blocks(model)
     if not blocks:
@@ -322,14 +409,11 @@ def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | t
         raise ValueError(f"rho must be a Python number, got {rho!r}")
     if isinstance(k_primary, bool) or not isinstance(k_primary, int) or k_primary < 1:
         raise ValueError(f"k_primary must be an int >= 1, got {k_primary!r}")
-    for ref in blocks:
-        if getattr(ref.block, "_harness_sere", None) is not None:
-            raise RuntimeError(f"SERE is already installed on {ref.name}: remove() the first handle")
+    refuse_if_installed(blocks)
 
     handle = SereHandle(k_primary, rho, mode, collect_stats, op or _default_op())
     for ref in blocks:
-        device = ref.block.gate.weight.device if hasattr(ref.block.gate, "weight") \
-            else ref.block.experts.gate_up_proj.device
+        device = block_device(ref.block)
         e = ref.num_experts
         sim = similarity[ref.layer].detach().to(device=device, dtype=torch.float32).contiguous()
         prot = (protected or {}).get(ref.layer)
@@ -340,24 +424,65 @@ def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | t
         if sim.shape[0] != e:
             raise ValueError(f"layer {ref.layer}: similarity is {tuple(sim.shape)}, the block has {e} experts")
         handle.layers.append(_Layer(ref.layer, ref.block, ref.block.gate, e, sim, prot))
-    for st in handle.layers:
-        handle._install(st)
+    attach(handle, model, eos_token_ids)
     return handle
 
 
+def block_device(block: torch.nn.Module) -> torch.device:
+    return block.gate.weight.device if hasattr(block.gate, "weight") else block.experts.gate_up_proj.device
+
+
+def refuse_if_installed(blocks: list) -> None:
+    """One routing rewrite per model: SERE and ``moe.top_k`` share the ``_harness_sere`` slot."""
+    for ref in blocks:
+        other = getattr(ref.block, "_harness_sere", None)
+        if other is not None:
+            raise RuntimeError(f"{getattr(other, 'kind', 'SERE')} is already installed on {ref.name}: "
+                               "remove() the first handle")
+
+
+def model_eos_ids(model: torch.nn.Module, eos_token_ids: Any = None) -> list[int]:
+    """``eos_token_ids`` as a list, else the model's ``generation_config.eos_token_id`` (int or list)."""
+    eos = eos_token_ids
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple, set, frozenset)) else [eos])]
+
+
+def attach(handle: SereHandle, model: torch.nn.Module, eos_token_ids: Any = None) -> None:
+    """Put the handle's hooks on the model (live-row hook) and on every layer of ``handle.layers``."""
+    device = block_device(handle.layers[0].block)
+    handle._install_model_hook(model, model_eos_ids(model, eos_token_ids), device)
+    for st in handle.layers:
+        handle._install(st)
+
+
+def calibration_kwargs(sere_cfg: Any) -> dict[str, Any]:
+    """``text_path`` / ``text_field`` / ``max_tokens`` for the calibration builders from ``sere.calibration_*``
+    (absent keys: the builders' defaults)."""
+    from harness.techniques.sere_calibration import DEFAULT_MAX_TOKENS
+
+    get = (lambda k: sere_cfg.get(k)) if isinstance(sere_cfg, dict) else (lambda k: getattr(sere_cfg, k, None))
+    return {"text_path": get("calibration_text") or None, "text_field": get("calibration_field") or None,
+            "max_tokens": int(get("calibration_tokens") or DEFAULT_MAX_TOKENS)}
+
+
 def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, model_id: str,
-                     cache_dir: str | None = None) -> SereHandle | None:
+                     cache_dir: str | None = None, eos_token_ids: Any = None) -> SereHandle | None:
     """Build SERE from the ``sere`` config group (``k``, ``rho``, ``protect``, ``similarity``,
-    ``protection``); None when ``sere.k`` is null. Missing artifacts are computed and cached
-    (``similarity_for`` / ``protection_for``)."""
+    ``protection``, ``calibration_text``, ``calibration_tokens``); None when ``sere.k`` is null. Missing
+    artifacts are computed from the calibration data and cached (``similarity_for`` / ``protection_for``)."""
     if sere_cfg.k is None:
         return None
     from harness.techniques.sere_calibration import load_similarity, similarity_for
 
+    data = calibration_kwargs(sere_cfg)
     if sere_cfg.similarity:
         similarity, _ = load_similarity(sere_cfg.similarity)
     else:
-        similarity = similarity_for(model, tokenizer, model_id, cache_dir)
+        similarity = similarity_for(model, tokenizer, model_id, cache_dir, **data)
     protected = None
     n = int(sere_cfg.protect or 0)
     if n > 0 or sere_cfg.protection:
@@ -367,5 +492,6 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
             protected, _ = load_protection(sere_cfg.protection, n=n or None)
         else:
             protected = protection_for(model, tokenizer, model_id, similarity, int(sere_cfg.k),
-                                       float(sere_cfg.rho), n, cache_dir)
-    return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected)
+                                       float(sere_cfg.rho), n, cache_dir, **data)
+    return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
+                        eos_token_ids=eos_token_ids)

@@ -29,8 +29,9 @@ queued_ts``), ``batch_size`` and ``finish_reason``.
 
 **Load mode** (:meth:`VLLMEngine.run_load`, when ``load.qps`` is set): ``AsyncLLM`` in this process (its
 engine core in a child process, as ``vllm serve`` runs it), requests sent at Poisson/gamma arrival
-times (``vllm bench serve``'s rule: gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)), one seeded
-generator), each streamed: TTFT = first streamed chunk − send time, ITL = gaps between chunks,
+times by ``vllm bench serve``'s rule (:func:`arrival_offsets`: n gaps ~ Gamma(shape=burstiness,
+scale=1/(qps·burstiness)) — the first request waits its gap too —, summed, then rescaled so that the last
+send is at exactly n/qps; burstiness = inf gives constant 1/qps gaps; one seeded generator), each streamed: TTFT = first streamed chunk − send time, ITL = gaps between chunks,
 E2E = last chunk − send time, TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one
 by one first and discarded; a failed request becomes a Generation with ``error`` (counted by
 ``latency_summary``). Every time is ``time.perf_counter()`` in this process.
@@ -135,17 +136,23 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
             similarity_for,
         )
 
+        from harness.engines.hf_sere import calibration_kwargs
+
+        data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
         model, tokenizer = load_model_for_calibration(str(model_path))
         if sim_path:
             similarity, _ = load_similarity(sim_path)
         else:
-            similarity = similarity_for(model, tokenizer, model_id)
-            sim_path = str(similarity_cache_path(model, model_id))
+            similarity = similarity_for(model, tokenizer, model_id, **data)
+            sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
+                                                 text_field=data["text_field"]))
         if protect > 0 and not prot_path:
             from harness.techniques.sere_protection import protection_cache_path, protection_for
 
-            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect)
-            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho))
+            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect, **data)
+            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho, None,
+                                                  data["text_path"], data["max_tokens"],
+                                                  text_field=data["text_field"]))
         del model
     for path in (sim_path, prot_path):
         if path and not Path(path).is_file():
@@ -153,6 +160,27 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
     return SereSetup(k=int(k), rho=rho, similarity_path=str(sim_path),
                      protection_path=str(prot_path) if prot_path else None,
                      protect=protect if (prot_path and protect > 0) else None)
+
+
+def arrival_offsets(n: int, qps: float, burstiness: float = 1.0, seed: int = 0):
+    """Send times (seconds from the start) of ``n`` requests at ``qps``, as ``vllm bench serve`` draws them:
+    gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)) (exponential for burstiness 1; constant 1/qps
+    for burstiness = inf), cumulated from the first gap (the first request is not sent at 0), then scaled so
+    the last send is at n/qps exactly (vLLM does this to make throughput independent of the seed). The
+    generator is ``numpy.random.default_rng(seed)`` (vLLM seeds numpy's global generator: same law, other
+    draws)."""
+    import numpy as np
+
+    if n < 1 or not qps > 0 or not burstiness > 0:
+        raise ValueError(f"arrival_offsets: need n >= 1, qps > 0, burstiness > 0 (got {n}, {qps}, {burstiness})")
+    if burstiness == float("inf"):
+        gaps = np.full(n, 1.0 / qps)
+    else:
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=n)
+    offsets = np.cumsum(gaps)
+    if offsets[-1] > 0:
+        offsets = offsets * ((n / qps) / offsets[-1])
+    return offsets
 
 
 def resolve_visionzip(vz_cfg: Any):
@@ -173,6 +201,11 @@ def resolve_visionzip(vz_cfg: Any):
             "after the prompt's placeholders are fixed (docs/vllm.md)")
     if contextual > 0:
         raise NotImplementedError("visionzip.contextual > 0 is not implemented in engine=vllm (docs/vllm.md)")
+    if int(_get(vz_cfg, "min_per_image", 1)) < 1:
+        raise NotImplementedError(
+            f"visionzip.min_per_image={_get(vz_cfg, 'min_per_image')} in engine=vllm: an image pruned to 0 tokens "
+            "leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; use "
+            "visionzip.min_per_image >= 1 (or engine=hf, where an image may lose every token)")
     return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)),
                              min_per_image=int(_get(vz_cfg, "min_per_image", 1)))
 
@@ -201,9 +234,12 @@ class VLLMEngine:
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None, *,
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
-                 sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None):
+                 sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
+                 moe_cfg: Any = None):
         from harness import compat
+        from harness.techniques.moe_topk import moe_settings
 
+        moe = moe_settings(moe_cfg, sere_cfg)  # refuses moe.top_k + sere.k before anything loads
         compat.install()
         self.visionzip = resolve_visionzip(visionzip_cfg)
         from transformers import AutoProcessor
@@ -228,6 +264,9 @@ class VLLMEngine:
         hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
         self.sere = resolve_sere(sere_cfg, self.model_path, model_id)
+        from harness.vllm_topk import MoeSettings
+
+        self.moe = MoeSettings(*moe) if moe is not None else None  # exported as HARNESS_MOE_* (vllm_topk)
         if self.sere is not None and sere_trace:
             self.sere.trace_path = sere_trace
         self._env_saved: dict[str, str | None] = {}
@@ -247,11 +286,14 @@ class VLLMEngine:
 
     def _export_env(self) -> None:
         from harness.vllm_plugin import SERE_ENV, VZ_ENV
+        from harness.vllm_topk import MOE_ENV
 
         wanted = self.sere.env() if self.sere is not None else {}
         if self.visionzip is not None:
             wanted.update(self.visionzip.env())
-        for key in SERE_ENV + VZ_ENV:
+        if self.moe is not None:
+            wanted.update(self.moe.env())
+        for key in SERE_ENV + VZ_ENV + MOE_ENV:
             if key not in self._env_saved:
                 self._env_saved[key] = os.environ.get(key)
             if key in wanted:
@@ -361,6 +403,9 @@ class VLLMEngine:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
                             "where": "vllm plugin custom_routing_function, decode rows only"}
+        if self.moe is not None:
+            info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope,
+                           "where": "vllm plugin custom_routing_function (zero-weight padded slots)"}
         return info
 
     def sampling_params(self, max_tokens: int | None = None, **kwargs: Any):
@@ -392,15 +437,18 @@ class VLLMEngine:
             self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
         if self.sere is not None:
             self._worker_sere_stats(reset=True)
+        if self.moe is not None:
+            self._worker_sere_stats(reset=True, method="harness_moe_stats")
 
-    def _worker_sere_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+    def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.vllm_plugin import STATS_METHOD
 
+        method = method or STATS_METHOD
         if self._llm is not None:
-            return self._llm.collective_rpc(STATS_METHOD, kwargs={"reset": reset})
+            return self._llm.collective_rpc(method, kwargs={"reset": reset})
         if self._async is not None:
             async def call():
-                return await self._async.collective_rpc(STATS_METHOD, kwargs={"reset": reset})
+                return await self._async.collective_rpc(method, kwargs={"reset": reset})
 
             return self._loop.run(call())
         return []
@@ -408,17 +456,21 @@ class VLLMEngine:
     def technique_stats(self) -> dict[str, Any]:
         """``summary.json`` ``sere``: the decode-step routing statistics the plugin kept in the worker (the
         HF engine's fields; one worker = tensor_parallel_size 1, else the first worker's, with ``workers``)."""
-        if self.sere is None or self._closed:
+        if self._closed:
             return {}
-        try:
-            per_worker = self._worker_sere_stats()
-        except Exception as e:  # noqa: BLE001 - statistics never fail a run
-            return {"sere": {"error": f"{type(e).__name__}: {e}"}}
-        if not per_worker:
-            return {}
-        out = dict(per_worker[0])
-        out["workers"] = len(per_worker)
-        return {"sere": out}
+        out: dict[str, Any] = {}
+        for name, on, method in (("sere", self.sere is not None, None),
+                                 ("moe", self.moe is not None, "harness_moe_stats")):
+            if not on:
+                continue
+            try:
+                per_worker = self._worker_sere_stats(method=method)
+            except Exception as e:  # noqa: BLE001 - statistics never fail a run
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            if per_worker:
+                out[name] = {**per_worker[0], "workers": len(per_worker)}
+        return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
@@ -568,7 +620,7 @@ class VLLMEngine:
     def run_load(self, requests: list[Request], load_cfg: Any = None,
                  timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
         """Serving-style load test (see the module doc). Returns (one Generation per measured request, in
-        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the first send) and
+        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the start of the load phase; the first request waits its gap) and
         ``extra["source_uid"]``; info = qps, burstiness, num_requests, warmup, seed, duration_s (first send
         → last completion, the basis of output throughput), achieved_qps."""
         load_cfg = load_cfg if load_cfg is not None else self.load_cfg
@@ -595,11 +647,7 @@ class VLLMEngine:
                 await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
             except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
                 pass
-        rng = np.random.default_rng(seed)
-        theta = 1.0 / (qps * burstiness)
-        gaps = rng.gamma(shape=burstiness, scale=theta, size=n)
-        gaps[0] = 0.0
-        offsets = np.cumsum(gaps)
+        offsets = arrival_offsets(n, qps, burstiness, seed)
         tag = time.monotonic_ns()
 
         async def one(i: int, delay: float, start: float):
@@ -631,7 +679,13 @@ class VLLMEngine:
         start = time.perf_counter()
         gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
         duration = time.perf_counter() - start
+        sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
+        completed = sum(1 for g in gens if not g.error)
         info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
-                "duration_s": duration, "achieved_qps": n / float(offsets[-1]) if n > 1 and offsets[-1] > 0
-                else None, "completed": sum(1 for g in gens if not g.error)}
+                "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
+                "scheduled_last_send_s": float(offsets[-1]),
+                # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
+                "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
+                "request_throughput": completed / duration if duration > 0 else None,
+                "completed": completed}
         return list(gens), info

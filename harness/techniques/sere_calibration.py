@@ -16,12 +16,20 @@ outputs [E, T, H] are flattened to [E, T*H] and their Gram matrix is added to a 
 ``G`` (E x E). Since ``||O_i - O_j||^2 = G_ii + G_jj - 2 G_ij``, G is all that is needed. float64 keeps
 the cancellation in that difference harmless (experts whose outputs are close).
 
-Calibration data: ``data/sere_calibration.txt`` (generic educational English + Chinese prose, written for
-this project). Documents are the text's paragraphs (blank-line separated); each is tokenised on its own
-(no special tokens added beyond what the tokenizer adds by default), truncated to ``max_seq_len`` = 512
-tokens (as the paper truncates its FineWeb-Edu documents), and documents are taken in order until
-``max_tokens`` tokens are collected (the last one cut to fit). Each document is one forward pass of
-batch 1, so there is no padding to mask.
+Calibration data (``sere.calibration_text`` / ``--text``; :func:`iter_calibration_documents`): the shipped
+``data/sere_calibration.txt`` (generic educational English + Chinese prose written for this project, ~3k
+tokens: enough for the embedded model, far below a real model's budget) or **the user's data**: a UTF-8 text
+file (documents separated by blank lines), a ``.jsonl`` file (one document per line: a JSON string or an
+object whose ``text`` field — or ``content`` / ``document``, or ``sere.calibration_field`` — holds it, e.g.
+a FineWeb-Edu sample), a ``.json`` file holding a list of such documents, or a directory of those files
+(sorted by name). Each document is tokenised on its own (no special tokens added beyond what the tokenizer
+adds by default), truncated to ``max_seq_len`` = 512 tokens (as the paper truncates its FineWeb-Edu
+documents), and documents are taken in order until ``max_tokens`` tokens are collected (the last one cut to
+fit). The default budget is the reference's **32 x 512 = 16,384 tokens** (``sere.calibration_tokens``,
+``--max-tokens``); data that runs out first is used whole, and the artifact's metadata says so
+(``tokens`` used, ``max_tokens`` asked, ``budget_met``, ``calibration_source``) with a logged warning. Each
+document is one forward pass of batch 1, so there is no padding to mask. The cache key hashes the data
+files' bytes and the text field.
 
 MoE blocks are found generically (Qwen3-MoE, Qwen3-VL-MoE, any module with ``.gate`` and ``.experts``
 whose ``gate_up_proj`` is 3-D); a block's key is its decoder-layer index parsed from its module name
@@ -31,8 +39,8 @@ Artifacts: safetensors with one float32 ``similarity.<layer>`` [E, E] tensor per
 metadata (model id and fingerprint, calibration sha256, token count, layers, date, harness version) is
 stored in the safetensors header under ``harness_sere`` and copied to ``<file>.json`` for reading.
 
-CLI: ``python -m harness.techniques.sere_calibration --model PATH --out FILE [--text FILE]
-[--max-tokens N] [--device auto] [--dtype auto]``.
+CLI: ``python -m harness.techniques.sere_calibration --model PATH --out FILE [--text FILE|DIR]
+[--text-field NAME] [--max-tokens N] [--max-seq-len 512] [--device auto] [--dtype auto]``.
 
 Only torch and the standard library are imported at module level.
 """
@@ -42,6 +50,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -53,6 +62,7 @@ import torch
 
 __all__ = [
     "ALGO_VERSION", "DEFAULT_TEXT_PATH", "MoeBlockRef", "calibration_sequences", "collect_moe_inputs",
+    "iter_calibration_documents", "calibration_source_sha256",
     "compute_similarity", "default_sere_cache_dir", "expert_gram", "expert_outputs", "find_moe_blocks",
     "load_calibration_text", "load_similarity", "model_fingerprint", "save_similarity",
     "similarity_for", "similarity_from_gram",
@@ -60,8 +70,11 @@ __all__ = [
 
 ALGO_VERSION = 1  # bump when the definition or the data pipeline changes: invalidates cached matrices
 DEFAULT_TEXT_PATH = Path(__file__).with_name("data") / "sere_calibration.txt"
-DEFAULT_MAX_TOKENS = 8192
 DEFAULT_MAX_SEQ_LEN = 512
+DEFAULT_MAX_TOKENS = 32 * DEFAULT_MAX_SEQ_LEN  # the reference: 32 documents x 512 tokens
+TEXT_FIELDS = ("text", "content", "document")
+DATA_SUFFIXES = (".txt", ".md", ".jsonl", ".json")
+logger = logging.getLogger("harness.sere_calibration")
 _META_KEY = "harness_sere"
 _GRAM_BUDGET_BYTES = 256 << 20  # per dense chunk: E x T x max(H, 2I) float64 values
 
@@ -127,8 +140,70 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Calibration data
 # ---------------------------------------------------------------------------------------------------
+def _data_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
+        if not files:
+            raise ValueError(f"calibration data directory {path} has no {'/'.join(DATA_SUFFIXES)} files")
+        return files
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration data {path} does not exist (sere.calibration_text / --text)")
+    return [path]
+
+
+def calibration_source_sha256(path: str | Path | None = None, text_field: str | None = None) -> str:
+    """sha256 over the data files' names (for a directory) and bytes, and the text field: the cache key."""
+    path = Path(path or DEFAULT_TEXT_PATH)
+    h = hashlib.sha256()
+    files = _data_files(path)
+    for f in files:
+        if len(files) > 1 or path.is_dir():
+            h.update(f"{f.name}\0".encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    if text_field:
+        h.update(f"\0field={text_field}".encode())
+    return h.hexdigest()
+
+
+def _document_text(obj: Any, where: str, text_field: str | None) -> str:
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict):
+        fields = (text_field,) if text_field else TEXT_FIELDS
+        for name in fields:
+            if isinstance(obj.get(name), str):
+                return obj[name]
+        raise ValueError(f"{where}: no text field {' / '.join(fields)} (set sere.calibration_field / --text-field)")
+    raise ValueError(f"{where}: a document must be a string or an object with a text field, got {type(obj).__name__}")
+
+
+def iter_calibration_documents(path: str | Path | None = None, text_field: str | None = None):
+    """Documents (strings) of the calibration data, in order, read lazily (module doc for the formats)."""
+    for f in _data_files(Path(path or DEFAULT_TEXT_PATH)):
+        suffix = f.suffix.lower()
+        if suffix == ".jsonl":
+            with open(f, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            obj = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{f}:{n}: not JSON ({e.msg})") from None
+                        yield _document_text(obj, f"{f}:{n}", text_field)
+        elif suffix == ".json":
+            data = json.loads(f.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise ValueError(f"{f}: expected a JSON list of documents")
+            for n, obj in enumerate(data):
+                yield _document_text(obj, f"{f}[{n}]", text_field)
+        else:
+            yield from (p.strip() for p in re.split(r"\n\s*\n", f.read_text(encoding="utf-8")) if p.strip())
+
+
 def load_calibration_text(path: str | Path | None = None) -> tuple[str, str]:
-    """(text, sha256 of the file's bytes); the shipped text by default."""
+    """(text, sha256 of the file's bytes) of a plain-text calibration file; the shipped text by default."""
     raw = Path(path or DEFAULT_TEXT_PATH).read_bytes()
     return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
 
@@ -139,17 +214,20 @@ def _text_tokenizer(tokenizer: Any) -> Any:
     return inner if inner is not None and callable(inner) else tokenizer
 
 
-def calibration_sequences(tokenizer: Any, text: str, max_tokens: int = DEFAULT_MAX_TOKENS,
+def calibration_sequences(tokenizer: Any, text: Any, max_tokens: int = DEFAULT_MAX_TOKENS,
                           max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> list[torch.Tensor]:
-    """Token id sequences (1-D int64): paragraphs in order, each truncated to ``max_seq_len``, until
-    ``max_tokens`` ids in total (the last sequence is cut to fit)."""
+    """Token id sequences (1-D int64): documents in order, each truncated to ``max_seq_len``, until
+    ``max_tokens`` ids in total (the last sequence is cut to fit). ``text``: one string (its blank-line
+    separated paragraphs are the documents) or an iterable of documents (read only as far as needed)."""
     if max_tokens < 1 or max_seq_len < 1:
         raise ValueError(f"max_tokens and max_seq_len must be >= 1, got {max_tokens}, {max_seq_len}")
     tok = _text_tokenizer(tokenizer)
-    docs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    docs = (p.strip() for p in re.split(r"\n\s*\n", text)) if isinstance(text, str) else (str(d).strip() for d in text)
     seqs: list[torch.Tensor] = []
     left = max_tokens
     for doc in docs:
+        if not doc:
+            continue
         ids = list(tok(doc)["input_ids"])[: min(max_seq_len, left)]
         if not ids:
             continue
@@ -160,6 +238,25 @@ def calibration_sequences(tokenizer: Any, text: str, max_tokens: int = DEFAULT_M
     if not seqs:
         raise ValueError("the calibration text produced no tokens")
     return seqs
+
+
+def calibration_data(tokenizer: Any, text_path: str | Path | None = None, text_field: str | None = None,
+                     max_tokens: int = DEFAULT_MAX_TOKENS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                     ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """(sequences, metadata) of the calibration data: what was asked, what was used, whether the budget was
+    met (a warning is logged when the data runs out first)."""
+    seqs = calibration_sequences(tokenizer, iter_calibration_documents(text_path, text_field),
+                                 max_tokens=max_tokens, max_seq_len=max_seq_len)
+    used = int(sum(s.numel() for s in seqs))
+    source = str(text_path) if text_path else "shipped:" + DEFAULT_TEXT_PATH.name
+    if used < max_tokens:
+        logger.warning("SERE calibration: %s gave %d tokens, fewer than the budget of %d (the reference uses "
+                       "32 x 512 = 16384): set sere.calibration_text / --text to more data", source, used,
+                       max_tokens)
+    return seqs, {"calibration_sha256": calibration_source_sha256(text_path, text_field),
+                  "calibration_file": str(text_path or DEFAULT_TEXT_PATH), "calibration_source": source,
+                  "calibration_field": text_field, "tokens": used, "sequences": len(seqs),
+                  "max_tokens": max_tokens, "max_seq_len": max_seq_len, "budget_met": used >= max_tokens}
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -297,10 +394,10 @@ def _harness_version() -> str:
 def compute_similarity(model: torch.nn.Module, tokenizer: Any, *, text_path: str | Path | None = None,
                        max_tokens: int = DEFAULT_MAX_TOKENS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                        chunk_tokens: int | None = None, model_id: str | None = None,
-                       progress: bool = False) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
+                       progress: bool = False, text_field: str | None = None,
+                       ) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
     """Similarity matrices of every MoE layer ({layer: float32 [E, E] on CPU}) and their metadata."""
-    text, sha = load_calibration_text(text_path)
-    seqs = calibration_sequences(tokenizer, text, max_tokens=max_tokens, max_seq_len=max_seq_len)
+    seqs, data_meta = calibration_data(tokenizer, text_path, text_field, max_tokens, max_seq_len)
     blocks = find_moe_blocks(model)
     hidden = collect_moe_inputs(model, seqs, blocks)
     it = blocks
@@ -322,12 +419,7 @@ def compute_similarity(model: torch.nn.Module, tokenizer: Any, *, text_path: str
         "algo_version": ALGO_VERSION,
         "model_id": model_id,
         "model_fingerprint": model_fingerprint(model),
-        "calibration_sha256": sha,
-        "calibration_file": str(text_path or DEFAULT_TEXT_PATH),
-        "tokens": int(sum(s.numel() for s in seqs)),
-        "sequences": len(seqs),
-        "max_tokens": max_tokens,
-        "max_seq_len": max_seq_len,
+        **data_meta,
         "layers": [ref.layer for ref in blocks],
         "num_experts": blocks[0].num_experts,
         "dtype": dtype,
@@ -405,9 +497,9 @@ def _slug(s: str, limit: int = 60) -> str:
 
 def similarity_cache_path(model: torch.nn.Module, model_id: str, cache_dir: str | Path | None = None,
                           text_path: str | Path | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                          max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> Path:
+                          max_seq_len: int = DEFAULT_MAX_SEQ_LEN, text_field: str | None = None) -> Path:
     """Cache file of a model's matrices: key = model id + fingerprint + calibration hash + budget."""
-    _, sha = load_calibration_text(text_path)
+    sha = calibration_source_sha256(text_path, text_field)
     name = (f"sim-{_slug(model_id)}-{model_fingerprint(model)[:12]}-{sha[:12]}"
             f"-t{max_tokens}-s{max_seq_len}-v{ALGO_VERSION}.safetensors")
     return Path(cache_dir or default_sere_cache_dir()) / name
@@ -426,9 +518,10 @@ def check_similarity(model: torch.nn.Module, similarity: dict[int, torch.Tensor]
 
 def similarity_for(model: torch.nn.Module, tokenizer: Any, model_id: str, cache_dir: str | Path | None = None,
                    text_path: str | Path | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
-                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN, progress: bool = False) -> dict[int, torch.Tensor]:
+                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN, progress: bool = False,
+                   text_field: str | None = None) -> dict[int, torch.Tensor]:
     """The model's similarity matrices: read from the cache, or computed (then cached) on first use."""
-    path = similarity_cache_path(model, model_id, cache_dir, text_path, max_tokens, max_seq_len)
+    path = similarity_cache_path(model, model_id, cache_dir, text_path, max_tokens, max_seq_len, text_field)
     if path.exists():
         try:
             sims, _ = load_similarity(path)
@@ -437,7 +530,8 @@ def similarity_for(model: torch.nn.Module, tokenizer: Any, model_id: str, cache_
         except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed, not trusted
             pass
     sims, meta = compute_similarity(model, tokenizer, text_path=text_path, max_tokens=max_tokens,
-                                    max_seq_len=max_seq_len, model_id=model_id, progress=progress)
+                                    max_seq_len=max_seq_len, model_id=model_id, progress=progress,
+                                    text_field=text_field)
     save_similarity(path, sims, meta)
     return sims
 
@@ -462,9 +556,15 @@ def load_model_for_calibration(path: str, device: str = "auto", dtype: str = "au
 def add_common_args(parser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("--out", required=True, help="output .safetensors file")
-    parser.add_argument("--text", default=None, help="calibration text (UTF-8; default: the shipped text)")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
+    parser.add_argument("--text", "--data", dest="text", default=None,
+                        help="calibration data: a UTF-8 text file (blank-line separated documents), a .jsonl / "
+                             ".json of documents (strings or objects with a text field), or a directory of "
+                             "those (default: the shipped ~3k-token text)")
+    parser.add_argument("--text-field", default=None,
+                        help=f"JSON field holding a document's text (default: the first of {', '.join(TEXT_FIELDS)})")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"token budget (default {DEFAULT_MAX_TOKENS} = the reference's 32 x 512)")
+    parser.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="tokens per document (512)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--model-id", default=None, help="name recorded in the metadata (default: --model)")
@@ -480,10 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model_for_calibration(args.model, args.device, args.dtype)
     sims, meta = compute_similarity(model, tokenizer, text_path=args.text, max_tokens=args.max_tokens,
                                     max_seq_len=args.max_seq_len, model_id=args.model_id or args.model,
-                                    progress=True)
+                                    progress=True, text_field=args.text_field)
     out = save_similarity(args.out, sims, meta)
+    short = "" if meta["budget_met"] else f" (budget {meta['max_tokens']} not met: the data ran out)"
     print(f"wrote {out}: {len(sims)} layers x [{meta['num_experts']}, {meta['num_experts']}], "
-          f"{meta['tokens']} calibration tokens")
+          f"{meta['tokens']} calibration tokens{short}")
     return 0
 
 

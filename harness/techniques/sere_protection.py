@@ -44,7 +44,7 @@ Artifacts: safetensors with ``protected.<layer>`` bool [E] and the scores (``dam
 for another ``n`` from the stored scores, so one build serves a sweep over ``sere.protect``.
 
 CLI: ``python -m harness.techniques.sere_protection --model PATH --similarity FILE --k 2 --rho 0.1 --n 16
---out FILE [--text FILE] [--max-tokens N] [--batch-size 16] [--rank-by total] [--device auto]``.
+--out FILE [--text FILE|DIR] [--text-field NAME] [--max-tokens N] [--batch-size 16] [--rank-by total] [--device auto]``.
 
 Only torch and the standard library are imported at module level.
 """
@@ -66,12 +66,12 @@ from harness.techniques.sere_calibration import (
     _now,
     _read,
     _slug,
-    calibration_sequences,
+    calibration_data,
+    calibration_source_sha256,
     collect_moe_inputs,
     default_sere_cache_dir,
     expert_outputs,
     find_moe_blocks,
-    load_calibration_text,
     model_fingerprint,
     refuse_if_sere_installed,
 )
@@ -172,15 +172,14 @@ def compute_protection(model: torch.nn.Module, tokenizer: Any, similarity: dict[
                        k_primary: int, rho: float, n: int, *, text_path: str | Path | None = None,
                        max_tokens: int = DEFAULT_MAX_TOKENS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                        batch_size: int = DEFAULT_BATCH_SIZE, rank_by: str = "total", seed: int = 0,
-                       model_id: str | None = None, progress: bool = False,
+                       model_id: str | None = None, progress: bool = False, text_field: str | None = None,
                        ) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, torch.Tensor]], dict[str, Any]]:
     """(protected {layer: bool [E]}, scores {layer: expert_damage(...)}, metadata)."""
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
     blocks = find_moe_blocks(model)
     refuse_if_sere_installed(blocks)
-    text, sha = load_calibration_text(text_path)
-    seqs = calibration_sequences(tokenizer, text, max_tokens=max_tokens, max_seq_len=max_seq_len)
+    seqs, data_meta = calibration_data(tokenizer, text_path, text_field, max_tokens, max_seq_len)
     hidden = collect_moe_inputs(model, seqs, blocks)
     it = blocks
     if progress:
@@ -204,10 +203,7 @@ def compute_protection(model: torch.nn.Module, tokenizer: Any, similarity: dict[
         "model_id": model_id,
         "model_fingerprint": model_fingerprint(model),
         "similarity_hash": similarity_hash(similarity),
-        "calibration_sha256": sha,
-        "tokens": int(sum(s.numel() for s in seqs)),
-        "max_tokens": max_tokens,
-        "max_seq_len": max_seq_len,
+        **data_meta,
         "k_primary": k_primary,
         "rho": float(rho),
         "n": n,
@@ -255,9 +251,10 @@ def load_protection(path: str | Path, n: int | None = None) -> tuple[dict[int, t
 def protection_cache_path(model: torch.nn.Module, model_id: str, similarity: dict[int, torch.Tensor],
                           k_primary: int, rho: float, cache_dir: str | Path | None = None,
                           text_path: str | Path | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-                          batch_size: int = DEFAULT_BATCH_SIZE, rank_by: str = "total") -> Path:
+                          batch_size: int = DEFAULT_BATCH_SIZE, rank_by: str = "total",
+                          text_field: str | None = None) -> Path:
     """Cache file of the damage scores; ``n`` is not part of the key (the top-n is derived on load)."""
-    _, sha = load_calibration_text(text_path)
+    sha = calibration_source_sha256(text_path, text_field)
     name = (f"prot-{_slug(model_id)}-{model_fingerprint(model)[:12]}-{similarity_hash(similarity)[:12]}"
             f"-{sha[:12]}-k{k_primary}-r{float(rho):g}-b{batch_size}-t{max_tokens}-{rank_by}"
             f"-v{ALGO_VERSION}.safetensors")
@@ -268,10 +265,10 @@ def protection_for(model: torch.nn.Module, tokenizer: Any, model_id: str, simila
                    k_primary: int, rho: float, n: int, cache_dir: str | Path | None = None,
                    text_path: str | Path | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    batch_size: int = DEFAULT_BATCH_SIZE, rank_by: str = "total",
-                   progress: bool = False) -> dict[int, torch.Tensor]:
+                   progress: bool = False, text_field: str | None = None) -> dict[int, torch.Tensor]:
     """Protected experts ({layer: bool [E]}, ``n`` per layer): from the cache, or built then cached."""
     path = protection_cache_path(model, model_id, similarity, k_primary, rho, cache_dir, text_path,
-                                 max_tokens, batch_size, rank_by)
+                                 max_tokens, batch_size, rank_by, text_field)
     if path.exists():
         try:
             return load_protection(path, n=n)[0]
@@ -279,7 +276,7 @@ def protection_for(model: torch.nn.Module, tokenizer: Any, model_id: str, simila
             pass
     prot, scores, meta = compute_protection(model, tokenizer, similarity, k_primary, rho, n, text_path=text_path,
                                             max_tokens=max_tokens, batch_size=batch_size, rank_by=rank_by,
-                                            model_id=model_id, progress=progress)
+                                            model_id=model_id, progress=progress, text_field=text_field)
     save_protection(path, prot, meta, scores)
     return prot
 
@@ -305,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     prot, scores, meta = compute_protection(model, tokenizer, sims, args.k, args.rho, args.n, text_path=args.text,
                                             max_tokens=args.max_tokens, max_seq_len=args.max_seq_len,
                                             batch_size=args.batch_size, rank_by=args.rank_by,
-                                            model_id=args.model_id or args.model, progress=True)
+                                            model_id=args.model_id or args.model, progress=True,
+                                            text_field=args.text_field)
     out = save_protection(args.out, prot, meta, scores)
     print(f"wrote {out}: {len(prot)} layers, {args.n} protected experts per layer")
     return 0

@@ -474,3 +474,32 @@ def test_gpu_engine_cuda_graphs_on_and_off(tiny_path, images):
         assert g.error is None and s.error is None, (g.error, s.error)
         assert (g.text, g.output_tokens) == (s.text, s.output_tokens)
         assert g.ttft_ms > 0 and g.e2e_ms >= g.ttft_ms
+
+
+@pytest.mark.parametrize("use_graphs", [False, "emulate"])
+def test_sere_with_early_eos_equals_generate(cpu, images, use_graphs):
+    """Rows ending at different steps: finished rows leave SERE's P (hf_sere's per-row flags). The emulated
+    capture's warm-up steps cross a row's EOS; the flags must be put back with the other step state, or the
+    replayed steps would drop that row from P too early (tokens and statistics would differ)."""
+    model, proc = cpu
+    inputs = image_batch(proc, images)
+    handle = sere(model, 1)
+    try:
+        eos = early_eos(stock(model, proc, inputs))
+    finally:
+        handle.remove()
+    from harness.techniques.sere import reroute
+
+    handle = install_sere(model, similarity(model), 1, 0.0, op=reroute, eos_token_ids=eos)
+    try:
+        ref = stock(model, proc, inputs, eos=eos)
+        ref_stats = handle.stats()
+        assert len(ref[0]) < NEW and ref_stats["tokens_per_step"] < len(ref)   # some steps had finished rows
+        handle.reset_stats()
+        dec = decoder(model, proc, use_graphs, eos=eos)
+        for _ in range(2):                              # captured, then replayed
+            res = dec.generate(inputs, NEW)
+            assert res.tokens == ref and handle.stats() == ref_stats
+            handle.reset_stats()
+    finally:
+        handle.remove()

@@ -314,3 +314,71 @@ def test_sere_from_config(tiny, tmp_path):
         assert all(torch.equal(st.similarity, tiny["sims"][st.layer]) for st in handle.layers)
     finally:
         handle.remove()
+
+
+# ---- finished rows (fed their EOS, then pad) leave P and the statistics ---------------------------------
+def test_finished_rows_leave_primary_union_and_statistics(tiny):
+    """A row that produced its EOS keeps being fed tokens by ``generate`` (its EOS, then pad) until the whole
+    batch ends. Its routing must neither join P nor be counted, and it is not re-routed. The EOS is chosen
+    from the run's own tokens so that one row ends after its second token while the others go on."""
+    model, tok = tiny["model"], tiny["proc"].tokenizer
+    k_primary, rho, batch = 1, 0.0, tiny["batch"]
+    with install_sere(model, tiny["sims"], k_primary, rho, op=reroute):
+        free = generate(tiny, batch)                          # no early EOS: the routing up to it is the same
+    nontrivial = 0
+    for row in range(free.shape[0]):
+        eos = int(free[row, 1])
+        if any(eos in free[r, :2].tolist() for r in range(free.shape[0]) if r != row) or eos in free[row, :1]:
+            continue
+        with capture(model) as log:
+            handle = install_sere(model, tiny["sims"], k_primary, rho, op=reroute, eos_token_ids=[eos])
+            try:
+                with torch.inference_mode():
+                    out = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
+                                         pad_token_id=tok.pad_token_id)[:, batch["input_ids"].shape[1]:]
+                st = handle.stats()
+            finally:
+                handle.remove()
+        assert out[row, 1] == eos and (out[row, 2:] == tok.pad_token_id).all()
+        live_total = 0
+        for layer, entries in decode_entries(log).items():
+            for step, e in enumerate(entries):                # decode step s feeds generated token s
+                live = torch.tensor([eos not in out[r, :step + 1].tolist() for r in range(out.shape[0])])
+                want = reroute(e["orig"], tiny["sims"][layer], k_primary, rho, row_mask=live)
+                assert torch.equal(e["used"], want)
+                assert torch.equal(e["used"][~live], e["orig"][~live])      # finished rows not re-routed
+                if not torch.equal(want, reroute(e["orig"], tiny["sims"][layer], k_primary, rho)):
+                    nontrivial += 1                           # the old rule (every row in P) differs here
+                if layer == 0:
+                    live_total += int(live.sum())
+        assert st["per_layer"][0]["tokens"] == live_total < len(decode_entries(log)[0]) * out.shape[0]
+        assert st["tokens_per_step"] == pytest.approx(live_total / (MAX_NEW - 1))
+        assert set(st["by_batch_size"]) >= {str(out.shape[0]), str(out.shape[0] - 1)}
+        for row_stats in st["per_layer"]:
+            es = decode_entries(log)[row_stats["layer"]]
+            before = after = 0
+            for step, e in enumerate(es):
+                live = torch.tensor([eos not in out[r, :step + 1].tolist() for r in range(out.shape[0])])
+                before += expert_union(e["orig"][live])
+                after += expert_union(e["used"][live])
+            assert row_stats["expert_union_before"] == pytest.approx(before / len(es))
+            assert row_stats["expert_union_after"] == pytest.approx(after / len(es))
+        break
+    assert nontrivial > 0
+
+
+def test_invalid_primary_id_is_not_expert_zero(tiny):
+    """-1 ("no expert") in a primary slot must not put expert 0 into P for the statistics: a secondary slot
+    holding expert 0 is then outside P (and, with no similar primary, critical)."""
+    handle = install_sere(tiny["model"], tiny["sims"], 1, 2.0, op=reroute)   # rho > 1: nothing ever moves
+    try:
+        st = handle.layers[0]
+        old = torch.tensor([[-1, 0, 3, 4], [5, 6, 7, 8]])
+        handle._record(st, old, reroute(old, st.similarity, 1, 2.0))
+        stats = handle.stats()["per_layer"][0]
+        # P = {5}; secondary experts outside P: 0, 3, 4, 6, 7, 8 -> all 6 slots critical
+        assert stats["primary_union"] == 1
+        assert stats["critical_fraction"] == 1.0
+        assert stats["expert_union_before"] == 7                   # 0, 3, 4, 5, 6, 7, 8 (-1 is no expert)
+    finally:
+        handle.remove()

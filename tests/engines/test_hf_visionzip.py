@@ -524,3 +524,54 @@ def test_keep_rate_by_source():
     assert out["cc"]["keep_rate"] == 5 / 12 and out["cc"]["mean_image_keep_rate"] == (0.25 + 0.5) / 2
     with pytest.raises(ValueError):
         keep_rate_by_source([(["a"], [1, 2], [1, 1])])
+
+
+# ------------------------------------------------------------------ (g) audit: per-request budget, layer
+
+
+def test_budget_is_per_request_not_per_batch(tiny, images):
+    """scope=request: each row keeps budget(keep, its own visual tokens), chosen among its own images only.
+    The rows are built so that a budget shared by the whole batch would move tokens between them: one row
+    holds text-dense images, the other a plain scene (its scores are lower), with different token counts."""
+    model, processor = tiny
+    keep = 0.5
+    which = [("dense_sq", "dense_big"), ("scene_sq",), ("dense_small", "scene_small")]
+    inputs = _mixed_batch(tiny, images, which=which)
+    _, _, ctx = _pruned(model, processor, inputs, _cfg(keep, 0.0, "request"), n=1)
+    rows = _rows_images(model, inputs)
+    flat_all = torch.cat(ctx.image_scores)
+    batch_top = set(torch.argsort(-flat_all, stable=True)[:budget(keep, flat_all.numel())].tolist())
+    offsets = [0]
+    for s in ctx.image_scores:
+        offsets.append(offsets[-1] + s.numel())
+    batch_wide_differs = False
+    for b, imgs in enumerate(rows):
+        n_row = sum(ctx.image_scores[j].numel() for j in imgs)
+        assert sum(ctx.requests[b].kept_per_image) == budget(keep, n_row), b
+        own = torch.cat([ctx.image_scores[j] for j in imgs])
+        best = set(torch.argsort(-own, stable=True)[:budget(keep, n_row)].tolist())
+        local = [0]
+        for j in imgs:
+            local.append(local[-1] + ctx.image_scores[j].numel())
+        chosen = {local[i] + int(u) for i, j in enumerate(imgs) for u in ctx.kept_indices[j].tolist()}
+        assert chosen == best, b
+        in_batch_top = sum(1 for j in imgs for u in range(ctx.image_scores[j].numel())
+                           if offsets[j] + u in batch_top)
+        batch_wide_differs |= in_batch_top != budget(keep, n_row)
+    assert batch_wide_differs  # a batch-wide top-k would have given some row another count: the test bites
+
+
+@pytest.mark.parametrize("layer", [0, 1, -2])
+def test_visionzip_layer_selects_the_scoring_block(tiny, images, layer):
+    """``visionzip.layer`` decides which vision block's attention scores the tokens: the scores equal the
+    hand-built reference at that block, and differ from the last block's (so ignoring the key would fail)."""
+    model, processor = tiny
+    inputs = _mixed_batch(tiny, images, which=[("dense_big", "scene_small"), ("dense_sq",)])
+    _, _, ctx = _pruned(model, processor, inputs, _cfg(0.5, 0.0, "request", layer=layer), n=1)
+    want, _, _, _ = _reference_scores(model, inputs, layer=layer)
+    last, _, _, _ = _reference_scores(model, inputs, layer=-1)
+    for got, ref in zip(ctx.image_scores, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(want, last, strict=True))
+    with pytest.raises(ValueError, match="visionzip.layer"):
+        _pruned(model, processor, inputs, _cfg(0.5, 0.0, "request", layer=len(model.model.visual.blocks)), n=1)

@@ -161,3 +161,36 @@ def test_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, reroute(ids, sim, 2, 0.5, protected, row_mask))
+
+
+@pytest.mark.parametrize("use_row_mask", [False, True])
+def test_more_rows_than_one_primary_tile(use_row_mask):
+    """T = 150 > 64 = BLOCK_N rows: the primary scan runs over three tiles. The only primary expert that
+    attracts anything (expert 15) is named by rows past the first tile only, so a scan that stopped after
+    one tile (or lost later tiles' bits) would move nothing; a masked-out row beyond the tile must not
+    contribute its primary."""
+    t, e, k = 150, 16, 4
+    g = torch.Generator().manual_seed(7)
+    # primaries: experts 0 and 1 (never similar enough); secondaries: 4..13, outside P
+    ids = torch.stack([torch.cat([torch.tensor([i % 2]), 4 + torch.randperm(10, generator=g)[:k - 1]])
+                       for i in range(t)])
+    ids[100, 0] = 15
+    ids[140, 0] = 14
+    sim = torch.zeros(e, e)
+    sim.fill_diagonal_(1.0)
+    sim[:, 15] = 0.9
+    sim[:, 14] = 0.95
+    row_mask = torch.ones(t, dtype=torch.bool)
+    if use_row_mask:
+        row_mask[140] = False                                    # expert 14's only primary row is masked out
+        row_mask[3] = False
+    ids, sim, row_mask = ids.to(DEVICE), sim.to(DEVICE), row_mask.to(DEVICE)
+    mask = row_mask if use_row_mask else None
+    got = run_poisoned(ids, sim, 1, 0.5, None, mask)
+    want = reroute(ids, sim, 1, 0.5, None, mask)
+    assert torch.equal(got, want)
+    assert torch.equal(reroute_op(ids, sim, 1, 0.5, None, mask), want)
+    moved_to = set(got[:, 1:][got[:, 1:] != ids[:, 1:]].tolist())
+    assert moved_to == ({15} if use_row_mask else {14})        # the attractor from the second / third tile
+    if use_row_mask:
+        assert torch.equal(got[~row_mask.cpu()], ids[~row_mask.cpu()])

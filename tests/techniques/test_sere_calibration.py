@@ -331,3 +331,81 @@ def test_protection_cli(tiny, tmp_path):
     got, meta = prot.load_protection(out)
     assert sorted(got) == [0, 1, 2] and all(int(v.sum()) == 3 for v in got.values())
     assert meta["similarity_hash"] == prot.similarity_hash(cal.load_similarity(sim_path)[0])
+
+
+# ---- the user's calibration data and token budget -------------------------------------------------------
+def _write_dataset(root):
+    """A directory with a .jsonl (objects with a ``body`` field), a .json list of strings and a .txt file."""
+    root.mkdir()
+    rows = [{"body": f"Document {i} about rivers, hills and the history of number {i}. " * 8, "id": i}
+            for i in range(6)]
+    (root / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")
+    (root / "b.json").write_text(json.dumps(["第二个文件的第一篇文档，讲城市和公园。" * 5]), encoding="utf-8")
+    (root / "c.txt").write_text("Plain text document one.\n\nPlain text document two.", encoding="utf-8")
+    return root
+
+
+def test_documents_from_jsonl_json_txt_and_directories(tmp_path):
+    root = _write_dataset(tmp_path / "data")
+    docs = list(cal.iter_calibration_documents(root, "body"))
+    assert len(docs) == 6 + 1 + 2 and docs[0].startswith("Document 0") and docs[6].startswith("第二个")
+    assert docs[-1] == "Plain text document two."
+    assert list(cal.iter_calibration_documents(root / "b.json")) == docs[6:7]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"text": "t1"}) + "\n" + json.dumps("t2") + "\n", encoding="utf-8")
+    assert list(cal.iter_calibration_documents(plain)) == ["t1", "t2"]     # default field, bare strings
+    with pytest.raises(ValueError, match=r"a\.jsonl:1: no text field"):
+        list(cal.iter_calibration_documents(root))                          # "body" is not a default field
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        list(cal.iter_calibration_documents(bad))
+    with pytest.raises(FileNotFoundError, match="calibration_text"):
+        cal.calibration_source_sha256(tmp_path / "missing.txt")
+    # the cache key follows the bytes and the field
+    sha = cal.calibration_source_sha256(root, "body")
+    assert sha != cal.calibration_source_sha256(root, "text")
+    (root / "c.txt").write_text("changed", encoding="utf-8")
+    assert sha != cal.calibration_source_sha256(root, "body")
+    assert cal.calibration_source_sha256() == cal.load_calibration_text()[1]   # shipped text: file bytes
+
+
+def test_budget_default_is_the_references_and_shortfall_is_recorded(tiny, tmp_path, caplog):
+    assert cal.DEFAULT_MAX_TOKENS == 32 * 512
+    seqs, meta = cal.calibration_data(tiny["tok"])                          # the shipped text: ~3k tokens
+    assert meta["max_tokens"] == 16384 and meta["tokens"] == sum(s.numel() for s in seqs) < 16384
+    assert meta["budget_met"] is False and meta["calibration_source"].startswith("shipped:")
+    assert "fewer than the budget" in caplog.text
+    root = _write_dataset(tmp_path / "data")
+    seqs, meta = cal.calibration_data(tiny["tok"], root, "body", max_tokens=300, max_seq_len=64)
+    assert meta["tokens"] == 300 and meta["budget_met"] and meta["calibration_source"] == str(root)
+    assert max(s.numel() for s in seqs) <= 64 and meta["calibration_field"] == "body"
+
+
+def test_calibration_cli_with_user_data(tiny, tmp_path):
+    root = _write_dataset(tmp_path / "data")
+    out = tmp_path / "sim.safetensors"
+    assert cal.main(["--model", str(tiny["path"]), "--out", str(out), "--data", str(root), "--text-field", "body",
+                     "--max-tokens", "200", "--device", "cpu"]) == 0
+    _, meta = cal.load_similarity(out)
+    assert meta["tokens"] == 200 and meta["budget_met"] and meta["calibration_source"] == str(root)
+    assert meta["calibration_sha256"] == cal.calibration_source_sha256(root, "body")
+    assert json.loads(out.with_name(out.name + ".json").read_text())["max_tokens"] == 200
+
+
+def test_run_config_keys_reach_the_artifacts(tiny, tmp_path):
+    """``sere.calibration_text`` / ``_field`` / ``_tokens`` decide the data of the similarity and protection
+    built on first use, and their cache keys."""
+    from types import SimpleNamespace
+
+    from harness.engines.hf_sere import sere_from_config
+
+    root = _write_dataset(tmp_path / "data")
+    cfg = SimpleNamespace(k=2, rho=0.1, protect=2, similarity=None, protection=None, calibration_text=str(root),
+                          calibration_field="body", calibration_tokens=160)
+    handle = sere_from_config(tiny["model"], tiny["tok"], cfg, "tiny", tmp_path / "cache")
+    handle.remove()
+    metas = {p.name.split("-")[0]: json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")}
+    for kind in ("sim", "prot"):
+        assert metas[kind]["tokens"] == 160 and metas[kind]["calibration_source"] == str(root)
+        assert metas[kind]["calibration_sha256"] == cal.calibration_source_sha256(root, "body")

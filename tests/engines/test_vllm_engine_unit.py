@@ -1,0 +1,47 @@
+"""Parts of the vLLM engine that need no vLLM (run in the main venv): load-mode arrival times as
+``vllm bench serve`` draws them, and VisionZip settings vLLM cannot honour."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.engines.vllm_engine import arrival_offsets, resolve_visionzip
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.5, 3.0])
+def test_arrivals_follow_vllm_bench_serve(burstiness):
+    n, qps, seed = 64, 8.0, 3
+    offsets = arrival_offsets(n, qps, burstiness, seed)
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1 / (qps * burstiness), size=n)
+    want = np.cumsum(gaps) * (n / qps) / gaps.sum()
+    np.testing.assert_allclose(offsets, want, rtol=1e-12)
+    assert offsets[0] > 0                                        # the first request waits its gap too
+    assert offsets[-1] == pytest.approx(n / qps, rel=1e-12)     # rescaled: total = n / qps exactly
+    assert np.all(np.diff(offsets) >= 0)
+    assert np.array_equal(offsets, arrival_offsets(n, qps, burstiness, seed))      # seeded
+
+
+def test_arrivals_poisson_law_and_constant_rate():
+    big = arrival_offsets(20000, 4.0, 1.0, 0)
+    gaps = np.diff(np.concatenate([[0.0], big]))
+    assert gaps.mean() == pytest.approx(0.25, rel=1e-9)        # exactly n/qps over n gaps
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.03)   # exponential: coefficient of variation 1
+    const = arrival_offsets(5, 2.0, float("inf"))
+    np.testing.assert_allclose(const, [0.5, 1.0, 1.5, 2.0, 2.5])
+    for bad in ((0, 1.0, 1.0), (3, 0.0, 1.0), (3, 1.0, 0.0)):
+        with pytest.raises(ValueError):
+            arrival_offsets(*bad)
+
+
+def test_vllm_refuses_min_per_image_zero():
+    cfg = SimpleNamespace(keep=0.5, scope="image", contextual=0.0, layer=-1, min_per_image=0)
+    with pytest.raises(NotImplementedError, match="min_per_image=0.*placeholder"):
+        resolve_visionzip(cfg)
+    assert resolve_visionzip(SimpleNamespace(**{**vars(cfg), "min_per_image": 1})).min_per_image == 1
+    from harness.vllm_plugin import VisionZipSettings
+
+    with pytest.raises(RuntimeError, match="at least one token"):
+        VisionZipSettings.from_env({"HARNESS_VZ_KEEP": "0.5", "HARNESS_VZ_MIN_PER_IMAGE": "0"})
