@@ -1,0 +1,136 @@
+"""One OpenCompass experiment: Hydra config → OpenCompass config → ``opencompass`` CLI → its results →
+``summary.json``.
+
+OpenCompass's own runner, partitioner, inferencer, evaluators and summariser do the work (its CLI, started
+as a subprocess, so its process model — a subprocess per task — is the one users get); the harness only
+writes the config, checks that the data is staged, and reads OpenCompass's result files back. Everything
+OpenCompass writes stays under ``<run_dir>/opencompass/work``; its console output is kept in
+``<run_dir>/opencompass/opencompass.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.opencompass.results import read_results, read_trace
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class OpenCompassFailed(RuntimeError):
+    """OpenCompass exited non-zero or left no results; the message points at its log."""
+
+
+def check_engine(cfg: Any) -> None:
+    """Only the HF route exists so far (the vLLM route, ``vllm serve`` + ``OpenAISDK``, does not)."""
+    from harness.run import TechniqueNotAvailable
+
+    if cfg.engine.name != "hf":
+        raise TechniqueNotAvailable(
+            f"engine={cfg.engine.name}: python -m harness.opencompass runs the HF engine only so far "
+            "(the vllm serve route is not built yet). Use engine=hf.")
+    if cfg.visionzip.keep < 1.0:
+        raise TechniqueNotAvailable("visionzip.keep < 1: the OpenCompass suites are text-only, VisionZip would "
+                                    "have nothing to prune. Use visionzip.keep=1.0.")
+
+
+def _data_cache(cfg: Any) -> str | None:
+    return cfg.opencompass.data_cache or os.environ.get("COMPASS_DATA_CACHE") or None
+
+
+def preflight(config_path: Path, cfg: Any) -> list[dict[str, Any]]:
+    """Read the generated config as OpenCompass will (mmengine) and refuse unstaged real datasets."""
+    from mmengine.config import Config
+
+    from harness.opencompass.suites import check_staged
+
+    datasets = [dict(d) for d in Config.fromfile(str(config_path))["datasets"]]
+    if cfg.opencompass.suite != "ci_sample":
+        check_staged(datasets, _data_cache(cfg))
+    return datasets
+
+
+def launch(config_path: Path, work_dir: Path, cfg: Any, log_path: Path) -> float:
+    """Run the ``opencompass`` CLI on the config; return its wall time. Raises :class:`OpenCompassFailed`."""
+    cmd = [sys.executable, "-m", "opencompass.cli.main", str(config_path), "-w", str(work_dir),
+           "--max-num-workers", str(cfg.opencompass.max_num_workers), "--dump-eval-details", "True"]
+    if cfg.opencompass.debug:
+        cmd.append("--debug")
+    env = dict(os.environ)
+    # OpenCompass's task processes import the model class: they must see this checkout's harness
+    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    if _data_cache(cfg):
+        env["COMPASS_DATA_CACHE"] = _data_cache(cfg)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["TRITON_INTERPRET"] = env.get("TRITON_INTERPRET", "0")
+    t0 = time.perf_counter()
+    with log_path.open("w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work_dir.parent),
+                                  timeout=cfg.opencompass.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise OpenCompassFailed(f"OpenCompass ran past opencompass.timeout_s={cfg.opencompass.timeout_s}; "
+                                    f"its log: {log_path}") from e
+    if proc.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        raise OpenCompassFailed(f"OpenCompass exited with {proc.returncode}; log {log_path}; its end:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """The whole experiment; writes ``config.yaml`` and ``summary.json`` in ``run_dir`` and returns the summary."""
+    from importlib.metadata import version
+
+    from omegaconf import OmegaConf
+
+    from harness.metrics.latency import latency_summary
+    from harness.opencompass.config_gen import write_config
+    from harness.results import run_block, utc_now, write_json
+    from harness.run import resolve_model
+    from harness.techniques.moe_topk import moe_settings
+    from harness.tracking import log_run, sweep_info
+
+    check_engine(cfg)
+    moe_settings(cfg.moe, cfg.sere)  # refuses moe.top_k with sere.k before anything runs
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = utc_now()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
+    model_path, model_info = resolve_model(cfg.model)
+    config_path = write_config(cfg, run_dir, model_path, model_info["name"])
+    oc_dir = config_path.parent
+    trace_path = oc_dir / "harness_trace.jsonl"
+    trace_path.unlink(missing_ok=True)
+    datasets = preflight(config_path, cfg)
+    work_dir = oc_dir / "work"
+    wall_s = launch(config_path, work_dir, cfg, oc_dir / "opencompass.log")
+
+    metrics, details = read_results(work_dir)
+    records, stats = read_trace(trace_path)
+    engine_info = stats.pop("engine", {"engine": "hf"})
+    summary = {
+        "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
+                "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
+                "opencompass_version": version("opencompass"),
+                "opencompass": {"suite": cfg.opencompass.suite, "config": str(config_path),
+                                "work_dir": str(work_dir), "output_dir": str(details["output_dir"]),
+                                "datasets": [d.get("abbr") for d in datasets],
+                                "data_cache": _data_cache(cfg)}},
+        "config": config,
+        "metrics": {"opencompass": metrics},
+        "latency": {**latency_summary(records), "n_measured": sum(1 for r in records if not r.get("error")),
+                    "n_cached": 0, "partial": False},
+        **stats,
+    }
+    write_json(run_dir / "summary.json", summary)
+    wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
+    if wandb_dir:
+        summary["run"]["wandb_dir"] = wandb_dir
+        write_json(run_dir / "summary.json", summary)
+    return summary
