@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.opencompass.suites import SUITES
+from harness.opencompass.suites import SUITES, SUMMARY_GROUPS
 
 MODEL_TYPE = "harness.opencompass.model.HarnessHFModel"
 
@@ -66,6 +66,8 @@ def dataset_entries(cfg: Any, data_dir: Path) -> tuple[list[str], str]:
             entries.append(entry)
         return [], repr(entries)
     imports = [f"    from opencompass.configs.datasets.{mod} import {var}" for mod, var in SUITES[oc.suite]]
+    imports += [f"    from opencompass.configs.summarizers.groups.{mod} import {var}"
+                for mod, var, _ in SUMMARY_GROUPS[oc.suite]]
     expr = "[" + ", ".join(f"*{var}" for _, var in SUITES[oc.suite]) + "]"
     if limit:  # a loop, not a helper function: OpenCompass dumps the config, and a function does not dump
         expr += f"\nfor _d in datasets:\n    _d['reader_cfg']['test_range'] = {limit!r}\ndel _d"
@@ -85,6 +87,9 @@ def write_config(cfg: Any, run_dir: Path, model_path: str, model_name: str) -> P
     if imports:
         lines += ["from mmengine.config import read_base", "", "with read_base():", *imports, ""]
     lines += [f"datasets = {datasets_expr}", "", f"models = [{model!r}]", ""]
+    groups = SUMMARY_GROUPS[cfg.opencompass.suite]
+    if groups:  # the summariser adds a row per group (naive average of its subsets): the suite averages those
+        lines += ["summarizer = dict(summary_groups=[" + ", ".join(f"*{v}" for _, v, _ in groups) + "])", ""]
     path = oc_dir / "config.py"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

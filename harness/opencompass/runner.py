@@ -18,13 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.opencompass.results import read_results, read_trace
+from harness.opencompass.results import OpenCompassFailed, read_results, read_trace
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-class OpenCompassFailed(RuntimeError):
-    """OpenCompass exited non-zero or left no results; the message points at its log."""
 
 
 def check_engine(cfg: Any) -> None:
@@ -44,16 +40,23 @@ def _data_cache(cfg: Any) -> str | None:
     return cfg.opencompass.data_cache or os.environ.get("COMPASS_DATA_CACHE") or None
 
 
-def preflight(config_path: Path, cfg: Any) -> list[dict[str, Any]]:
-    """Read the generated config as OpenCompass will (mmengine) and refuse unstaged real datasets."""
+def preflight(config_path: Path, cfg: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read the generated config as OpenCompass will (mmengine), refuse unstaged real datasets, and return
+    the datasets and the suite's top-level entries (the average's terms: groups once, other datasets)."""
     from mmengine.config import Config
 
-    from harness.opencompass.suites import check_staged
+    from harness.opencompass.suites import SUMMARY_GROUPS, check_staged
 
-    datasets = [dict(d) for d in Config.fromfile(str(config_path))["datasets"]]
+    oc_cfg = Config.fromfile(str(config_path))
+    datasets = [dict(d) for d in oc_cfg["datasets"]]
     if cfg.opencompass.suite != "ci_sample":
         check_staged(datasets, _data_cache(cfg))
-    return datasets
+    groups = {g["name"]: {x if isinstance(x, str) else x[0] for x in g["subsets"]} for g in oc_cfg.get("summarizer", {}).get("summary_groups", [])}
+    top = [name for _, _, name in SUMMARY_GROUPS[cfg.opencompass.suite]]
+    grouped = set().union(*(groups[name] for name in top)) if top else set()
+    abbrs = [d.get("abbr") or Path(str(d["path"])).stem for d in datasets]
+    top += [a for a in dict.fromkeys(abbrs) if a not in grouped]
+    return datasets, top
 
 
 def launch(config_path: Path, work_dir: Path, cfg: Any, log_path: Path) -> float:
@@ -83,6 +86,26 @@ def launch(config_path: Path, work_dir: Path, cfg: Any, log_path: Path) -> float
     return time.perf_counter() - t0
 
 
+def custom_mcq_crosscheck(out_dir: Path, model_abbr: str, datasets: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each custom multiple-choice dataset (a JSONL file whose rows have options A, B, ...): OpenCompass's
+    accuracy beside the harness's MCQ scoring on the same predictions (:mod:`harness.opencompass.crosscheck`)."""
+    from harness.opencompass.crosscheck import mcq_crosscheck, read_rows
+    from harness.opencompass.results import read_result_json
+
+    out: dict[str, Any] = {}
+    for ds in datasets:
+        path = str(ds.get("path", ""))
+        if ds.get("type") is not None and "CustomDataset" not in str(ds.get("type")) or not path.endswith(".jsonl"):
+            continue
+        rows = read_rows(path)
+        if not rows or "A" not in rows[0] or "B" not in rows[0]:
+            continue
+        res = read_result_json(out_dir, model_abbr, ds["abbr"])
+        if res and res.get("details") is not None:
+            out[ds["abbr"]] = mcq_crosscheck(res["details"], rows)
+    return out
+
+
 def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     """The whole experiment; writes ``config.yaml`` and ``summary.json`` in ``run_dir`` and returns the summary."""
     from importlib.metadata import version
@@ -107,19 +130,21 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     oc_dir = config_path.parent
     trace_path = oc_dir / "harness_trace.jsonl"
     trace_path.unlink(missing_ok=True)
-    datasets = preflight(config_path, cfg)
+    datasets, top_level = preflight(config_path, cfg)
     work_dir = oc_dir / "work"
     wall_s = launch(config_path, work_dir, cfg, oc_dir / "opencompass.log")
 
-    metrics, details = read_results(work_dir)
+    model_abbr = cfg.opencompass.model_abbr or model_info["name"]
+    metrics, out_dir = read_results(work_dir, model_abbr, top_level)
     records, stats = read_trace(trace_path)
+    crosscheck = custom_mcq_crosscheck(out_dir, model_abbr, datasets)
     engine_info = stats.pop("engine", {"engine": "hf"})
     summary = {
         "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
                 "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
                 "opencompass_version": version("opencompass"),
                 "opencompass": {"suite": cfg.opencompass.suite, "config": str(config_path),
-                                "work_dir": str(work_dir), "output_dir": str(details["output_dir"]),
+                                "work_dir": str(work_dir), "output_dir": str(out_dir),
                                 "datasets": [d.get("abbr") for d in datasets],
                                 "data_cache": _data_cache(cfg)}},
         "config": config,
@@ -128,6 +153,8 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
                     "n_cached": 0, "partial": False},
         **stats,
     }
+    if crosscheck:
+        summary["opencompass_crosscheck"] = crosscheck
     write_json(run_dir / "summary.json", summary)
     wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
     if wandb_dir:

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 # suite name -> [(OpenCompass dataset config module under opencompass.configs.datasets, variable name)]
+# The suite's average is over these entries: a dataset with subsets counts once, as its summary group
+# (OpenCompass's naive average of its subsets, SUMMARY_GROUPS), not once per subset.
 SUITES: dict[str, list[tuple[str, str]]] = {
     "sere_paper": [
         ("cmmlu.cmmlu_gen", "cmmlu_datasets"),
@@ -38,6 +40,12 @@ SUITES: dict[str, list[tuple[str, str]]] = {
         ("mbpp.mbpp_gen", "mbpp_datasets"),
     ],
     "ci_sample": [],  # custom-format files written by write_ci_sample
+}
+
+# suite -> (summary group module under opencompass.configs.summarizers.groups, variable, group name)
+SUMMARY_GROUPS: dict[str, list[tuple[str, str, str]]] = {
+    "sere_paper": [("cmmlu", "cmmlu_summary_groups", "cmmlu"), ("bbh", "bbh_summary_groups", "bbh")],
+    "ci_sample": [],
 }
 
 CI_SAMPLE_FILES = ("harness_mcq_sum.jsonl", "harness_qa_sum.jsonl")
