@@ -101,9 +101,11 @@ class HarnessHFModel(BaseModel):
                                     "batch_size": g.extra.get("batch_size")}, ensure_ascii=False) + "\n")
         stats = self.engine.technique_stats()
         stats["engine"] = self.engine.describe()
-        tmp = self.trace_path.with_suffix(".stats.json.tmp")
+        # one file per process: OpenCompass may run several inference tasks, each with its own engine
+        final = self.trace_path.with_name(f"{self.trace_path.stem}.stats.{os.getpid()}.json")
+        tmp = final.with_suffix(".tmp")
         tmp.write_text(json.dumps(stats, ensure_ascii=False, default=str), encoding="utf-8")
-        tmp.replace(self.trace_path.with_suffix(".stats.json"))
+        tmp.replace(final)
 
     def get_token_len(self, prompt: str) -> int:
         return len(self.tokenizer.encode(str(prompt)))

@@ -84,11 +84,20 @@ def read_results(work_dir: Path, model_abbr: str, top_level: list[str]) -> tuple
 
 
 def read_trace(trace_path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The model class's per-generation records (timings) and the techniques' statistics."""
+    """The model class's per-generation records (timings) and the techniques' statistics.
+
+    One inference process (the usual case: ``opencompass.max_num_workers=1``) → its statistics as they are
+    (``sere`` / ``moe`` / ``engine``). Several → ``engine`` from the first, and each process's technique
+    statistics in a list under ``technique_stats_by_process`` (they are not merged: each is over its own
+    datasets)."""
     records = []
     if trace_path.exists():
         with trace_path.open(encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
-    stats_path = trace_path.with_suffix(".stats.json")
-    stats = json.loads(stats_path.read_text(encoding="utf-8")) if stats_path.exists() else {}
-    return records, stats
+    files = sorted(trace_path.parent.glob(f"{trace_path.stem}.stats.*.json"))
+    per_process = [json.loads(p.read_text(encoding="utf-8")) for p in files]
+    if len(per_process) <= 1:
+        return records, (per_process[0] if per_process else {})
+    return records, {"engine": per_process[0].get("engine"),
+                     "technique_stats_by_process": [{k: v for k, v in s.items() if k != "engine"}
+                                                    for s in per_process]}

@@ -40,23 +40,30 @@ def _data_cache(cfg: Any) -> str | None:
     return cfg.opencompass.data_cache or os.environ.get("COMPASS_DATA_CACHE") or None
 
 
+def top_level_entries(oc_cfg: Any, suite: str) -> list[str]:
+    """The suite's average's terms: its summary groups (once each), then every dataset in no such group."""
+    from harness.opencompass.suites import SUMMARY_GROUPS
+
+    groups = {g["name"]: {x if isinstance(x, str) else x[0] for x in g["subsets"]}
+              for g in oc_cfg.get("summarizer", {}).get("summary_groups", [])}
+    top = [name for _, _, name in SUMMARY_GROUPS[suite]]
+    grouped = set().union(*(groups[name] for name in top)) if top else set()
+    abbrs = [d.get("abbr") or Path(str(d["path"])).stem for d in oc_cfg["datasets"]]
+    return top + [a for a in dict.fromkeys(abbrs) if a not in grouped]
+
+
 def preflight(config_path: Path, cfg: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Read the generated config as OpenCompass will (mmengine), refuse unstaged real datasets, and return
-    the datasets and the suite's top-level entries (the average's terms: groups once, other datasets)."""
+    the datasets and the suite's top-level entries (:func:`top_level_entries`)."""
     from mmengine.config import Config
 
-    from harness.opencompass.suites import SUMMARY_GROUPS, check_staged
+    from harness.opencompass.suites import check_staged
 
     oc_cfg = Config.fromfile(str(config_path))
     datasets = [dict(d) for d in oc_cfg["datasets"]]
     if cfg.opencompass.suite != "ci_sample":
         check_staged(datasets, _data_cache(cfg))
-    groups = {g["name"]: {x if isinstance(x, str) else x[0] for x in g["subsets"]} for g in oc_cfg.get("summarizer", {}).get("summary_groups", [])}
-    top = [name for _, _, name in SUMMARY_GROUPS[cfg.opencompass.suite]]
-    grouped = set().union(*(groups[name] for name in top)) if top else set()
-    abbrs = [d.get("abbr") or Path(str(d["path"])).stem for d in datasets]
-    top += [a for a in dict.fromkeys(abbrs) if a not in grouped]
-    return datasets, top
+    return datasets, top_level_entries(oc_cfg, cfg.opencompass.suite)
 
 
 def launch(config_path: Path, work_dir: Path, cfg: Any, log_path: Path) -> float:
@@ -129,7 +136,8 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     config_path = write_config(cfg, run_dir, model_path, model_info["name"])
     oc_dir = config_path.parent
     trace_path = oc_dir / "harness_trace.jsonl"
-    trace_path.unlink(missing_ok=True)
+    for old in [trace_path, *oc_dir.glob(f"{trace_path.stem}.stats.*.json")]:  # a rerun in the same directory
+        old.unlink(missing_ok=True)
     datasets, top_level = preflight(config_path, cfg)
     work_dir = oc_dir / "work"
     wall_s = launch(config_path, work_dir, cfg, oc_dir / "opencompass.log")
