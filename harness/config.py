@@ -145,9 +145,12 @@ class OpenCompassConfig:
     limit: Optional[int] = None  # first N rows of every dataset (OpenCompass reader_cfg.test_range)
     ci_items: int = 8  # rows per generated dataset of the ci_sample suite
     data_cache: Optional[str] = None  # COMPASS_DATA_CACHE for real datasets; None = the environment variable
-    max_out_len: Optional[int] = None  # None = generation.max_new_tokens (OpenCompass's dataset configs may set their own)
+    # None = generation.max_new_tokens; a dataset config's own max_out_len (GSM8K, MBPP: 512) takes precedence
+    max_out_len: Optional[int] = None
     max_seq_len: int = 4096
-    num_gpus: int = 0  # run_cfg.num_gpus of the model: 1 on a GPU node (OpenCompass's LocalRunner assigns it)
+    # run_cfg.num_gpus of the model; OpenCompass's LocalRunner sets CUDA_VISIBLE_DEVICES to that many GPUs (0 hides
+    # them all). None = 1 when CUDA is visible, else 0
+    num_gpus: Optional[int] = None
     model_abbr: Optional[str] = None  # OpenCompass's model abbreviation; None = model.name
     max_num_workers: int = 1  # OpenCompass --max-num-workers (parallel tasks)
     debug: bool = False  # OpenCompass --debug: tasks in the runner's own process (no subprocess per task)

@@ -52,6 +52,7 @@ QUALITY = {
     "alignment": ("RAG-IGBench alignment", "score (0-1)", 1.0, "{:.3f}"),
     "ocrbench_score": ("OCRBench score", "score (0-1000)", 1.0, "{:.0f}"),
     "mcq_accuracy": ("CCBench accuracy (circular)", "accuracy (%)", 100.0, "{:.1f}"),
+    "opencompass_average": ("OpenCompass average", "score (0-100)", 1.0, "{:.2f}"),  # python -m harness.opencompass
 }
 FAMILY_ORDER = ("baseline", "visionzip", "sere", "visionzip+sere")
 FAMILY_COLOR = {"baseline": "black", "visionzip": "tab:blue", "sere": "tab:orange", "visionzip+sere": "tab:purple"}
@@ -182,6 +183,9 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     }
     for key in QUALITY:
         row[key] = _num(metrics.get(key))
+    row["opencompass_average"] = _num(_get(metrics, "opencompass", "average"))  # docs/opencompass.md
+    if "opencompass" in metrics:  # the Hydra dataset group is not what an OpenCompass run evaluated
+        row["dataset"] = f"opencompass:{_get(run, 'opencompass', 'suite', default='?')}"
     for short, _, _ in LATENCY_AXES:
         for p in ("p50", "p90", "p99", "mean"):
             row[f"{short}_{p}"] = _num(_get(lat, f"{short}_ms", p))

@@ -23,6 +23,15 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
+def _num_gpus(setting: int | None) -> int:
+    """OpenCompass hides every GPU from a task whose model asks for 0: ask for one where CUDA is visible."""
+    if setting is not None:
+        return int(setting)
+    import torch
+
+    return 1 if torch.cuda.is_available() else 0
+
+
 def model_entry(cfg: Any, model_path: str, model_name: str, trace_path: Path) -> dict[str, Any]:
     """The ``models = [...]`` entry: OpenCompass's keys (abbr, max_out_len, batch_size, run_cfg) plus the
     engine's constructor arguments."""
@@ -42,7 +51,7 @@ def model_entry(cfg: Any, model_path: str, model_name: str, trace_path: Path) ->
         "max_seq_len": int(oc.max_seq_len),
         "max_out_len": int(max_out),
         "batch_size": int(cfg.engine.batch_size),
-        "run_cfg": {"num_gpus": int(oc.num_gpus), "num_procs": 1},
+        "run_cfg": {"num_gpus": _num_gpus(oc.num_gpus), "num_procs": 1},
     }
 
 
