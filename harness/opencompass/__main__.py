@@ -21,7 +21,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from harness.opencompass.runner import OpenCompassFailed, run_opencompass
-    from harness.opencompass.suites import OpenCompassDataMissing
+    from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
     from harness.run import TechniqueNotAvailable
 
     from hydra.types import RunMode
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
             return
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (TechniqueNotAvailable, OpenCompassDataMissing, OpenCompassFailed) as e:
+    except (TechniqueNotAvailable, OpenCompassDataMissing, OpenCompassDependencyMissing, OpenCompassFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps({"run_dir": str(run_dir), "opencompass": summary["metrics"]["opencompass"],

@@ -57,12 +57,13 @@ def preflight(config_path: Path, cfg: Any) -> tuple[list[dict[str, Any]], list[s
     the datasets and the suite's top-level entries (:func:`top_level_entries`)."""
     from mmengine.config import Config
 
-    from harness.opencompass.suites import check_staged
+    from harness.opencompass.suites import check_evaluators, check_staged
 
     oc_cfg = Config.fromfile(str(config_path))
     datasets = [dict(d) for d in oc_cfg["datasets"]]
     if cfg.opencompass.suite != "ci_sample":
         check_staged(datasets, _data_cache(cfg))
+        check_evaluators(datasets)
     return datasets, top_level_entries(oc_cfg, cfg.opencompass.suite)
 
 

@@ -124,3 +124,31 @@ def check_staged(datasets: list[dict[str, Any]], cache_dir: str | None) -> None:
         raise OpenCompassDataMissing(
             f"{len(missing)} OpenCompass dataset(s) not staged in COMPASS_DATA_CACHE={cache_dir}:\n  "
             + "\n  ".join(missing))
+
+
+class OpenCompassDependencyMissing(RuntimeError):
+    """An evaluator of the suite needs a package that is not installed (found before any model loads)."""
+
+
+# evaluator class name -> (module it imports, how to get it): OpenCompass imports these only when scoring,
+# i.e. after the whole inference has run
+EVALUATOR_NEEDS = {
+    "HumanEvalEvaluator": ("human_eval", "OpenCompass's fork: git clone https://github.com/open-compass/human-eval "
+                                         "&& pip install -e human-eval (into .venv-opencompass)"),
+}
+
+
+def check_evaluators(datasets: list[dict[str, Any]]) -> None:
+    """Refuse a suite whose evaluators would fail to import after inference has run."""
+    import importlib.util
+
+    missing = {}
+    for ds in datasets:
+        kind = ((ds.get("eval_cfg") or {}).get("evaluator") or {}).get("type", "")
+        evaluator = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1])  # a class, or its dotted name
+        for name, (module, how) in EVALUATOR_NEEDS.items():
+            if evaluator == name and importlib.util.find_spec(module) is None:
+                missing.setdefault(module, (how, []))[1].append(ds.get("abbr", "?"))
+    if missing:
+        raise OpenCompassDependencyMissing("; ".join(
+            f"{', '.join(abbrs)} need the Python module {module!r}: {how}" for module, (how, abbrs) in missing.items()))

