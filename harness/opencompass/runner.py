@@ -155,7 +155,9 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
                 "opencompass": {"suite": cfg.opencompass.suite, "config": str(config_path),
                                 "work_dir": str(work_dir), "output_dir": str(out_dir),
                                 "datasets": [d.get("abbr") for d in datasets],
-                                "data_cache": _data_cache(cfg)}},
+                                "data_cache": _data_cache(cfg),
+                                # generations the engine failed on: OpenCompass scored them as empty answers
+                                "engine_errors": sum(1 for r in records if r.get("error"))}},
         "config": config,
         "metrics": {"opencompass": metrics},
         "latency": {**latency_summary(records), "n_measured": sum(1 for r in records if not r.get("error")),
