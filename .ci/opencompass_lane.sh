@@ -32,6 +32,8 @@ sys.exit(0 if any(u.find_spec(p) for p in ('torchvision', 'torchaudio', 'torchco
 fi
 step "installing the harness (editable, no deps) and what its HF path needs that opencompass does not bring"
 quiet_pip install -q -e . --no-deps
+# (pip then reports that the harness "requires triton": the HF path on CPU does not import it; torch 2.13.0+cpu
+# does not bring it, as in the vLLM lane)
 quiet_pip install -q "hydra-core>=1.3.2" "omegaconf>=2.3" "wandb>=0.19" "pytest>=8" "transformers>=5.16"
 
 step "checking the environment"
