@@ -147,6 +147,27 @@ class ScoringConfig:
 
 
 @dataclass
+class OpenCompassConfig:
+    """``python -m harness.opencompass``: OpenCompass's runner and evaluators on the harness HF engine
+    (``harness/opencompass/``, docs/opencompass.md). Read only by that entry point."""
+
+    suite: str = "sere_paper"  # harness/opencompass/suites.py: sere_paper (8 public datasets) | ci_sample
+    limit: Optional[int] = None  # first N rows of every dataset (OpenCompass reader_cfg.test_range)
+    ci_items: int = 8  # rows per generated dataset of the ci_sample suite
+    data_cache: Optional[str] = None  # COMPASS_DATA_CACHE for real datasets; None = the environment variable
+    # None = generation.max_new_tokens; a dataset config's own max_out_len (GSM8K, MBPP: 512) takes precedence
+    max_out_len: Optional[int] = None
+    max_seq_len: int = 4096
+    # run_cfg.num_gpus of the model; OpenCompass's LocalRunner sets CUDA_VISIBLE_DEVICES to that many GPUs (0 hides
+    # them all). None = 1 when CUDA is visible, else 0
+    num_gpus: Optional[int] = None
+    model_abbr: Optional[str] = None  # OpenCompass's model abbreviation; None = model.name
+    max_num_workers: int = 1  # OpenCompass --max-num-workers (parallel tasks)
+    debug: bool = False  # OpenCompass --debug: tasks in the runner's own process (no subprocess per task)
+    timeout_s: Optional[int] = None  # kill OpenCompass after this many seconds (None = no limit)
+
+
+@dataclass
 class WandbConfig:
     """Weights & Biases logging. ``offline`` needs no network; ``wandb sync`` uploads later."""
 
@@ -190,6 +211,7 @@ class Config:
     load: LoadConfig = field(default_factory=LoadConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    opencompass: OpenCompassConfig = field(default_factory=OpenCompassConfig)
     seed: int = 0
 
 
@@ -204,7 +226,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
-}
+}  # opencompass: a block of base_config (no group options to choose), set with opencompass.<key>=...
 
 
 def register_configs() -> None:

@@ -60,6 +60,7 @@ QUALITY = {
     "alignment": ("RAG-IGBench alignment", "score (0-1)", 1.0, "{:.3f}"),
     "ocrbench_score": ("OCRBench score", "score (0-1000)", 1.0, "{:.0f}"),
     "mcq_accuracy": ("CCBench accuracy (circular)", "accuracy (%)", 100.0, "{:.1f}"),
+    "opencompass_average": ("OpenCompass average", "score (0-100)", 1.0, "{:.2f}"),  # python -m harness.opencompass
 }
 # A run's family names the techniques it has on, in this order (``visionzip+top-k+sere``); top-K truncation
 # (``moe.top_k``) is the baseline SERE is judged against, so it must never be mistaken for the baseline itself.
@@ -228,6 +229,9 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     }
     for key in QUALITY:
         row[key] = _num(metrics.get(key))
+    row["opencompass_average"] = _num(_get(metrics, "opencompass", "average"))  # docs/opencompass.md
+    if "opencompass" in metrics:  # the Hydra dataset group is not what an OpenCompass run evaluated
+        row["dataset"] = f"opencompass:{_get(run, 'opencompass', 'suite', default='?')}"
     for short, _, _ in LATENCY_AXES:
         for p in ("p50", "p90", "p99", "mean"):
             row[f"{short}_{p}"] = _num(_get(lat, f"{short}_ms", p))

@@ -1,0 +1,50 @@
+"""``python -m harness.opencompass [overrides]`` (in ``.venv-opencompass``): one OpenCompass evaluation of the
+configured model with the run's techniques, or a sweep with ``-m``. Same Hydra config tree as
+``python -m harness`` (``sere.*``, ``moe.*``, ``engine.*``, ``model=...``) plus the ``opencompass.*`` block."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from harness.config import register_configs
+
+register_configs()
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from harness.opencompass.runner import OpenCompassFailed, run_opencompass
+    from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
+    from harness.run import TechniqueNotAvailable
+
+    from hydra.types import RunMode
+
+    from harness.results import write_json
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = run_opencompass(cfg, run_dir)
+    except NotImplementedError as e:  # moe.top_k with sere.k: not a defined setting
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a cross-product sweep skips it, the sweep goes on
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(run_dir / "skipped.json", {"reason": str(e)})
+            print(f"skipped: {e}", file=sys.stderr)
+            return
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (TechniqueNotAvailable, OpenCompassDataMissing, OpenCompassDependencyMissing, OpenCompassFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps({"run_dir": str(run_dir), "opencompass": summary["metrics"]["opencompass"],
+                      "tpot_ms": summary["latency"].get("tpot_ms")}, ensure_ascii=False, indent=2))
+
+
+if __name__ == "__main__":
+    main()

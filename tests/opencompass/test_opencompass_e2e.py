@@ -1,0 +1,88 @@
+"""OpenCompass end to end on the embedded model through the HF engine: SERE off, ``sere.k=2``, ``moe.top_k=2``.
+
+What must hold: OpenCompass's own runner and evaluators ran (its output directory, its summary CSV, its
+predictions), the predictions it scored are the harness engine's generations with the run's technique
+installed, and ``summary.json`` carries ``metrics.opencompass`` (per dataset + unweighted average),
+``run.opencompass_version``, latency and the technique's statistics. Accuracy on random weights is near
+chance (MCQ: OpenCompass always picks an option, ~1/3; QA: 0): these runs test the machinery, not quality.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from conftest import CI_ITEMS, MAX_NEW_TOKENS
+
+DATASETS = ("harness_mcq_sum", "harness_qa_sum")
+
+
+@pytest.mark.parametrize("setting", ["off", "sere_k2", "top_k2"])
+def test_summary_keys(oc_runs, setting):
+    run_dir, s = oc_runs[setting]
+    oc = s["metrics"]["opencompass"]
+    for abbr in DATASETS:
+        assert 0.0 <= oc[abbr]["accuracy"] <= 100.0
+    assert oc["average_over"] == list(DATASETS)
+    assert oc["average"] == pytest.approx(sum(oc[a]["accuracy"] for a in DATASETS) / 2)
+    run = s["run"]
+    assert run["opencompass_version"] == version("opencompass")
+    assert run["engine"] == "hf" and run["weights"] == "random-init"
+    assert Path(run["opencompass"]["output_dir"]).is_relative_to(run_dir)  # OpenCompass's outputs kept in the run
+    assert s["latency"]["n_measured"] == 2 * CI_ITEMS and s["latency"]["tpot_ms"]["n"] > 0
+    assert (run_dir / "opencompass" / "config.py").exists() and (run_dir / "opencompass" / "opencompass.log").exists()
+
+
+def test_techniques_installed_and_recorded(oc_runs):
+    _, off = oc_runs["off"]
+    _, sere = oc_runs["sere_k2"]
+    _, topk = oc_runs["top_k2"]
+    assert "sere" not in off and "moe" not in off
+    assert sere["config"]["sere"]["k"] == 2 and sere["sere"]["k_primary"] == 2 and sere["sere"]["steps"] > 0
+    assert topk["config"]["moe"]["top_k"] == 2 and topk["moe"]["top_k"] == 2
+    # plain top-2 of a top-4 router: at most 2 experts per token after, so the union cannot grow
+    assert topk["moe"]["expert_union_after"] <= topk["moe"]["expert_union_before"]
+    assert topk["moe"]["expert_union_after"] < topk["moe"]["expert_union_before"]
+
+
+def _oc_predictions(run_dir: Path, abbr: str) -> list[str]:
+    out = Path(json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]["output_dir"])
+    preds = json.loads((out / "predictions" / "tiny-qwen3-vl-moe" / f"{abbr}.json").read_text(encoding="utf-8"))
+    return [preds[str(i)]["prediction"] for i in range(len(preds))]
+
+
+@pytest.mark.parametrize("setting", ["off", "sere_k2", "top_k2"])
+def test_opencompass_scored_the_harness_engine_generations(oc_runs, setting):
+    """OpenCompass's prediction files hold exactly what the harness engine generated (the trace), in order."""
+    run_dir, _ = oc_runs[setting]
+    trace = [json.loads(line) for line in (run_dir / "opencompass" / "harness_trace.jsonl").read_text().splitlines()]
+    by_prompt = {t["prompt"]: t["answer"] for t in trace}
+    assert all(t["output_tokens"] <= MAX_NEW_TOKENS for t in trace)
+    out = Path(json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]["output_dir"])
+    for abbr in DATASETS:
+        preds = json.loads((out / "predictions" / "tiny-qwen3-vl-moe" / f"{abbr}.json").read_text(encoding="utf-8"))
+        assert len(preds) == CI_ITEMS
+        for item in preds.values():
+            assert item["prediction"] == by_prompt[item["origin_prompt"]]
+
+
+def test_top_k_changes_generations(oc_runs):
+    """moe.top_k=2 on a top-4 router changes what the model says (else the hook would not be in the path)."""
+    off = _oc_predictions(oc_runs["off"][0], "harness_mcq_sum") + _oc_predictions(oc_runs["off"][0], "harness_qa_sum")
+    top = (_oc_predictions(oc_runs["top_k2"][0], "harness_mcq_sum")
+           + _oc_predictions(oc_runs["top_k2"][0], "harness_qa_sum"))
+    assert off != top
+
+
+def test_summary_csv_is_the_source(oc_runs):
+    """metrics.opencompass is OpenCompass's summariser's number, not a recomputation."""
+    _, s = oc_runs["off"]
+    out = Path(s["run"]["opencompass"]["output_dir"])
+    (csv_path,) = sorted((out / "summary").glob("summary_*.csv"))
+    rows = {r["dataset"]: r for r in csv.DictReader(csv_path.open(encoding="utf-8"))}
+    for abbr in DATASETS:
+        assert float(rows[abbr]["tiny-qwen3-vl-moe"]) == pytest.approx(s["metrics"]["opencompass"][abbr]["accuracy"],
+                                                                       abs=0.01)
