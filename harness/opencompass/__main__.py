@@ -23,23 +23,13 @@ def main(cfg: DictConfig) -> None:
     from harness.opencompass.runner import OpenCompassFailed, run_opencompass
     from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
     from harness.run import TechniqueNotAvailable
-
-    from hydra.types import RunMode
-
-    from harness.results import write_json
+    from harness.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_opencompass(cfg, run_dir)
-    except NotImplementedError as e:  # moe.top_k with sere.k: not a defined setting
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a cross-product sweep skips it, the sweep goes on
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(run_dir / "skipped.json", {"reason": str(e)})
-            print(f"skipped: {e}", file=sys.stderr)
-            return
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (TechniqueNotAvailable, OpenCompassDataMissing, OpenCompassDependencyMissing, OpenCompassFailed) as e:
+    except (TechniqueNotAvailable, ConfigError, OpenCompassDataMissing, OpenCompassDependencyMissing,
+            OpenCompassFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps({"run_dir": str(run_dir), "opencompass": summary["metrics"]["opencompass"],

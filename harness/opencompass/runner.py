@@ -10,7 +10,6 @@ OpenCompass writes stays under ``<run_dir>/opencompass/work``; its console outpu
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -124,16 +123,17 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.opencompass.config_gen import write_config
     from harness.results import run_block, utc_now, write_json
     from harness.run import resolve_model
-    from harness.techniques.moe_topk import moe_settings
     from harness.tracking import log_run, sweep_info
+    from harness.validate import validate_config, validate_model
 
     check_engine(cfg)
-    moe_settings(cfg.moe, cfg.sere)  # refuses moe.top_k with sere.k before anything runs
+    validate_config(cfg)  # the same rules as python -m harness, before anything runs
     run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
     model_path, model_info = resolve_model(cfg.model)
+    validate_model(cfg, model_path)  # values the checkpoint decides (sere.k, moe.top_k vs its top-k)
     config_path = write_config(cfg, run_dir, model_path, model_info["name"])
     oc_dir = config_path.parent
     trace_path = oc_dir / "harness_trace.jsonl"
