@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aux", type=float, default=0.02, help="router load-balancing loss coefficient")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
+    ap.add_argument("--train-minutes", type=float, default=None,
+                    help="fit --steps to this training time, measured on the first 30 steps (the steps done are "
+                         "recorded: rerun with --steps N to reproduce)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
@@ -290,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data {data_s:.1f} s, mean lengths {lens}", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    total = {"steps": args.steps}
     warm = max(1, args.steps // 30)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total["steps"]))))
     probe = FocusProbe(model)
     rng = np.random.default_rng(args.seed)
     tasks = list(TASK_WEIGHTS)
@@ -300,10 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     probs = probs / probs.sum()
     log = open(out_dir / "train_log.jsonl", "w", encoding="utf-8")
     ema: dict[str, float] = {}
-    step = 0
     t_train = time.time()
     stopped_early = False
-    for step in range(1, args.steps + 1):
+    step = 0
+    while step < total["steps"]:
+        step += 1
+        if step == 31 and args.train_minutes:
+            per_step = (time.time() - t_train) / 30
+            total["steps"] = min(args.steps, max(31, int(args.train_minutes * 60 / per_step)))
+            print(f"{per_step * 1e3:.0f} ms/step -> {total['steps']} steps", flush=True)
         task = tasks[rng.choice(len(tasks), p=probs)]
         bs = max(2, int(BATCH[task] * args.batch_scale))
         idx = rng.choice(len(pool[task]), size=min(bs, len(pool[task])), replace=False)
