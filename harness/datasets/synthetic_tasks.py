@@ -94,12 +94,12 @@ def text_image(rng: random.Random, lines: list[str], size: tuple[int, int] = OCR
     w, h = size
     img = Image.new("RGB", size, rng.choice(BACKGROUNDS))
     draw = ImageDraw.Draw(img)
-    font = _font(20)
+    font = _font(24)
     ink = (rng.randint(0, 60), rng.randint(0, 60), rng.randint(0, 80))
     for i, line in enumerate(lines):
         left, top, right, bottom = font.getbbox(line)
         x = rng.randint(2, max(2, w - (right - left) - 4))
-        y = i * MERGE_PX + rng.randint(4, 8) - top
+        y = i * MERGE_PX + rng.randint(2, 5) - top
         draw.text((x - left, y), line, font=font, fill=ink)
     return img
 
@@ -192,10 +192,10 @@ def ocr_item(rng: random.Random, split: str) -> OcrItem:
     """One OCR question of ``split``: 2/3 read-the-lines, 1/3 read-the-number."""
     while True:
         if rng.random() < 2 / 3:
-            lines = [_word(rng, 3, 6, ALPHABET + DIGITS) for _ in range(rng.randint(1, 2))]
+            lines = [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(rng.randint(1, 2))]
             question, qtype = READ_Q, "Regular Text Recognition"
         else:
-            lines = [_word(rng, 4, 7, DIGITS)]
+            lines = [_word(rng, 4, 6, DIGITS)]
             question, qtype = NUMBER_Q, "Digit String Recognition"
         text = " ".join(lines)
         if _in_split("ocr:" + text, split):
@@ -270,7 +270,7 @@ def rag_item(rng: random.Random, split: str) -> RagItem:
             imgs = []
             for kind in note_kinds:
                 if kind == "text":
-                    imgs.append(text_image(rng, [_word(rng, 3, 6, ALPHABET + DIGITS) for _ in range(2)]))
+                    imgs.append(text_image(rng, [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(2)]))
                 else:
                     size = rng.choice(SHAPE_SIZES)
                     imgs.append(shape_image(rng, random_shapes(rng, size, rng.randint(1, 3)), size))

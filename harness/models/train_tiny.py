@@ -41,7 +41,7 @@ import numpy as np
 
 TASK_WEIGHTS = {"ocr": 0.34, "ocr_mix": 0.14, "mcq": 0.22, "mcq_mix": 0.10, "rag": 0.20}
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24}
-POOL = {"ocr": 60000, "ocr_mix": 20000, "mcq": 40000, "mcq_mix": 12000, "rag": 12000}
+POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000}
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
 
 _TOK = None
@@ -130,10 +130,11 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
             patches.append(patchify(a))
             grid.append([1, a.shape[0] // PATCH, a.shape[1] // PATCH])
     pix = np.concatenate(patches)
-    rng_ = pix.reshape(len(pix), 3, -1)
-    content = (rng_.max(-1).astype(np.int16) - rng_.min(-1)).max(-1) > CONTENT_RANGE
     t = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
-    pixel_values = (t(pix).float() / 255.0 - 0.5) / 0.5
+    pix_t = t(pix)
+    per_channel = pix_t.reshape(len(pix), 3, -1)
+    content = ((per_channel.amax(-1).short() - per_channel.amin(-1).short()).amax(-1) > CONTENT_RANGE).cpu().numpy()
+    pixel_values = (pix_t.float() / 255.0 - 0.5) / 0.5
     out = {"input_ids": t(ids), "attention_mask": t(mask), "labels": t(labels), "pixel_values": pixel_values,
            "image_grid_thw": t(np.asarray(grid, dtype=np.int64)), "content": t(content)}
     if with_target and not left_pad and all("pos" in e for e in examples):
@@ -142,6 +143,58 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
             pos[:, i, : e["pos"].shape[1]] = e["pos"]
         out["position_ids"] = t(pos)
     return out
+
+
+def _dedup_by_grid(fn, cacheable: bool):
+    """Wrap a per-image function of ``grid_thw`` (positions, interpolation indices): run it once per distinct
+    grid and concatenate the blocks in image order (the original loops over every image in Python)."""
+    import torch
+
+    cache: dict = {}
+
+    def cat(blocks, n_rows):
+        first = blocks[0]
+        dim = next(d for d in range(first.dim()) if all(b.shape[d] == n for b, n in zip(blocks, n_rows)))
+        return torch.cat(blocks, dim=dim)
+
+    def wrapped(grid_thw, *args, **kwargs):
+        rows = [tuple(int(v) for v in r) for r in grid_thw.tolist()]
+        parts = {}
+        for r in dict.fromkeys(rows):
+            if cacheable and r in cache:
+                parts[r] = cache[r]
+                continue
+            out = fn(torch.tensor([r], device=grid_thw.device, dtype=grid_thw.dtype), *args, **kwargs)
+            parts[r] = out
+            if cacheable:
+                cache[r] = out
+        sizes = [r[0] * r[1] * r[2] for r in rows]
+        outs = [parts[r] for r in rows]
+        if isinstance(outs[0], tuple):
+            return tuple(cat(list(x), sizes) for x in zip(*outs))
+        return cat(outs, sizes)
+
+    return wrapped
+
+
+def dedup_vision_positions(model) -> list[str]:
+    """Per-distinct-grid versions of the vision tower's position helpers, whichever this transformers version
+    has (module functions in ≥ 5.19, methods before). Returns what was wrapped. Training only."""
+    import types
+
+    mod = sys.modules[type(model.model.visual).__module__]
+    done = []
+    for name in ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids"):
+        if hasattr(mod, name):
+            setattr(mod, name, _dedup_by_grid(getattr(mod, name), cacheable=True))
+            done.append(name)
+    visual = model.model.visual
+    for name, cacheable in (("rot_pos_emb", True), ("fast_pos_embed_interpolate", False)):
+        if hasattr(visual, name):
+            orig = getattr(visual, name)
+            setattr(visual, name, types.MethodType(lambda self, g, _f=_dedup_by_grid(orig, cacheable): _f(g), visual))
+            done.append(name)
+    return done
 
 
 def pack_vision_attention(model) -> None:
@@ -301,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=float, default=1.0, help="scale of the training pool (1.0 = POOL)")
     ap.add_argument("--batch-scale", type=float, default=1.0)
-    ap.add_argument("--focus", type=float, default=0.2, help="weight of the attention-focus loss")
+    ap.add_argument("--focus", type=float, default=0.1, help="weight of the attention-focus loss")
     ap.add_argument("--aux", type=float, default=0.005, help="router load-balancing loss coefficient")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
@@ -355,7 +408,27 @@ def main(argv: list[str] | None = None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / min(warm, total["steps"] // 10 + 1)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total["steps"]))))
     if args.pack:
+        check = collate(pool["mcq"][:16] + pool["ocr"][:16], tokenizer.pad_token_id, device)
+        with torch.no_grad():
+            ref = model.model.get_image_features(check["pixel_values"], check["image_grid_thw"], return_dict=True)
+            ref = torch.cat(list(ref.pooler_output)) if hasattr(ref, "pooler_output") else torch.cat(list(ref[0]))
+        saved = {n: getattr(sys.modules[type(model.model.visual).__module__], n, None)
+                 for n in ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids")}
+        wrapped = dedup_vision_positions(model)
         pack_vision_attention(model)
+        with torch.no_grad():
+            got = model.model.get_image_features(check["pixel_values"], check["image_grid_thw"], return_dict=True)
+            got = torch.cat(list(got.pooler_output)) if hasattr(got, "pooler_output") else torch.cat(list(got[0]))
+        err = float((got - ref).abs().max())
+        print(f"packed vision path: wrapped {wrapped}, max |diff| {err:.2e}", flush=True)
+        if not err < 1e-3:  # this transformers version's helpers are not per-image blocks: undo the wrapping
+            mod = sys.modules[type(model.model.visual).__module__]
+            for n, f in saved.items():
+                if f is not None:
+                    setattr(mod, n, f)
+            for n in ("rot_pos_emb", "fast_pos_embed_interpolate"):
+                model.model.visual.__dict__.pop(n, None)
+            print("position helpers left unwrapped", flush=True)
     probe = FocusProbe(model)
     rng = np.random.default_rng(args.seed)
     tasks = list(TASK_WEIGHTS)
