@@ -457,6 +457,9 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Panel], plots:
     if n_random:
         lines += [f"> **⚠ random-init weights in {n_random} of {len(rows)} runs** (marked **RANDOM** below): "
                   "their quality numbers measure nothing; only their latency means something.", ""]
+    if any(r["weights"] == "trained-synthetic" for r in rows):
+        lines += ["> `trained-synthetic` weights: the embedded model trained on the project's synthetic task suite "
+                  "(docs/embedded_model.md) — a machinery-level model, not a real model's quality.", ""]
     if n_partial:
         lines += [f"> **⚠ latency partial in {n_partial} runs** (marked `partial`): some generations were "
                   "replayed from the generation cache, so TTFT/TPOT cover only the requests timed in that run "
