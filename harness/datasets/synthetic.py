@@ -82,7 +82,7 @@ def write_rag_igbench(out_dir: str | Path, rag_items: list, id_base: int = 90000
             "gt_raw_answer": item.raw_answer,
             "gt_clean_answer": item.answer,
             "category": ["Synthetic", item.qtype],
-            "split": "dev",
+            "split": "dev" if qi % 4 else "train",  # upstream rows carry a split; 3 of 12 "train"
         })
     data = out / "data.jsonl"
     with open(data, "w", encoding="utf-8") as f:

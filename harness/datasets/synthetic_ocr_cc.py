@@ -122,7 +122,7 @@ def write_ocrbench(out_dir: str | Path, rows: list[tuple]) -> Path:
 
 def ocr_rows(ocr_items: list, id_base: int = 101) -> list[tuple]:
     """OCRBench rows of ``synthetic_tasks`` OCR items (answers as a string, as many upstream rows)."""
-    return [(f"Syn{'Digits' if it.qtype.startswith('Digit') else 'Text'}", id_base + i, it.qtype, it.question,
+    return [(f"Syn{'Digits' if it.qtype.startswith('Digit') else 'Regular'}", id_base + i, it.qtype, it.question,
              it.answers[0], it.image) for i, it in enumerate(ocr_items)]
 
 
