@@ -40,7 +40,7 @@ def test_embedded_default_run_writes_the_three_files(tmp_path):
     for key in ("harness_version", "git_commit", "engine", "engine_version", "torch_version",
                 "transformers_version", "device_name", "dtype", "weights", "seed", "start_time", "end_time"):
         assert key in run, key
-    assert run["engine"] == "hf" and run["weights"] == "random-init" and run["dtype"] == "float32"
+    assert run["engine"] == "hf" and run["weights"] == "trained-synthetic" and run["dtype"] == "float32"
     metrics = summary["metrics"]
     for key in ("rouge1", "edit_score", "kendall", "n_samples", "n_scored", "format_invalid",
                 "hallucinated_image", "errors"):
