@@ -307,3 +307,27 @@ def _fake_rag(rng: random.Random) -> tuple[str, str, list[str], list[list[str]]]
     docs = [f"{_clause(rng)}，{_clause(rng)}。" for _ in range(3)]
     kinds = [[rng.choice(("text", "scene")) for _ in range(rng.randint(1, 2))] for _ in docs]
     return query, qtype, docs, kinds
+
+
+def bundle(root: str | None = None) -> list:
+    """Regenerate the three bundled ``*_sample`` datasets from the held-out split; returns their data files."""
+    import shutil
+    from pathlib import Path
+
+    from harness.datasets.synthetic import make_rag_igbench_sample
+    from harness.datasets.synthetic_ocr_cc import make_ccbench_sample, make_ocrbench_sample
+
+    base = Path(root) if root else Path(__file__).parent / "bundled"
+    for name in ("rag_igbench_sample/images", "ocrbench_sample/images"):
+        shutil.rmtree(base / name, ignore_errors=True)  # no stale images of an older generator
+    return [make_rag_igbench_sample(base / "rag_igbench_sample"), make_ocrbench_sample(base / "ocrbench_sample"),
+            make_ccbench_sample(base / "ccbench_sample")]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["bundle"]:
+        raise SystemExit("usage: python -m harness.datasets.synthetic_tasks bundle [ROOT]")
+    for path in bundle(*sys.argv[2:3]):
+        print(path)

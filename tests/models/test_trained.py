@@ -121,3 +121,15 @@ def test_trained_model_loads_and_answers_the_rag_format():
     text = proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert text.startswith('{"reason": "用户询问') and "IMG#" in text
     assert parse_answer(text) is not None
+
+
+def test_bundled_samples_are_the_held_out_split_regenerated(tmp_path):
+    import filecmp
+
+    st.bundle(str(tmp_path))
+    bundled = CHECKPOINT.parents[2] / "datasets" / "bundled"
+    for name in ("rag_igbench_sample", "ocrbench_sample", "ccbench_sample"):
+        cmp = filecmp.dircmp(tmp_path / name, bundled / name)
+        assert not (cmp.diff_files or cmp.left_only or cmp.right_only), name
+    rows = [json.loads(line) for line in (bundled / "rag_igbench_sample/data.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert all(st.is_heldout("rag:" + r["query"] + "|" + "|".join(r["documents"])) for r in rows)
