@@ -17,8 +17,10 @@ The checkpoint is written as a normal Hugging Face directory (``config.json``, `
 - text head_dim 32 (a size vLLM's CPU attention accepts) and ``mrope_section`` summing to head_dim/2;
 - the image processor is the PIL one (no torchvision needed) with patch 16, merge 2, temporal patch 2.
 
-Weights are random (``weights = "random-init"`` in every result): numbers from this model test the
-machinery, never quality.
+Weights built here are random (``weights = "random-init"``, ``model=tiny_random``): numbers from them test
+the machinery, never quality. The default ``model=tiny`` is this architecture *trained* on the project's
+synthetic task suite (:mod:`harness.models.trained`, ``python -m harness.models.train_tiny``), written by
+:func:`save_checkpoint` with the same conventions.
 """
 
 from __future__ import annotations
