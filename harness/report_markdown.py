@@ -41,6 +41,9 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
                   + "; ".join(f"`{p}` ({_md_escape(why)})" for p, why in skipped), ""]
     for line in unfinished_lines(pending or {}):
         lines += [f"> **⚠ unfinished** {line}: this report covers the finished runs only.", ""]
+    if any(r["weights"] == "trained-synthetic" for r in rows):
+        lines += ["> `trained-synthetic` weights: the embedded model trained on the project's synthetic task suite "
+                  "(docs/embedded_model.md) — a machinery-level model, not a real model's quality.", ""]
     if n_partial:
         lines += [f"> **⚠ latency partial in {n_partial} runs** (marked `partial`): some generations were "
                   "replayed from the generation cache, so TTFT/TPOT cover only the requests timed in that run "

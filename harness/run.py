@@ -59,6 +59,12 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
 
 def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
     """The checkpoint path to load and the ``run.model`` block (the embedded model is built on first use)."""
+    if model_cfg.embedded and model_cfg.weights == "trained-synthetic":  # the committed trained checkpoint
+        from harness.models.trained import trained_checkpoint
+
+        path, info = trained_checkpoint()
+        return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": info["sha256"][:12],
+                           "weights": "trained-synthetic", "weights_meaning": info["meaning"]}
     if model_cfg.embedded:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 

@@ -143,7 +143,7 @@ def _vllm(cfg: Any) -> bool:
 RULES: tuple[Rule, ...] = (
     # model
     Rule("model.name", NONEMPTY),
-    Rule("model.weights", one_of("real", "random-init")),
+    Rule("model.weights", one_of("real", "random-init", "trained-synthetic")),
     Rule("model.seed", at_least(0)),
     Rule("model.max_images_per_prompt", at_least(1)),
     # dataset

@@ -54,7 +54,7 @@ def test_every_option_composes(compose_cfg, group, option):
 
 def test_defaults_are_the_embedded_path(compose_cfg):
     cfg = compose_cfg()
-    assert cfg.model.embedded and cfg.model.weights == "random-init"
+    assert cfg.model.embedded and cfg.model.weights == "trained-synthetic"  # model=tiny: the committed checkpoint
     assert cfg.dataset.name == "rag_igbench"
     assert cfg.engine.name == "hf"
     assert cfg.visionzip.keep == 1.0 and cfg.sere.k is None

@@ -5,8 +5,10 @@ scorer must run end to end on rows of the exact upstream shape. Images come in t
 text-dense (lines of small text, tables: what OCR-heavy images look like) and plain scenes (sky, sun,
 hills: few details) — so that VisionZip's shared budget has something to tell apart.
 
-``python -m harness.datasets.synthetic rag_igbench OUT_DIR`` regenerates the bundled sample; the output
-is a pure function of the seed.
+The bundled RAG-IGBench sample is drawn from the held-out split of the task suite the embedded model is
+trained on (:mod:`harness.datasets.synthetic_tasks`); ``text_dense_image`` / ``plain_scene_image`` stay as
+generic test images. ``python -m harness.datasets.synthetic rag_igbench OUT_DIR`` regenerates the bundled
+sample; the output is a pure function of the seed.
 """
 
 from __future__ import annotations
@@ -21,35 +23,6 @@ from PIL import Image, ImageDraw
 _WORDS = ("price 128 yuan", "open 9:00-21:00", "step 2: mix", "total 3,450", "ISBN 978-7",
           "2025-06-01", "No. 42 Road", "Tel 010-8888", "50% off", "sugar 30 g", "flour 200 g",
           "bus 14 / 27", "Room 301", "Gate B", "score 9.2", "size M / L")
-
-# (topic, query type, query, three notes)
-_TOPICS = [
-    ("Food", "how-to", "戚风蛋糕怎么做才不会塌",
-     ["戚风蛋糕的关键是蛋白打发到硬性发泡，烤箱温度先低后高。", "出炉后立刻倒扣晾凉，可以防止回缩塌陷。", "面粉要过筛，翻拌手法要轻，避免消泡。"]),
-    ("Travel", "what-is", "成都有哪些必去的公园",
-     ["人民公园可以喝盖碗茶、看鹤鸣茶社的老成都生活。", "浣花溪公园适合散步拍照，春天花很多。", "青城山离市区不远，适合一日游。"]),
-    ("Beauty", "head-to-head", "防晒霜和防晒喷雾哪个好",
-     ["防晒霜成膜均匀，防护更稳定，适合日常通勤。", "防晒喷雾补涂方便，适合户外和头发身体。", "两者都要足量使用，并按时补涂。"]),
-    ("Tech", "yes-or-no", "旧手机电池鼓包还能继续用吗",
-     ["电池鼓包说明内部产气，继续使用有起火风险。", "应当尽快停止充电，到售后更换电池。", "不要挤压或刺破鼓包的电池。"]),
-    ("Home", "how-to", "小户型客厅怎么收纳",
-     ["墙面做整墙柜，能放下大部分杂物。", "茶几选带抽屉的款式，遥控器有地方放。", "沙发底下可以放收纳箱。"]),
-    ("Finance", "what-is", "什么是指数基金定投",
-     ["指数基金定投就是每月固定日期买入固定金额的指数基金。", "定投可以摊低成本，适合长期投资。", "常见的指数有沪深300和中证500。"]),
-    ("Pets", "how-to", "猫咪不爱喝水怎么办",
-     ["可以买流动饮水机，猫咪更喜欢流动的水。", "在家里多放几个水碗，放在猫常待的地方。", "适当喂湿粮也能补充水分。"]),
-    ("Sports", "head-to-head", "跑步和游泳哪个更减肥",
-     ["跑步每小时消耗热量较高，但对膝盖有冲击。", "游泳全身运动，对关节友好，适合体重大的人。", "坚持比选择项目更重要。"]),
-    ("Food", "what-is", "重庆火锅的底料有什么讲究",
-     ["牛油底料香味浓，是老火锅的标志。", "辣椒和花椒的比例决定麻辣口感。", "清油底料更清爽，不容易凝固。"]),
-    ("Travel", "yes-or-no", "冬天去哈尔滨冷不冷",
-     ["哈尔滨冬天最低气温可到零下三十度。", "要准备羽绒服、帽子、手套和防滑鞋。", "冰雪大世界晚上最好看，但也最冷。"]),
-    ("Education", "how-to", "孩子背单词总是忘怎么办",
-     ["按照遗忘曲线安排复习，第一天、第二天、第四天各复习一次。", "把单词放进句子里记，比单独背效果好。", "每天少量多次，比一次背很多更有效。"]),
-    ("Beauty", "what-is", "油皮夏天适合什么粉底",
-     ["油皮适合控油持妆的哑光粉底液。", "上妆前用控油妆前乳，可以减少出油。", "定妆用散粉，重点在T区。"]),
-]
-
 
 def text_dense_image(rng: random.Random, width: int, height: int) -> Image.Image:
     """A document-like image: a header bar, a grid and many lines of small text."""
@@ -87,50 +60,43 @@ def plain_scene_image(rng: random.Random, width: int, height: int) -> Image.Imag
     return img
 
 
-def make_rag_igbench_sample(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write ``data.jsonl`` and ``images/`` in the RAG-IGBench row format; returns the data file."""
-    rng = random.Random(seed)
+def write_rag_igbench(out_dir: str | Path, rag_items: list, id_base: int = 900000) -> Path:
+    """Write ``data.jsonl`` + ``images/`` in the RAG-IGBench row format for ``synthetic_tasks`` items."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rows = []
-    for qi, (topic, qtype, query, notes) in enumerate(_TOPICS, start=1):
-        images: list[list[str]] = []
-        for ni in range(len(notes)):
-            refs = []
-            for ii in range(rng.randint(1, 2)):
-                w, h = rng.choice([(96, 96), (128, 96), (96, 128), (160, 128)])
-                dense = rng.random() < 0.5
-                img = text_dense_image(rng, w, h) if dense else plain_scene_image(rng, w, h)
-                name = f"images/q{qi:02d}_n{ni + 1}_{ii + 1}_{'text' if dense else 'scene'}.png"
+    for qi, item in enumerate(rag_items, start=1):
+        refs: list[list[str]] = []
+        for ni, (imgs, kinds) in enumerate(zip(item.images, item.kinds), start=1):
+            names = []
+            for ii, (img, kind) in enumerate(zip(imgs, kinds), start=1):
+                name = f"images/q{qi:02d}_n{ni}_{ii}_{kind}.png"
                 img.save(out / name, optimize=True)
-                refs.append(name)
-            images.append(refs)
-        n_candidates = sum(len(r) for r in images)
-        picks = sorted(rng.sample(range(1, n_candidates + 1), k=min(n_candidates, rng.randint(1, 3))))
-        parts = []
-        for di, note in enumerate(notes, start=1):
-            sentence = note.split("，")[0].rstrip("。")
-            parts.append(f"{sentence}<sup>[{di}](DOC#{di})</sup>。")
-            if di <= len(picks):
-                parts.append(f"![示意图](IMG#{picks[di - 1]})")
-        answer = f"**{query}**\n\n" + "\n\n".join(parts)
-        raw = json.dumps({"reason": f"用户询问{query}，属于{qtype}类别。", "category": qtype, "answer": answer},
-                         ensure_ascii=False)
+                names.append(name)
+            refs.append(names)
         rows.append({
-            "id": 900000 + qi,
-            "query": query,
-            "documents": notes,
-            "images": images,
-            "gt_raw_answer": raw,
-            "gt_clean_answer": answer,
-            "category": [topic, qtype],
-            "split": "dev" if qi % 4 else "train",
+            "id": id_base + qi,
+            "query": item.query,
+            "documents": item.documents,
+            "images": refs,
+            "gt_raw_answer": item.raw_answer,
+            "gt_clean_answer": item.answer,
+            "category": ["Synthetic", item.qtype],
+            "split": "dev" if qi % 4 else "train",  # upstream rows carry a split; 3 of 12 "train"
         })
     data = out / "data.jsonl"
     with open(data, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return data
+
+
+def make_rag_igbench_sample(out_dir: str | Path, seed: int = 0, n: int = 12) -> Path:
+    """The bundled sample: ``n`` held-out RAG items of the task suite (``synthetic_tasks``); returns the data
+    file. Text images are the OCR kind, scene images the shape kind."""
+    from harness.datasets.synthetic_tasks import items
+
+    return write_rag_igbench(out_dir, items("rag", "heldout", n, seed))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,10 @@ The checkpoint is written as a normal Hugging Face directory (``config.json``, `
 - text head_dim 32 (a size vLLM's CPU attention accepts) and ``mrope_section`` summing to head_dim/2;
 - the image processor is the PIL one (no torchvision needed) with patch 16, merge 2, temporal patch 2.
 
-Weights are random (``weights = "random-init"`` in every result): numbers from this model test the
-machinery, never quality.
+Weights built here are random (``weights = "random-init"``, ``model=tiny_random``): numbers from them test
+the machinery, never quality. The default ``model=tiny`` is this architecture *trained* on the project's
+synthetic task suite (:mod:`harness.models.trained`, ``python -m harness.models.train_tiny``), written by
+:func:`save_checkpoint` with the same conventions.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class TinyModelSpec:
     min_pixels: int = 32 * 32
     max_pixels: int = 128 * 128
     format_version: int = 2  # bump when the writer changes the files it produces
+    corpus: str = "base"  # "tasks": the tokenizer also learns the synthetic task suite's words (trained model)
 
     def fingerprint(self) -> str:
         """Short stable hash of the spec: the cache directory name and the model's identity in results."""
@@ -178,23 +181,35 @@ def ensure_tiny_model(spec: TinyModelSpec | None = None, cache_dir: str | Path |
     return build_once(root / f"tiny-qwen3-vl-moe-{spec.fingerprint()}", lambda tmp: build_tiny_model(tmp, spec))
 
 
-def tokenizer_corpus() -> list[str]:
+def tokenizer_corpus(corpus: str = "base") -> list[str]:
     """Lines the tokenizer is trained on: the built-in corpus plus the benchmark prompt templates, so the
-    long fixed instructions of RAG-IGBench prompts cost few tokens (CI runs them on two CPU cores)."""
+    long fixed instructions of RAG-IGBench prompts cost few tokens (CI runs them on two CPU cores); with
+    ``corpus="tasks"`` also every word of the synthetic task suite (so answers are short token sequences)."""
     prompts = Path(__file__).resolve().parents[1] / "datasets" / "prompts"
     lines = _TOKENIZER_CORPUS.splitlines()
     for template in sorted(prompts.glob("*.jinja")):
         lines += template.read_text(encoding="utf-8").splitlines()
+    if corpus == "tasks":
+        from harness.datasets.synthetic_tasks import corpus_lines
+
+        lines += corpus_lines()
     return [line for line in lines if line.strip()]
 
 
 def build_tokenizer(spec: TinyModelSpec):
     """Train a byte-level BPE tokenizer locally (no download) with the Qwen-VL special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if spec.corpus == "tasks":
+        # every CJK character (and full-width punctuation) its own pre-token: a word is the same tokens in the
+        # prompt and in the answer, so the trained model copies notes and queries token by token
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex("[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size - len(SPECIAL_TOKENS),
@@ -202,7 +217,7 @@ def build_tokenizer(spec: TinyModelSpec):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(tokenizer_corpus(spec.corpus), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -347,36 +362,37 @@ def write_compatible_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write the embedded checkpoint to ``out_dir`` (config, safetensors, tokenizer, processor)."""
-    import torch
+def save_checkpoint(model, tokenizer, spec: TinyModelSpec, out_dir: str | Path, marker: dict) -> Path:
+    """Write ``model`` as the harness's checkpoint directory: experts in the original Qwen layout, config keys
+    spelt for every transformers version, tokenizer, processor, and ``MARKER`` (``marker`` + the spec) last."""
     from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            tensor = tensor.transpose(1, 2)  # HF [E, 2I, H] / [E, H, I] -> checkpoint [E, H, 2I] / [E, I, H]
+        state[name] = tensor.detach().to("cpu").contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    write_compatible_config(out / "config.json")
+    tokenizer.save_pretrained(out)
+    build_processor(spec, tokenizer).save_pretrained(out)
+    (out / MARKER).write_text(json.dumps({**marker, "fingerprint": spec.fingerprint(),
+                                          "spec": dataclasses.asdict(spec)}, indent=2, ensure_ascii=False) + "\n")
+    return out
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write the random-init embedded checkpoint to ``out_dir`` (config, safetensors, tokenizer, processor)."""
+    import torch
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     spec = spec or TinyModelSpec()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
     config = build_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float32).eval()
     init_weights(model, spec)
-
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-            tensor = tensor.transpose(1, 2)  # HF [E, 2I, H] / [E, H, I] -> checkpoint [E, H, 2I] / [E, I, H]
-        state[name] = tensor.contiguous()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    write_compatible_config(out / "config.json")
-    tokenizer.save_pretrained(out)
-    build_processor(spec, tokenizer).save_pretrained(out)
-    (out / MARKER).write_text(
-        json.dumps(
-            {"name": "tiny-qwen3-vl-moe", "weights": "random-init", "fingerprint": spec.fingerprint(),
-             "spec": dataclasses.asdict(spec)},
-            indent=2,
-        )
-    )
-    return out
+    return save_checkpoint(model, tokenizer, spec, out_dir, {"name": "tiny-qwen3-vl-moe", "weights": "random-init"})

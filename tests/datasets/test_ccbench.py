@@ -72,16 +72,16 @@ def test_bundled_sample_generates_rotations():
     s0 = samples[0]
     assert s0.task == "mcq" and s0.error is None
     assert set(s0.reference) == {"answer", "options", "group", "category", "rotation"}
-    assert s0.reference == {"answer": "B", "options": {"A": "三层", "B": "五层", "C": "七层", "D": "九层"},
-                            "group": "0", "category": "Scenery Building", "rotation": 0}
+    assert s0.reference == {"answer": "A", "options": {"A": "黄色", "B": "蓝色", "C": "红色", "D": "绿色"},
+                            "group": "0", "category": "Colour", "rotation": 0}
     assert s0.content == [{"type": "image", "index": 0}, {"type": "text", "text":
-                          "Question: 图中的塔有几层？\nOptions:\nA. 三层\nB. 五层\nC. 七层\nD. 九层\n请直接回答选项字母。"}]
+                          "Question: 图中的方形是什么颜色？\nOptions:\nA. 黄色\nB. 蓝色\nC. 红色\nD. 绿色\n请直接回答选项字母。"}]
     r1 = groups["0"][1]
-    assert r1.reference["options"] == {"A": "五层", "B": "七层", "C": "九层", "D": "三层"}
-    assert r1.reference["answer"] == "A" and r1.meta["rotation"] == 1
+    assert r1.reference["options"] == {"A": "蓝色", "B": "红色", "C": "绿色", "D": "黄色"}
+    assert r1.reference["answer"] == "D" and r1.meta["rotation"] == 1
     three = groups["4"]
     assert len(three) == 3 and all(list(s.reference["options"]) == ["A", "B", "C"] for s in three)
-    assert "\n请问图中画面对应的是哪个成语？" in groups["5"][0].content[1]["text"]  # quoted newline kept
+    assert "看图回答。\n图中" in groups["5"][0].content[1]["text"]  # quoted newline kept
     for s in samples:
         assert s.meta["source"] == "ccbench" and s.meta["category"] == s.reference["category"]
         assert [im.source for im in s.images] == ["ccbench"]

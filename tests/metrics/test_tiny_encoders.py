@@ -155,7 +155,7 @@ def test_clip_on_every_bundled_image_is_fast(tiny_clip):
     scorer._load()
     t0 = time.perf_counter()
     cos = scorer.cosines(IMAGES, ["图片"] * len(IMAGES))
-    assert len(cos) == len(IMAGES) == 59
+    assert len(cos) == len(IMAGES) > 0
     assert time.perf_counter() - t0 < 10.0  # ~0.3 s on two CPU cores
 
 

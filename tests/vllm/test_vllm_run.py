@@ -58,7 +58,7 @@ def test_same_result_files_as_the_hf_engine(runs):
     assert set(s_hf["latency"]) == set(s_vl["latency"])
     run = s_vl["run"]
     assert run["engine"] == "vllm" and run["engine_version"] and run["dtype"] == "float32"
-    assert run["weights"] == "random-init"
+    assert run["weights"] == "trained-synthetic"  # model=tiny is the committed trained checkpoint
     assert s_vl["metrics"]["n_samples"] == s_hf["metrics"]["n_samples"] and s_vl["metrics"]["errors"] == 0
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         assert s_vl["latency"][key]["n"] > 0 and s_vl["latency"][key]["p50"] > 0

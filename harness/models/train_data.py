@@ -1,0 +1,117 @@
+"""Training examples for the embedded model: task-suite items → the harness's own prompts → token ids + pixels.
+
+Why reuse the loaders' prompt builders: the model is trained on exactly the prompts the harness sends at
+evaluation time (the OCRBench content order, VLMEvalKit's MCQ text, the RAG-IGBench template, the mix's
+"Image i:" framing), so nothing about the prompt has to generalise. The pixel side reproduces the
+Qwen2-VL image processor's patch order (:func:`patchify`, tested against the processor) so that the
+training loop can keep images as small uint8 arrays and build ``pixel_values`` itself.
+
+Imports only torch / numpy / PIL / jinja2 (through the RAG-IGBench prompt) and the harness's loaders.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from harness.datasets import synthetic_tasks as st
+
+PATCH, TEMPORAL, MERGE = 16, 2, 2
+
+
+@dataclass
+class Example:
+    """One request the model learns to answer: harness content parts, its images, the target answer."""
+
+    task: str
+    content: list[dict]
+    images: list[Any]  # PIL images
+    target: str
+
+
+def _sample(uid: str, task: str, content: list[dict], n_images: int, tag: str):
+    from harness.datasets.base import ImageInput, Sample
+
+    return Sample(uid=uid, dataset=tag, task=task, content=content,
+                  images=[ImageInput(source=tag, key=f"{uid}:{i}") for i in range(n_images)], reference={}, meta={})
+
+
+def ocr_content(item: st.OcrItem) -> list[dict]:
+    return [{"type": "image", "index": 0}, {"type": "text", "text": item.question}]  # = ocrbench.make_sample
+
+
+def mcq_content(item: st.McqItem) -> list[dict]:
+    from harness.datasets.ccbench import build_prompt
+
+    return [{"type": "image", "index": 0}, {"type": "text", "text": build_prompt(item.question, item.options)}]
+
+
+def rag_content(item: st.RagItem) -> list[dict]:
+    from harness.datasets.rag_igbench import render_prompt
+
+    return render_prompt(item.query, item.documents, [[f"{i}" for i in note] for note in item.kinds])
+
+
+def mixed(target: Example, context_images: list[Any], rng: random.Random) -> Example:
+    """``target`` framed as an ``ocr_cc_mix`` request (harness.datasets.mix._compose): its image among others."""
+    from harness.datasets.mix import _compose
+
+    position = rng.randrange(len(context_images) + 1)
+    t = _sample("t", target.task, target.content, 1, "target")
+    ctx = [_sample(f"c{i}", "x", [], 1, "context") for i in range(len(context_images))]
+    for c in ctx:
+        c.meta["source"] = "context"
+    composed = _compose(t, ctx, position, "ocr_cc_mix", "target")
+    images = context_images[:position] + target.images[:1] + context_images[position:]
+    return Example(target.task + "_mix", composed.content, images, target.target)
+
+
+def make_example(task: str, rng: random.Random, split: str = "train") -> Example:
+    """One example of ``task``: ocr, mcq, rag, ocr_mix, mcq_mix (mix: one image of the other kind beside it)."""
+    if task == "ocr":
+        it = st.ocr_item(rng, split)
+        return Example(task, ocr_content(it), [it.image], it.answers[0])
+    if task == "mcq":
+        it = st.mcq_item(rng, split)
+        return Example(task, mcq_content(it), [it.image], it.answer)
+    if task == "rag":
+        it = st.rag_item(rng, split)
+        return Example(task, rag_content(it), [img for note in it.images for img in note], it.raw_answer)
+    if task in ("ocr_mix", "mcq_mix"):
+        target = make_example(task[:3], rng, split)
+        other = st.mcq_item(rng, split).image if task == "ocr_mix" else st.ocr_item(rng, split).image
+        return mixed(target, [other], rng)
+    raise ValueError(f"unknown task {task!r}")
+
+
+def patchify(img: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] (H, W multiples of 32) → [H/16 · W/16, 3·2·16·16] in the Qwen2-VL processor's order.
+
+    The processor repeats the frame to the temporal patch size, then orders patches merge unit by merge unit
+    (``reshape(t, T, C, h/m, m, P, w/m, m, P).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)``)."""
+    h, w, c = img.shape
+    x = np.repeat(img.transpose(2, 0, 1)[None], TEMPORAL, axis=0)  # [T, C, H, W]
+    gh, gw = h // PATCH, w // PATCH
+    x = x.reshape(1, TEMPORAL, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gh * gw, c * TEMPORAL * PATCH * PATCH)
+
+
+def encode(example: Example, tokenizer, image_token_id: int) -> dict[str, Any]:
+    """Token ids (prompt with every ``<|image_pad|>`` expanded, then the target and ``<|im_end|>``), the prompt
+    length and the images as uint8 arrays. The prompt text is the HF engine's (``HFEngine._prompt``)."""
+    parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
+             for p in example.content]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                           tokenize=False)
+    arrays = [np.asarray(img.convert("RGB"), dtype=np.uint8) for img in example.images]
+    counts = iter([(a.shape[0] // PATCH) * (a.shape[1] // PATCH) // (MERGE * MERGE) for a in arrays])
+    ids: list[int] = []
+    for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]:
+        ids.extend([t] * next(counts) if t == image_token_id else [t])
+    target = tokenizer(example.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return {"task": example.task, "ids": np.asarray(ids + target, dtype=np.int32), "n_prompt": len(ids),
+            "images": arrays}
