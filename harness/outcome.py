@@ -59,6 +59,9 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     if run.get("weights") == "random-init":
         name = (run.get("model") or {}).get("name") or "model"
         out.append(f"random-init model weights ({name}): the quality numbers mean nothing, only latency does")
+    elif run.get("weights") == "trained-synthetic":
+        out.append("trained-synthetic model weights (the embedded model, docs/embedded_model.md): quality numbers show "
+                   "what a technique costs this machinery-level model, not a real model's quality")
     scoring = run.get("scoring") or {}
     random_scorers = [f"{kind} {scoring.get(f'{kind}_model')}" for kind in ("clip", "embed")
                       if scoring.get(f"{kind}_weights") == "random-init"]

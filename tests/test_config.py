@@ -103,7 +103,7 @@ def test_real_model_composes_the_reference_scorers_and_answer_length(compose_cfg
     # the command line still wins over the model's choices
     cfg = compose_cfg(["model=qwen3_vl_30b_a3b", "generation.max_new_tokens=256", "scoring.embed_model=null"])
     assert cfg.generation.max_new_tokens == 256 and cfg.scoring.embed_model is None
-    assert compose_cfg().scoring.clip_model == "tiny" and compose_cfg().generation.max_new_tokens == 64
+    assert compose_cfg().scoring.clip_model == "tiny" and compose_cfg().generation.max_new_tokens == 192
 
 
 def test_summary_records_random_scorers():

@@ -290,6 +290,8 @@ def test_console_summary_and_warnings():
     part = {**summary, "metrics": {"n_samples": 12, "format_invalid": 5}, "run": {}}
     assert run_warnings(part) == ["5 of 12 answers unparsable (format_invalid): see scores.reason / the answers "
                                   "in samples.jsonl"]
+    trained = run_warnings({**part, "run": {"weights": "trained-synthetic"}})
+    assert trained[0].startswith("trained-synthetic model weights") and "not a real model's quality" in trained[0]
 
 
 @pytest.mark.slow
@@ -297,7 +299,7 @@ def test_a_plain_run_prints_no_warning_logs_to_its_file_and_ends_with_a_summary(
     """Old code: every run printed Hydra's 'SweepProgress ... MissingMandatoryValue' warning, cli.log stayed empty
     and the run ended with a JSON dump."""
     run_dir = tmp_path / "run"
-    proc = harness_cmd(f"hydra.run.dir={run_dir}", "wandb.mode=disabled", "dataset.limit=2",
+    proc = harness_cmd(f"hydra.run.dir={run_dir}", "wandb.mode=disabled", "dataset.limit=2", "model=tiny_random",
                        "generation.max_new_tokens=4", "engine.warmup=0", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MissingMandatoryValue" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]

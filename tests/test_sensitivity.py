@@ -90,9 +90,15 @@ def test_request_budget_splits_sources_unequally_and_per_image_ratio_does_not(tm
 
 
 @pytest.mark.slow
-def test_plain_top_k_truncation_loses_more_than_sere(tmp_path_factory):
-    """The seed's "fixed top-2" row at this model's scale: dropping the secondary slots (plain top-1, decode
-    only like SERE) costs more than re-routing them onto the batch's primary experts (SERE K=1)."""
-    sere = run(tmp_path_factory, "sere.k=1", "sere.rho=0.0")
+def test_plain_top_k_truncation_costs_quality(tmp_path_factory):
+    """Plain top-K truncation (``moe.top_k``, decode only like SERE) computes fewer experts and the harness sees
+    what it costs. Measured (12 held-out requests): baseline edit 0.329 → top-1 0.175, top-2 0.042.
+
+    What this model does *not* reproduce is the seed's ordering "plain top-K loses more than SERE at that K": at
+    K=1, SERE ρ=0 gives edit 0.094, ρ=0.3 0.188, ρ=0.5 0.154 against top-1's 0.175; at K=2, SERE ρ=0.5 0.054
+    against top-2's 0.042 — differences within the noise of 12 samples of a model whose experts barely
+    specialise (docs/embedded_model.md), so no test claims an ordering."""
+    base = run(tmp_path_factory)
     plain = run(tmp_path_factory, "moe.top_k=1")
-    assert plain["metrics"]["edit_score"] < sere["metrics"]["edit_score"]
+    assert plain["moe"]["expert_union_after"] < plain["moe"]["expert_union_before"]
+    assert plain["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.07  # measured −0.154

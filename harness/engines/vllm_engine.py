@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.engines.base import Generation, Request
+from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -84,17 +85,6 @@ def resolve_vllm_dtype(dtype: str, device: str) -> str:
     if dtype not in _DTYPES:
         raise ValueError(f"engine.dtype={dtype!r}: expected auto or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    try:
-        return getattr(cfg, key, default)
-    except Exception:  # noqa: BLE001 - OmegaConf raises on missing keys of structured configs
-        return default
 
 
 @dataclass

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SCOPES", "check_moe_config", "moe_settings", "truncate_routing", "pad_routing"]
+__all__ = ["SCOPES", "check_moe_config", "moe_settings", "pad_routing", "setting", "truncate_routing"]
 
 SCOPES = ("decode", "all")
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def setting(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg.key`` of a config group given as a dict, a dataclass, an OmegaConf node or None (``default`` when
+    absent): engines receive their groups in all these forms (tests pass plain objects; the GPU machine has no
+    OmegaConf)."""
     if cfg is None:
         return default
     if isinstance(cfg, dict):
@@ -51,12 +54,12 @@ def moe_settings(moe_cfg: Any, sere_cfg: Any = None) -> tuple[int, str] | None:
     """``(top_k, scope)`` from the ``moe`` config group, or None when ``moe.top_k`` is null. Raises
     ``ValueError`` for a bad value. ``sere_cfg`` is accepted for symmetry: the combination is defined
     (module doc)."""
-    top_k = _get(moe_cfg, "top_k")
+    top_k = setting(moe_cfg, "top_k")
     if top_k is None:
         return None
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"moe.top_k={top_k!r}: expected null or an int >= 1")
-    scope = str(_get(moe_cfg, "scope", "decode"))
+    scope = str(setting(moe_cfg, "scope", "decode"))
     if scope not in SCOPES:
         raise ValueError(f"moe.scope={scope!r}: expected one of {', '.join(SCOPES)}")
     return top_k, scope
@@ -64,7 +67,7 @@ def moe_settings(moe_cfg: Any, sere_cfg: Any = None) -> tuple[int, str] | None:
 
 def check_moe_config(cfg: Any) -> None:
     """Config-level check (``cfg`` has ``moe``): raises as :func:`moe_settings` does (for the validator)."""
-    moe_settings(_get(cfg, "moe"), _get(cfg, "sere"))
+    moe_settings(setting(cfg, "moe"), setting(cfg, "sere"))
 
 
 def truncate_routing(logits, ids, top_k: int, renormalize: bool):
