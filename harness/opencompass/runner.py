@@ -152,7 +152,7 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
         "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
                 "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
                 "opencompass_version": version("opencompass"),
-                "opencompass": {"suite": cfg.opencompass.suite, "config": str(config_path),
+                "opencompass": {"suite": cfg.opencompass.suite, "config": str(config_path), "model_abbr": model_abbr,
                                 "work_dir": str(work_dir), "output_dir": str(out_dir),
                                 "datasets": [d.get("abbr") for d in datasets],
                                 "data_cache": _data_cache(cfg),

@@ -4,7 +4,8 @@ What must hold: OpenCompass's own runner and evaluators ran (its output director
 predictions), the predictions it scored are the harness engine's generations with the run's technique
 installed, and ``summary.json`` carries ``metrics.opencompass`` (per dataset + unweighted average),
 ``run.opencompass_version``, latency and the technique's statistics. Accuracy on random weights is near
-chance (MCQ: OpenCompass always picks an option, ~1/3; QA: 0): these runs test the machinery, not quality.
+chance (the trained embedded model was not trained on these items; MCQ: OpenCompass always picks an option,
+~1/3; QA: 0): these runs test the machinery, not quality.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def test_summary_keys(oc_runs, setting):
     assert oc["average"] == pytest.approx(sum(oc[a]["accuracy"] for a in DATASETS) / 2)
     run = s["run"]
     assert run["opencompass_version"] == version("opencompass")
-    assert run["engine"] == "hf" and run["weights"] == "random-init"
+    assert run["engine"] == "hf" and run["weights"] == "trained-synthetic"  # the default embedded model
+    assert run["opencompass"]["model_abbr"] == run["model"]["name"]
     assert Path(run["opencompass"]["output_dir"]).is_relative_to(run_dir)  # OpenCompass's outputs kept in the run
     assert s["latency"]["n_measured"] == 2 * CI_ITEMS and s["latency"]["tpot_ms"]["n"] > 0
     assert (run_dir / "opencompass" / "config.py").exists() and (run_dir / "opencompass" / "opencompass.log").exists()
@@ -48,9 +50,14 @@ def test_techniques_installed_and_recorded(oc_runs):
     assert topk["moe"]["expert_union_after"] < topk["moe"]["expert_union_before"]
 
 
+def _predictions_file(run_dir: Path, abbr: str) -> Path:
+    """OpenCompass's predictions of dataset ``abbr``: ``<output_dir>/predictions/<model abbr>/<abbr>.json``."""
+    oc = json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]
+    return Path(oc["output_dir"]) / "predictions" / oc["model_abbr"] / f"{abbr}.json"
+
+
 def _oc_predictions(run_dir: Path, abbr: str) -> list[str]:
-    out = Path(json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]["output_dir"])
-    preds = json.loads((out / "predictions" / "tiny-qwen3-vl-moe" / f"{abbr}.json").read_text(encoding="utf-8"))
+    preds = json.loads(_predictions_file(run_dir, abbr).read_text(encoding="utf-8"))
     return [preds[str(i)]["prediction"] for i in range(len(preds))]
 
 
@@ -61,9 +68,8 @@ def test_opencompass_scored_the_harness_engine_generations(oc_runs, setting):
     trace = [json.loads(line) for line in (run_dir / "opencompass" / "harness_trace.jsonl").read_text().splitlines()]
     by_prompt = {t["prompt"]: t["answer"] for t in trace}
     assert all(t["output_tokens"] <= MAX_NEW_TOKENS for t in trace)
-    out = Path(json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]["output_dir"])
     for abbr in DATASETS:
-        preds = json.loads((out / "predictions" / "tiny-qwen3-vl-moe" / f"{abbr}.json").read_text(encoding="utf-8"))
+        preds = json.loads(_predictions_file(run_dir, abbr).read_text(encoding="utf-8"))
         assert len(preds) == CI_ITEMS
         for item in preds.values():
             assert item["prediction"] == by_prompt[item["origin_prompt"]]
@@ -84,5 +90,5 @@ def test_summary_csv_is_the_source(oc_runs):
     (csv_path,) = sorted((out / "summary").glob("summary_*.csv"))
     rows = {r["dataset"]: r for r in csv.DictReader(csv_path.open(encoding="utf-8"))}
     for abbr in DATASETS:
-        assert float(rows[abbr]["tiny-qwen3-vl-moe"]) == pytest.approx(s["metrics"]["opencompass"][abbr]["accuracy"],
+        assert float(rows[abbr][s["run"]["opencompass"]["model_abbr"]]) == pytest.approx(s["metrics"]["opencompass"][abbr]["accuracy"],
                                                                        abs=0.01)
