@@ -196,6 +196,22 @@ class CacheConfig:
     read: str = "resume"  # resume | always | never
 
 
+# ---------------------------------------------------------------------------------------- offload (issue 15)
+@dataclass
+class OffloadConfig:
+    """Expert offload in the HF engine (``harness/offload``, docs/offload.md). ``policy=null`` is off."""
+
+    policy: Optional[str] = None  # null = off | none | staging | lru | lru+gate | oracle | lease
+    capacity: Optional[int] = None  # cache slots (experts) per MoE layer
+    capacity_gb: Optional[float] = None  # or: the whole cache in GB (1e9 B), split evenly over the MoE layers
+    gpu_budget_gb: Optional[float] = None  # CUDA: torch.cuda.set_per_process_memory_fraction(budget / total)
+    trace: Optional[str] = None  # routing trace (NAME.pt) of the same requests: needed by policy=oracle
+    record_trace: Optional[str] = None  # write this run's decode routing trace here (NAME.pt + NAME.json)
+    warm_after_tokens: int = 8  # decode steps 1..N of a batch count as "cold" in the hit-rate split
+    resident_summary: Optional[str] = None  # summary.json of a policy=none run: share_of_resident
+    params: dict[str, Any] = field(default_factory=dict)  # policy-specific (e.g. lease threshold)
+
+
 @dataclass
 class Config:
     """One experiment."""
@@ -212,6 +228,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     opencompass: OpenCompassConfig = field(default_factory=OpenCompassConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
 
@@ -226,6 +243,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
+    "offload": OffloadConfig,
 }  # opencompass: a block of base_config (no group options to choose), set with opencompass.<key>=...
 
 

@@ -165,7 +165,7 @@ class Accounting:
             "prefetch_redundant": self.prefetch_redundant,
             "prefetch_dropped": self.prefetch_dropped,
             "prefetch_precision": _ratio(self.prefetch_used, self.prefetch_issued),
-            "prefetch_recall_on_time": _ratio(d.prefetch_hits, served),
+            "prefetch_recall_on_time": _ratio(d.prefetch_hits, served) if self.prefetch_issued else None,
             "wasted_bytes": self.prefetch_wasted * self.expert_bytes,
             "evictions": self.evictions,
             "h2d_bytes_decode": d.bytes,
