@@ -44,7 +44,7 @@ from typing import Any
 
 from harness.offload.policy import Clock, OffloadPolicy, PolicyContext, register_policy
 
-__all__ = ["LeaseSettings", "LeasePolicy", "SCORES", "GRACE_MODES", "PREFETCH", "dynamic_grace_ms"]
+__all__ = ["LeaseSettings", "LeasePolicy", "SCORES", "GRACE_MODES", "PREFETCH", "dynamic_grace_ms", "lease_params"]
 
 SCORES = ("predictor", "recency", "none")
 GRACE_MODES = ("fixed", "dynamic")
@@ -93,6 +93,26 @@ class LeaseSettings:
             raise ValueError(f"offload.threshold={self.threshold!r}: expected a number in [0, 1]")
         if self.score == "predictor" and not self.predictor:
             raise ValueError("offload.lease.score=predictor needs offload.lease.predictor (an artifact path)")
+
+
+def lease_params(cfg: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``offload`` config → ``ctx.params`` for the lease policy: ``threshold`` = ``offload.threshold`` and
+    ``lease`` = ``offload.lease.*`` (the dedicated keys win over the same names in ``offload.params``)."""
+    def get(obj: Any, key: str, default: Any = None) -> Any:
+        return obj.get(key, default) if hasattr(obj, "get") else getattr(obj, key, default)
+
+    out = dict(params)
+    thr = get(cfg, "threshold")
+    if thr is not None:
+        out["threshold"] = float(thr)
+    lease = get(cfg, "lease")
+    if lease is not None:
+        if hasattr(lease, "items"):
+            items = dict(lease.items())
+        else:
+            items = {f.name: getattr(lease, f.name) for f in fields(lease)}
+        out["lease"] = {**dict(out.get("lease") or {}), **items}
+    return out
 
 
 def dynamic_grace_ms(utilisation: float) -> float:
