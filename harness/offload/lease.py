@@ -18,9 +18,9 @@ States. The cache owns residency: **LOADED** (resident, copy complete), **LOADIN
 (grace over: the seed unloads it asynchronously; here the slot is simply the first to be reused — nothing is
 copied back, and a fixed slab frees no device memory by unloading).
 
-Grace period: it starts at the first decode step after the lease's last token, and lasts
-``offload.lease.grace_tokens`` tokens *and* ``grace_ms`` ms (both must have elapsed; set one to 0 to use the
-other alone); ``grace_mode = dynamic`` uses the seed's ``150 ms + 50 ms × utilisation`` with utilisation =
+Grace period: it follows the lease's last token and lasts ``offload.lease.grace_tokens`` tokens *and*
+``grace_ms`` ms, the ms counted from the first decode step after the lease's last token (both must have
+elapsed; set one to 0 to use the other alone); ``grace_mode = dynamic`` uses the seed's ``150 ms + 50 ms × utilisation`` with utilisation =
 the layer's held experts (leased + grace) / its capacity, at the time the grace starts.
 
 Eviction (the pool is full and a load needs a slot), in this order — this is where "pre-emption under memory
@@ -220,7 +220,7 @@ class LeasePolicy(OffloadPolicy):
                 cap = max(1, self.geometry.capacity)
                 grace_ms = (dynamic_grace_ms(self.held(layer, clock) / cap) if self.s.grace_mode == "dynamic"
                             else self.s.grace_ms)
-                rec.grace_tokens_end = clock.tokens + self.s.grace_tokens - 1 if self.s.grace_tokens else -1
+                rec.grace_tokens_end = tok + self.s.grace_tokens if self.s.grace_tokens else -1
                 rec.grace_ms_end = clock.ms + grace_ms
                 self.n["grace_started"] += 1
 
@@ -282,8 +282,9 @@ class LeasePolicy(OffloadPolicy):
             rec = leases.get(e)
             if st in ("untracked", "free"):
                 return (order[st], 0, rec.last_use if rec else -1, e)
-            if st == "grace":
-                return (2, 0, rec.grace_ms_end if rec.grace_ms_end is not None else -math.inf, e)
+            if st == "grace":  # the grace that ends first goes first
+                return (2, rec.grace_tokens_end if rec.grace_tokens_end is not None else -1,
+                        rec.grace_ms_end if rec.grace_ms_end is not None else -math.inf, e)
             return (3, 0 if rec.preemptible else 1, rec.score, rec.until, e)
 
         victims = sorted(candidates, key=key)[:n]
