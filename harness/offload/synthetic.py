@@ -126,22 +126,24 @@ def lru_hit_rate(trace: RoutingTrace, capacity: int, max_layers: int | None = No
         for li in layers:
             cache: OrderedDict[int, None] = OrderedDict()
             for tok in ids:
-                for ex in set(tok[li]):
-                    if ex < 0:
-                        continue
-                    full = len(cache) >= capacity
-                    hit = ex in cache
-                    hits += hit
-                    total += 1
-                    if full:
-                        warm_hits += hit
-                        warm_total += 1
-                    if hit:
+                now = sorted({ex for ex in tok[li] if ex >= 0})
+                full = len(cache) >= capacity
+                for ex in now:  # hits first: an expert the token needs is never the victim of its own misses
+                    if ex in cache:
                         cache.move_to_end(ex)
-                    else:
-                        if full:
-                            cache.popitem(last=False)
-                        cache[ex] = None
+                hit_n = sum(ex in cache for ex in now)
+                hits += hit_n
+                total += len(now)
+                if full:
+                    warm_hits += hit_n
+                    warm_total += len(now)
+                for ex in now:
+                    if ex in cache:
+                        continue
+                    if len(cache) >= capacity:
+                        victim = next(v for v in cache if v not in now)
+                        del cache[victim]
+                    cache[ex] = None
     n_tok = trace.num_tokens * len(layers)
     return {"capacity": capacity, "hit_rate": hits / max(total, 1),
             "misses_per_layer_per_token": (total - hits) / max(n_tok, 1),
@@ -152,7 +154,8 @@ def reuse_statistics(trace: RoutingTrace, residencies: tuple[float, ...] = (0.2,
                      lru_layers: int | None = 8) -> dict:
     """What a trace produces: reuse distance (tokens since the same layer last selected the expert, within a
     request) distribution, share of first uses, changed experts per layer per token (not selected by the previous
-    token at that layer) and LRU hit rates and misses per layer per token at the given residencies (first ``lru_layers`` layers)."""
+    token at that layer) and LRU hit rates and misses per layer per token at the given residencies (first
+    ``lru_layers`` layers)."""
     dists: list[torch.Tensor] = []
     firsts = total = 0
     new_per = []
