@@ -25,7 +25,8 @@ accesses and the oracle's future is exact):
   probability the real gate missed in the ``random`` source (its measured precision is printed and recorded).
 
 Policies: none (all resident), staging, lru, lru+gate, lease (recency score, gate prefetch), lease+pred
-(stability predictor, threshold 0.5), oracle (Belady on the same routing). Budgets: ~20 %, ~32 %, ~60 % of the
+(stability predictor, threshold 0.5), oracle (Belady on the same routing), and accelerate's ``cpu_offload``
+hooks on each layer's experts module (the naive baseline: every expert of a layer copied at every forward). Budgets: ~20 %, ~32 %, ~60 % of the
 experts per layer. B = 1 and 4. Then the seed's threshold sweep (0.9 / 0.7 / 0.5 / 0.3) and SERE on vs off at
 B = 4 (``harness.techniques.sere.reroute``, K = 4 of 8, ρ = 0 on a random symmetric similarity: the upper bound
 of the union saving; quality is not measured here).
@@ -270,6 +271,45 @@ def run_policy(policy: str, s: Shapes, src: dict, capacity: int, device: str, st
     return out
 
 
+def accelerate_baseline(s: Shapes, src: dict, store, device: str, steps: int) -> dict:
+    """accelerate's naive offload (what ``device_map`` with CPU-offloaded experts does): ``cpu_offload`` hooks on
+    each layer's experts module copy the module's whole weights (all E experts) to the GPU at every forward and
+    drop them after. The modules' host weights are the pinned store's own slabs (no extra host memory); the same
+    fused kernel computes. One untimed step first, then ``steps`` timed ones."""
+    from accelerate import cpu_offload
+
+    class Experts(torch.nn.Module):
+        def __init__(self, gate_up, down):
+            super().__init__()
+            self.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
+            self.down = torch.nn.Parameter(down, requires_grad=False)
+
+        def forward(self, h, ids, w):
+            return kernel(h, self.gate_up, self.down, ids, w)
+
+    mods = [cpu_offload(Experts(store.gate_up[layer], store.down[layer]), execution_device=torch.device(device))
+            for layer in range(s.layers)]
+    b = len(src["ids"][0][0])
+    h = torch.randn(b, s.h, device=device).to(torch.bfloat16)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times = []
+    for t in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        for layer, mod in enumerate(mods):
+            mod(h, src["ids"][t][layer], src["weights"][t][layer])
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = sorted(times[1:])[len(times[1:]) // 2] * 1e3
+    from importlib.metadata import version
+
+    return {"policy": "accelerate", "batch": b, "decode_ms_per_token": ms, "tokens_per_s": b * 1e3 / ms,
+            "decode_ms_per_token_x48": ms * 48 / s.layers, "tokens_per_s_x48": b * 1e3 / ms * s.layers / 48,
+            "accelerate_version": version("accelerate"), "steps": steps,
+            "h2d_bytes_per_token": s.layers * s.e * s.expert_bytes}
+
+
 def policy_params(policy: str, predictor: str | None, threshold: float = 0.5) -> dict:
     if policy == "lease":
         return {"threshold": threshold, "lease": {"score": "recency", "prefetch": "gate"}}
@@ -312,6 +352,7 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--thresholds", default="0.9,0.7,0.5,0.3")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accelerate-steps", type=int, default=4, help="timed steps of accelerate's offload (0 = skip)")
     ap.add_argument("--drift", type=float, default=0.2, help="per-layer hidden-state noise RMS (random source)")
     ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "offload"))
     args = ap.parse_args()
@@ -473,6 +514,16 @@ def main() -> None:
     for name in ("random", "skewed"):
         if (name, max(batches)) in sources:
             guarded(f"sere {name}", lambda name=name: sere_section(name, max(batches)))
+
+    # accelerate's naive offload (B = 1, skewed routing: it copies every expert anyway, routing is irrelevant)
+    if ("skewed", batches[0]) in sources and args.accelerate_steps > 0:
+        src = sources[("skewed", batches[0])]
+        r = guarded("accelerate", lambda: accelerate_baseline(s, src, store, device, args.accelerate_steps))
+        if r is not None:
+            r.update(source="skewed", resident_fraction=0.0,
+                     share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
+            result["runs"].append(r)
+            log(f"accelerate cpu_offload B={r['batch']}: {r['tokens_per_s']:.2f} tok/s")
 
     result["total_s"] = time.perf_counter() - t_all
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
