@@ -144,7 +144,9 @@ class OffloadRuntime:
             r.block.experts._harness_offload = (self, i)
         model.set_experts_implementation(NAME)
         text = _text_model(model, blocks[0].block)
-        self._hooks = [text.register_forward_pre_hook(self._pre, with_kwargs=True),
+        self._outer_ids = None
+        self._hooks = [model.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
+                       text.register_forward_pre_hook(self._pre, with_kwargs=True),
                        text.register_forward_hook(self._post)]
         self._embed = text.get_input_embeddings() if hasattr(text, "get_input_embeddings") else text.embed_tokens
 
@@ -168,9 +170,17 @@ class OffloadRuntime:
         """Layer ``layer``'s router on ``hidden`` (its forward, bypassing hooks: a guess, not a routing)."""
         return self.blocks[layer].block.gate.forward(hidden)[2]
 
+    def _outer_pre(self, module, args, kwargs):
+        """The outer model's input ids (Qwen3-VL embeds them before its language model sees the pass)."""
+        self._outer_ids = kwargs.get("input_ids", args[0] if args else None)
+        return None
+
     def _pre(self, module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and self._outer_ids is not None and embeds is not None \
+                and tuple(self._outer_ids.shape) == tuple(embeds.shape[:2]):
+            ids = self._outer_ids
         if embeds is None and ids is not None and (self.policy.needs_embeddings or self.recorder is not None):
             embeds = self._embed(ids)
         shape = embeds.shape if embeds is not None else ids.shape
