@@ -114,20 +114,23 @@ class OffloadRuntime:
             model.to(self.device)
         else:
             pin = torch.cuda.is_available()
-            self.store = ExpertStore([r.block.experts.gate_up_proj for r in blocks],
-                                     [r.block.experts.down_proj for r in blocks], pin)
-            # The model's own expert weights never reach the device (the budget binds): they are taken out of
-            # the modules, the rest of the model moves, and shape-only meta placeholders go back in.
-            removed = []
-            for r in blocks:
+            _, two_i, hidden_size = ex0.gate_up_proj.shape
+            self.store = ExpertStore(len(blocks), num_experts, two_i // 2, hidden_size, ex0.gate_up_proj.dtype, pin)
+            # The model's own expert weights never reach the device (the budget binds): each layer's are copied
+            # into the store and taken out of the module at once (host memory never holds two copies), the rest
+            # of the model moves, and shape-only meta placeholders go back in.
+            shapes = []
+            for i, r in enumerate(blocks):
                 ex = r.block.experts
-                removed.append((ex, {a: ex._parameters.pop(a) for a in ("gate_up_proj", "down_proj")}))
+                gu, dn = ex._parameters.pop("gate_up_proj"), ex._parameters.pop("down_proj")
+                self.store.put(i, gu, dn)
+                shapes.append((ex, {"gate_up_proj": (gu.shape, gu.dtype), "down_proj": (dn.shape, dn.dtype)}))
+                del gu, dn
             model.to(self.device)
-            for ex, params in removed:
-                for attr, t in params.items():
+            for ex, params in shapes:
+                for attr, (shape, dtype) in params.items():
                     ex.register_parameter(attr, torch.nn.Parameter(
-                        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False))
-            del removed
+                        torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False))
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.mover = Mover(self.store, capacity, self.device)
@@ -145,7 +148,9 @@ class OffloadRuntime:
             r.block.experts._harness_offload = (self, i)
         model.set_experts_implementation(NAME)
         text = _text_model(model, blocks[0].block)
-        self._hooks = [text.register_forward_pre_hook(self._pre, with_kwargs=True),
+        self._outer_ids = None
+        self._hooks = [model.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
+                       text.register_forward_pre_hook(self._pre, with_kwargs=True),
                        text.register_forward_hook(self._post)]
         self._embed = text.get_input_embeddings() if hasattr(text, "get_input_embeddings") else text.embed_tokens
 
@@ -169,9 +174,17 @@ class OffloadRuntime:
         """Layer ``layer``'s router on ``hidden`` (its forward, bypassing hooks: a guess, not a routing)."""
         return self.blocks[layer].block.gate.forward(hidden)[2]
 
+    def _outer_pre(self, module, args, kwargs):
+        """The outer model's input ids (Qwen3-VL embeds them before its language model sees the pass)."""
+        self._outer_ids = kwargs.get("input_ids", args[0] if args else None)
+        return None
+
     def _pre(self, module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and self._outer_ids is not None and embeds is not None \
+                and tuple(self._outer_ids.shape) == tuple(embeds.shape[:2]):
+            ids = self._outer_ids
         if embeds is None and ids is not None and (self.policy.needs_embeddings or self.recorder is not None):
             embeds = self._embed(ids)
         shape = embeds.shape if embeds is not None else ids.shape
@@ -240,7 +253,8 @@ class OffloadRuntime:
                                "cache_bytes": self.mover.device_bytes if self.mover is not None else None,
                                "host_store_bytes": self.store.nbytes if self.store is not None else 0,
                                "pinned_host_bytes": (self.store.nbytes if self.store is not None and self.store.pinned
-                                                     else 0)}
+                                                     else 0),
+                               "pin_method": self.store.pin_method if self.store is not None else None}
         out["memory"] = dict(self.budget)
         if self.device.type == "cuda":
             out["memory"].update(peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
@@ -258,6 +272,10 @@ class OffloadRuntime:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.mover is not None and self.mover.cuda:
+            torch.cuda.synchronize(self.mover.device)  # no copy may still read the slabs
+        if self.store is not None:
+            self.store.unpin()
 
 
 def _text_model(model: torch.nn.Module, first_block: torch.nn.Module) -> torch.nn.Module:

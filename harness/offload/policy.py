@@ -9,16 +9,20 @@ Life cycle, per forward pass (a prefill, or one decode step of a batch):
 
 1. ``begin_pass(clock, tokens, embeddings)`` — once, before layer 0 runs. ``tokens`` are the pass's input ids
    ``[B, S]`` and ``embeddings`` the matching input embeddings ``[B, S, H]`` (the output of the language
-   model's embedding layer; in a decode step ``S == 1``: the current token of every row). Both are ``None``
+   model's embedding layer; in a decode step ``S == 1``: the current token of every row; for Qwen3-VL the ids are those the outer model received).
+   Both are ``None``
    under a trace without a model, and ``embeddings`` is ``None`` unless ``needs_embeddings`` is true (so no
    one pays for a copy nobody reads).
 2. For every MoE layer in order:
    a. ``choose_victims(layer, n, candidates, clock)`` — zero or more times, when the layer's pool is full and
       a load needs ``n`` slots. ``candidates`` are the experts resident in that layer that may be evicted
-      right now (not needed by the current computation, not in flight). Return exactly ``n`` distinct ids
-      out of ``candidates`` (the cache raises otherwise).
+      right now: not needed by the current computation (for a demand load an earlier, unused prefetch may be
+      among them; a prefetch never evicts an expert loaded in the same pass). Return exactly ``n`` distinct
+      ids out of ``candidates`` (the cache raises otherwise).
    b. ``on_access(layer, experts, clock)`` — the sorted unique experts the layer computes now (all of them
-      are resident when this is called; hits and misses are the cache's business).
+      are resident when this is called; hits and misses are the cache's business). When a layer needs more
+      experts than it has slots (a prefill, a large batch) it is computed in chunks and this is called once
+      per chunk.
    c. ``prefetch(layer, clock, hidden)`` — after the layer's experts were scheduled: return ``(layer', expert)``
       pairs to load speculatively (``layer' > layer`` normally; loads run on the copy stream, evictions they
       need go through ``choose_victims`` of ``layer'``). ``hidden`` is the layer's MoE input ``[T, H]`` (None

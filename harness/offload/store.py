@@ -27,18 +27,41 @@ __all__ = ["ExpertStore", "Mover"]
 
 
 class ExpertStore:
-    """Every MoE layer's experts in host memory: ``gate_up [L, E, 2I, H]`` and ``down [L, E, H, I]``."""
+    """Every MoE layer's experts in host memory: ``gate_up [L, E, 2I, H]`` and ``down [L, E, H, I]``.
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], pin: bool):
-        num_layers = len(gate_up)
-        e, two_i, h = gate_up[0].shape
-        dtype = gate_up[0].dtype
-        self.pinned = bool(pin)
-        self.gate_up = torch.empty((num_layers, e, two_i, h), dtype=dtype, pin_memory=self.pinned)
-        self.down = torch.empty((num_layers, e, h, two_i // 2), dtype=dtype, pin_memory=self.pinned)
-        for layer, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
-            self.gate_up[layer].copy_(gu.detach())
-            self.down[layer].copy_(dn.detach())
+    Pinning (``pin=True``): the slabs are allocated as ordinary (pageable) memory and page-locked in place with
+    ``cudaHostRegister`` — exactly their size, no rounding (``pin_memory=True`` goes through PyTorch's caching
+    host allocator, which rounds an allocation up to a power of two: a 38.6 GB slab would take 64 GB). When
+    registration fails, the allocator's ``pin_memory=True`` is the fallback (``pin_method`` says which ran).
+    Filled layer by layer (:meth:`put`), so the caller can free each layer of the model as it is copied and
+    host memory never holds two copies of all experts."""
+
+    def __init__(self, num_layers: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype, pin: bool):
+        self.gate_up = torch.empty((num_layers, num_experts, 2 * inter, hidden), dtype=dtype)
+        self.down = torch.empty((num_layers, num_experts, hidden, inter), dtype=dtype)
+        self.pin_method = None
+        self._registered: list[int] = []
+        if pin:
+            self.pin_method = "cudaHostRegister"
+            for t in (self.gate_up, self.down):
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                if int(err) != 0:
+                    self.unpin()
+                    self.pin_method = "pin_memory"
+                    self.gate_up = self.gate_up.pin_memory()
+                    self.down = self.down.pin_memory()
+                    break
+                self._registered.append(t.data_ptr())
+        self.pinned = self.pin_method is not None and bool(self.gate_up.is_pinned())
+
+    def put(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up[layer].copy_(gate_up.detach())
+        self.down[layer].copy_(down.detach())
+
+    def unpin(self) -> None:
+        for ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered = []
 
     @property
     def expert_bytes(self) -> int:

@@ -97,3 +97,37 @@ class _Trace:
         import torch
 
         return [torch.tensor(s) for s in self.steps]
+
+
+def test_policy_sees_tokens_and_embeddings_in_the_engine(monkeypatch):
+    """A policy with needs_embeddings gets the pass's ids [B, S] and input embeddings [B, S, H] (S = 1 in decode)."""
+    from types import SimpleNamespace
+
+    from harness.engines.base import Request
+    from harness.engines.hf import HFEngine
+    from harness.models.trained import trained_checkpoint
+    from harness.offload.policies import LRUPolicy
+    from harness.offload.policy import register_policy
+
+    seen = []
+
+    @register_policy("probe-embeddings")
+    class Probe(LRUPolicy):
+        needs_embeddings = True
+
+        def begin_pass(self, clock, tokens=None, embeddings=None):
+            seen.append((clock.phase, clock.step, tuple(tokens.shape), tuple(embeddings.shape)))
+
+    path, _ = trained_checkpoint()
+    cfg = SimpleNamespace(device="cpu", dtype="float32", batch_size=2, attn_implementation="sdpa",
+                          experts_implementation="auto", cuda_graphs=False)
+    eng = HFEngine(str(path), cfg, SimpleNamespace(max_new_tokens=3), sere_cfg=SimpleNamespace(k=None),
+                   offload_cfg={"policy": "probe-embeddings", "capacity": 8})
+    try:
+        gens = eng.generate([Request(uid="0", content=[{"type": "text", "text": "describe the city at night"}])])
+    finally:
+        eng.close()
+    assert gens[0].error is None and gens[0].output_tokens == 3, gens[0]
+    assert seen[0][0] == "prefill" and seen[0][2][1] > 1 and seen[0][3][:2] == seen[0][2]
+    assert [s[:3] for s in seen[1:]] == [("decode", 1, (1, 1)), ("decode", 2, (1, 1))]
+    assert all(s[3][:2] == (1, 1) for s in seen[1:])
