@@ -124,7 +124,8 @@ def varlen_attention_with_lse(
         if max_seqlen is None:
             max_seqlen = max((e - s for s, e in zip(bounds[:-1], bounds[1:])), default=0)
         try:
-            cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+            cu = (cu_seqlens.to(device=q.device, dtype=torch.int32) if isinstance(cu_seqlens, torch.Tensor)
+                  else torch.tensor(bounds, dtype=torch.int32, device=q.device))
             got = torch.ops.aten._flash_attention_forward(
                 q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, int(max_seqlen), int(max_seqlen),
                 0.0, False, False, scale=scale)
