@@ -300,7 +300,8 @@ class HFEngine:
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch),
                        **({"visionzip": {**vz_ctx.requests[row].as_dict(),
-                                         "importance_ms": vz_ctx.importance_ms / len(batch)}}  # share of the batch's
+                                         "importance_ms": vz_ctx.importance_ms / len(batch),  # share of the batch's
+                                         "lse_reused": vz_ctx.lse_reused}}
                           if vz_ctx else {})},
             ))
         return results
