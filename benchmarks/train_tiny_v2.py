@@ -1,0 +1,191 @@
+"""Train several embedded-model recipes side by side on one GPU, then evaluate each on the held-out split.
+
+``python benchmarks/train_tiny_v2.py --out $OUT`` (one H200, ≈ 8 minutes wall; ``--smoke`` = a CPU run of a
+few steps). Why one script: the lead has one GPU call for the v2 recipe; the tiny model leaves an H200 mostly
+idle, so 3-4 recipes (``harness/models/train_recipes.py``) train at once as forked processes sharing one data
+pool (built once, before any process touches CUDA). Each child then evaluates its own checkpoint with
+:mod:`harness.models.eval_tiny` — the harness's engine, VisionZip / SERE / top-K code and metrics — so the
+numbers are the ones ``tests/test_sensitivity.py`` asserts.
+
+Writes, per variant, ``OUT/<variant>/ckpt/`` (the harness checkpoint), ``OUT/<variant>/heldout.json`` (held-out
+metrics) and ``OUT/<variant>/log.txt``; ``OUT/summary.json`` gathers the headlines and the console shows one
+table. Each variant has a wall-clock budget (``--train-minutes``; evaluation skips what no longer fits in
+``--budget-s``), and one failing variant never loses the others.
+Imports only torch / transformers / tokenizers / PIL / numpy and harness modules that need no Hydra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_VARIANTS = "v2,v2-curriculum,v2-group,v2-all"
+
+
+def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: float, eval_sizes: dict,
+           device: str, threads: int) -> None:
+    """One recipe: train (shared pool), save, evaluate; stdout/stderr to ``out/log.txt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.txt", "w", buffering=1, encoding="utf-8")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ["HARNESS_CACHE"] = f"/tmp/train-tiny-v2-cache/{variant}"  # SERE artefacts: not shipped back
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from harness.models import train_tiny
+
+        t0 = time.time()
+        train_tiny.main(train_argv, pools=pools)
+        print(f"[{variant}] trained in {time.time() - t0:.0f} s", flush=True)
+        from harness.models.eval_tiny import evaluate_checkpoint, format_table
+
+        res = evaluate_checkpoint(out / "ckpt", device=device, deadline=deadline, **eval_sizes)
+        info = json.loads((out / "ckpt" / "harness_model.json").read_text(encoding="utf-8"))
+        res["expert_usage_tv"] = usage_spread(info.get("expert_usage") or {})
+        res["final_ema"] = info.get("final_ema")
+        res["time_s"] = info.get("time_s")
+        (out / "heldout.json").write_text(json.dumps(res, indent=1, ensure_ascii=False, default=str) + "\n",
+                                          encoding="utf-8")
+        print(format_table(res["headline"]), flush=True)
+    except BaseException:  # noqa: BLE001 - recorded, the parent reports the others
+        traceback.print_exc()
+        (out / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        sys.exit(1)
+
+
+def usage_spread(usage: dict[str, list[float]]) -> dict[str, float]:
+    """How much experts specialise: mean pairwise total-variation distance between tasks' expert usage, and
+    the largest single-expert share (uniform = 1/E)."""
+    tasks = list(usage)
+    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
+    tv = [0.5 * sum(abs(x - y) for x, y in zip(usage[a], usage[b])) for a, b in pairs]
+    return {"mean_tv_between_tasks": round(sum(tv) / len(tv), 4) if tv else None,
+            "max_share": round(max((max(u) for u in usage.values()), default=0.0), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/benchmarks/train_tiny_v2")))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--train-minutes", type=float, default=3.8, help="training time per variant (all in parallel)")
+    ap.add_argument("--budget-s", type=float, default=470, help="whole script; evaluation skips what does not fit")
+    ap.add_argument("--pool", type=float, default=0.5, help="training pool scale (train_tiny --pool)")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--smoke", action="store_true", help="CPU: a few steps, tiny pool, tiny evaluation")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    variants = [v for v in args.variants.split(",") if v]
+
+    # the data pool, once, before any CUDA call (children are forked)
+    from harness.models.tiny import build_config, build_tokenizer
+    from harness.models.train_tiny import build_pools, parse_args
+    from harness.models.trained import TRAINED_SPEC
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    common = ["--pool", str(args.pool), "--workers", str(args.workers)]
+    if args.smoke:
+        common = ["--pool", "0.003", "--workers", str(min(2, args.workers)), "--steps", "6", "--batch-scale", "0.05",
+                  "--eval-n", "4", "--device", "cpu"]
+    else:
+        common += ["--eval-n", "128", "--train-minutes", str(args.train_minutes),
+                   "--max-minutes", str(args.train_minutes + 1.2)]
+    tokenizer = build_tokenizer(TRAINED_SPEC)
+    tok_dir = args.out / "_pool_tokenizer"
+    tokenizer.save_pretrained(tok_dir)
+    config = build_config(TRAINED_SPEC, tokenizer)
+    pools_by_gen: dict[str, tuple] = {}
+    t0 = time.time()
+    for v in variants:
+        pa = parse_args(["--variant", v, "--out", str(args.out / v / "ckpt"), *common])
+        if pa.generator not in pools_by_gen:
+            pools_by_gen[pa.generator] = build_pools(pa, str(tok_dir), config)
+    data_s = time.time() - t0
+    import shutil
+
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    print(f"data pools {sorted(pools_by_gen)} in {data_s:.0f} s", flush=True)
+
+    eval_sizes = ({"n_rag": 4, "n_ocr": 6, "n_mcq": 4, "batch_size": 8, "rag_tokens": 24} if args.smoke else
+                  {"n_rag": 48, "n_ocr": 96, "n_mcq": 48, "batch_size": 48})
+    threads = 1 if args.smoke else max(1, (os.cpu_count() or 4) // max(1, len(variants)))
+    ctx = mp.get_context("fork")
+    procs = {}
+    for v in variants:
+        pa = parse_args(["--variant", v, "--out", str(args.out / v / "ckpt"), *common])
+        train_argv = ["--variant", v, "--out", str(args.out / v / "ckpt"), *common]
+        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pa.generator], args.out / v, deadline - 15,
+                                              eval_sizes, "cpu" if args.smoke else "auto", threads), daemon=False)
+        p.start()
+        procs[v] = p
+        print(f"started {v} (pid {p.pid})", flush=True)
+    for v, p in procs.items():
+        p.join(timeout=max(1.0, deadline - time.time()))
+        if p.is_alive():
+            print(f"{v}: past the budget, stopping it", flush=True)
+            os.kill(p.pid, signal.SIGTERM)
+            p.join(10)
+    summary = {"variants": {}, "data_s": round(data_s, 1), "wall_s": None, "smoke": args.smoke}
+    for v in variants:
+        f = args.out / v / "heldout.json"
+        if f.exists():
+            res = json.loads(f.read_text(encoding="utf-8"))
+            summary["variants"][v] = {"headline": res["headline"], "expert_usage_tv": res.get("expert_usage_tv"),
+                                      "train_heldout_accuracy": res.get("train_heldout_accuracy"),
+                                      "training": res.get("training"), "time_s": res.get("time_s")}
+        else:
+            err = args.out / v / "error.txt"
+            summary["variants"][v] = {"error": err.read_text(encoding="utf-8")[-1500:] if err.exists() else "no result"}
+    summary["wall_s"] = round(time.time() - t_start, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(comparison_table(summary))
+    print(f"wall {summary['wall_s']} s; per-variant logs in {args.out}/<variant>/log.txt", flush=True)
+    return 0
+
+
+def comparison_table(summary: dict) -> str:
+    """One row per quantity, one column per variant."""
+    vs = list(summary["variants"])
+    rows: dict[str, list[str]] = {}
+
+    def f(x):
+        return "–" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+    for i, v in enumerate(vs):
+        entry = summary["variants"][v]
+        cells: dict[str, str] = {}
+        if "error" in entry:
+            cells["error"] = entry["error"].strip().splitlines()[-1][:60]
+        else:
+            cells["steps"] = f((entry.get("training") or {}).get("steps_done"))
+            for k, val in entry["headline"].items():
+                if isinstance(val, dict):
+                    for m in ("rouge1", "edit_score", "kendall", "format_invalid"):
+                        cells[f"{k}.{m}"] = f(val.get(m))
+                else:
+                    cells[k] = f(val)
+            tr = entry.get("train_heldout_accuracy") or {}
+            for k, val in tr.items():
+                cells[f"train_eval.{k}"] = f(val)
+            cells["expert_tv_between_tasks"] = f((entry.get("expert_usage_tv") or {}).get("mean_tv_between_tasks"))
+        for k, c in cells.items():
+            rows.setdefault(k, ["–"] * len(vs))[i] = c
+    lines = ["| quantity | " + " | ".join(vs) + " |", "|---|" + "---|" * len(vs)]
+    lines += [f"| {k} | " + " | ".join(c) + " |" for k, c in rows.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
