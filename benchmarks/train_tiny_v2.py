@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     common = ["--pool", str(args.pool), "--workers", str(args.workers)]
     if args.smoke:
-        common = ["--pool", "0.003", "--workers", str(min(2, args.workers)), "--steps", "6", "--batch-scale", "0.05",
-                  "--eval-n", "4", "--device", "cpu"]
+        common = ["--pool", "0.002", "--workers", str(min(2, args.workers)), "--steps", "3", "--batch-scale", "0.02",
+                  "--eval-n", "2", "--device", "cpu"]
     else:
         common += ["--eval-n", "128", "--train-minutes", str(args.train_minutes),
                    "--max-minutes", str(args.train_minutes + 1.2)]
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tok_dir, ignore_errors=True)
     print(f"data pools {sorted(pools_by_gen)} in {data_s:.0f} s", flush=True)
 
-    eval_sizes = ({"n_rag": 4, "n_ocr": 6, "n_mcq": 4, "batch_size": 8, "rag_tokens": 24} if args.smoke else
+    eval_sizes = ({"n_rag": 2, "n_ocr": 3, "n_mcq": 2, "batch_size": 4, "rag_tokens": 8, "sections": ("ocr", "mix")}
+                  if args.smoke else
                   {"n_rag": 48, "n_ocr": 96, "n_mcq": 48, "batch_size": 48})
     threads = 1 if args.smoke else max(1, (os.cpu_count() or 4) // max(1, len(variants)))
     ctx = mp.get_context("fork")
