@@ -26,7 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 DEFAULT_VARIANTS = "v2,v2-curriculum,v2-group,v2-all"
 
@@ -48,9 +49,22 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
         t0 = time.time()
         train_tiny.main(train_argv, pools=pools)
         print(f"[{variant}] trained in {time.time() - t0:.0f} s", flush=True)
-        from harness.models.eval_tiny import evaluate_checkpoint, format_table
+        import gc
+        import subprocess
 
-        res = evaluate_checkpoint(out / "ckpt", device=device, deadline=deadline, **eval_sizes)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        # a fresh process: the harness's code path exactly (training patched the vision tower's helpers)
+        cmd = [sys.executable, "-m", "harness.models.eval_tiny", str(out / "ckpt"), "--out", str(out / "heldout.json"),
+               "--device", device, "--deadline", str(deadline)]
+        for key, value in eval_sizes.items():
+            cmd += [f"--{key.replace('_', '-')}", ",".join(value) if isinstance(value, tuple) else str(value)]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
+        from harness.models.eval_tiny import format_table
+
+        res = json.loads((out / "heldout.json").read_text(encoding="utf-8"))
         info = json.loads((out / "ckpt" / "harness_model.json").read_text(encoding="utf-8"))
         res["expert_usage_tv"] = usage_spread(info.get("expert_usage") or {})
         res["final_ema"] = info.get("final_ema")
@@ -83,7 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=float, default=0.5, help="training pool scale (train_tiny --pool)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--smoke", action="store_true", help="CPU: a few steps, tiny pool, tiny evaluation")
+    ap.add_argument("--summarize", action="store_true",
+                    help="no training: rebuild summary.json and the table from OUT/<variant>/heldout.json (after "
+                         "`python -m harness.models.eval_tiny --rescore OUT/<variant>/heldout.json`)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        variants = [v for v in args.variants.split(",") if (args.out / v).is_dir()]
+        summary = gather(args.out, variants, {"rescored_here": True})
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+        print(comparison_table(summary))
+        return 0
     t_start = time.time()
     deadline = t_start + args.budget_s
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -138,22 +162,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v}: past the budget, stopping it", flush=True)
             os.kill(p.pid, signal.SIGTERM)
             p.join(10)
-    summary = {"variants": {}, "data_s": round(data_s, 1), "wall_s": None, "smoke": args.smoke}
+    summary = gather(args.out, variants, {"data_s": round(data_s, 1), "smoke": args.smoke})
+    summary["wall_s"] = round(time.time() - t_start, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(comparison_table(summary))
+    print(f"wall {summary['wall_s']} s; per-variant logs in {args.out}/<variant>/log.txt", flush=True)
+    return 0
+
+
+def gather(out: Path, variants: list[str], extra: dict) -> dict:
+    """``summary.json``: each variant's headline (or its error) from ``OUT/<variant>/heldout.json``."""
+    summary = {"variants": {}, **extra}
     for v in variants:
-        f = args.out / v / "heldout.json"
+        f = out / v / "heldout.json"
         if f.exists():
             res = json.loads(f.read_text(encoding="utf-8"))
             summary["variants"][v] = {"headline": res["headline"], "expert_usage_tv": res.get("expert_usage_tv"),
                                       "train_heldout_accuracy": res.get("train_heldout_accuracy"),
                                       "training": res.get("training"), "time_s": res.get("time_s")}
         else:
-            err = args.out / v / "error.txt"
+            err = out / v / "error.txt"
             summary["variants"][v] = {"error": err.read_text(encoding="utf-8")[-1500:] if err.exists() else "no result"}
-    summary["wall_s"] = round(time.time() - t_start, 1)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(comparison_table(summary))
-    print(f"wall {summary['wall_s']} s; per-variant logs in {args.out}/<variant>/log.txt", flush=True)
-    return 0
+    return summary
 
 
 def comparison_table(summary: dict) -> str:
