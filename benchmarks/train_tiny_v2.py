@@ -7,8 +7,9 @@ pool (built once, before any process touches CUDA). Each child then evaluates it
 :mod:`harness.models.eval_tiny` — the harness's engine, VisionZip / SERE / top-K code and metrics — so the
 numbers are the ones ``tests/test_sensitivity.py`` asserts.
 
-Writes, per variant, ``OUT/<variant>/ckpt/`` (the harness checkpoint), ``OUT/<variant>/heldout.json`` (held-out
-metrics) and ``OUT/<variant>/log.txt``; ``OUT/summary.json`` gathers the headlines and the console shows one
+Each variant works in ``WORK/<variant>/``: ``ckpt/`` (the harness checkpoint), ``heldout.json`` (held-out
+metrics and every answer), ``log.txt``; at the end each is packed into ``OUT/<variant>.tar.gz`` (the device
+returns at most 8 files), ``OUT/summary.json`` gathers the headlines and ``OUT/table.md`` / the console show one
 table. Each variant has a wall-clock budget (``--train-minutes``; evaluation skips what no longer fits in
 ``--budget-s``), and one failing variant never loses the others.
 Imports only torch / transformers / tokenizers / PIL / numpy and harness modules that need no Hydra.
@@ -60,7 +61,8 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
                "--device", device, "--deadline", str(deadline)]
         for key, value in eval_sizes.items():
             cmd += [f"--{key.replace('_', '-')}", ",".join(value) if isinstance(value, tuple) else str(value)]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "OMP_NUM_THREADS": str(threads)}
         subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
         from harness.models.eval_tiny import format_table
 
@@ -90,9 +92,13 @@ def usage_spread(usage: dict[str, list[float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/benchmarks/train_tiny_v2")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/benchmarks/train_tiny_v2")),
+                    help="what comes back: summary.json, table.md and one <variant>.tar.gz each (the device "
+                         "returns at most 8 files of 16 MiB, 64 MiB in all: 4 variants fit)")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "train_tiny_v2",
+                    help="where the variants train and evaluate (packed into --out at the end)")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    ap.add_argument("--train-minutes", type=float, default=3.8, help="training time per variant (all in parallel)")
+    ap.add_argument("--train-minutes", type=float, default=3.5, help="training time per variant (all in parallel)")
     ap.add_argument("--budget-s", type=float, default=470, help="whole script; evaluation skips what does not fit")
     ap.add_argument("--pool", type=float, default=0.5, help="training pool scale (train_tiny --pool)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -101,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="no training: rebuild summary.json and the table from OUT/<variant>/heldout.json (after "
                          "`python -m harness.models.eval_tiny --rescore OUT/<variant>/heldout.json`)")
     args = ap.parse_args(argv)
-    if args.summarize:
-        variants = [v for v in args.variants.split(",") if (args.out / v).is_dir()]
-        summary = gather(args.out, variants, {"rescored_here": True})
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
+    if args.summarize:  # --work = the unpacked <variant>/ folders
+        variants = [v for v in args.variants.split(",") if (args.work / v).is_dir()]
+        summary = gather(args.work, variants, {"rescored_here": True})
+        (args.work / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
         print(comparison_table(summary))
         return 0
     t_start = time.time()
@@ -119,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     from harness.models.trained import TRAINED_SPEC
 
     args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     common = ["--pool", str(args.pool), "--workers", str(args.workers)]
     if args.smoke:
         common = ["--pool", "0.002", "--workers", str(min(2, args.workers)), "--steps", "3", "--batch-scale", "0.02",
@@ -127,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--eval-n", "128", "--train-minutes", str(args.train_minutes),
                    "--max-minutes", str(args.train_minutes + 1.2)]
     tokenizer = build_tokenizer(TRAINED_SPEC)
-    tok_dir = args.out / "_pool_tokenizer"
+    tok_dir = work / "_pool_tokenizer"
     tokenizer.save_pretrained(tok_dir)
     config = build_config(TRAINED_SPEC, tokenizer)
     pools_by_gen: dict[str, tuple] = {}
     t0 = time.time()
     for v in variants:
-        pa = parse_args(["--variant", v, "--out", str(args.out / v / "ckpt"), *common])
+        pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
         if pa.generator not in pools_by_gen:
             pools_by_gen[pa.generator] = build_pools(pa, str(tok_dir), config)
     data_s = time.time() - t0
@@ -149,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("fork")
     procs = {}
     for v in variants:
-        pa = parse_args(["--variant", v, "--out", str(args.out / v / "ckpt"), *common])
-        train_argv = ["--variant", v, "--out", str(args.out / v / "ckpt"), *common]
-        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pa.generator], args.out / v, deadline - 15,
+        pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
+        train_argv = ["--variant", v, "--out", str(work / v / "ckpt"), *common]
+        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pa.generator], work / v, deadline - 20,
                                               eval_sizes, "cpu" if args.smoke else "auto", threads), daemon=False)
         p.start()
         procs[v] = p
@@ -162,12 +174,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v}: past the budget, stopping it", flush=True)
             os.kill(p.pid, signal.SIGTERM)
             p.join(10)
-    summary = gather(args.out, variants, {"data_s": round(data_s, 1), "smoke": args.smoke})
+    summary = gather(work, variants, {"data_s": round(data_s, 1), "smoke": args.smoke})
+    table = comparison_table(summary)
+    packed = pack(work, args.out, variants)
     summary["wall_s"] = round(time.time() - t_start, 1)
+    summary["packed"] = packed
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(comparison_table(summary))
-    print(f"wall {summary['wall_s']} s; per-variant logs in {args.out}/<variant>/log.txt", flush=True)
+    (args.out / "table.md").write_text(table + "\n", encoding="utf-8")
+    print(table)
+    print(f"wall {summary['wall_s']} s; packed {packed}", flush=True)
     return 0
+
+
+def pack(work: Path, out: Path, variants: list[str]) -> dict[str, int]:
+    """One ``<variant>.tar.gz`` per variant (ckpt/, heldout.json, log.txt, error.txt): the device returns few
+    files. Returns their sizes."""
+    import tarfile
+
+    sizes = {}
+    for v in variants:
+        src = work / v
+        if not src.is_dir():
+            continue
+        dst = out / f"{v}.tar.gz"
+        with tarfile.open(dst, "w:gz", compresslevel=1) as tar:
+            for item in sorted(src.iterdir()):
+                if item.name in ("ckpt", "heldout.json", "log.txt", "error.txt"):
+                    tar.add(item, arcname=f"{v}/{item.name}",
+                            filter=lambda t: None if "/_tokenizer" in t.name else t)
+        sizes[dst.name] = dst.stat().st_size
+    return sizes
 
 
 def gather(out: Path, variants: list[str], extra: dict) -> dict:
