@@ -41,6 +41,7 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     os.environ["HARNESS_CACHE"] = f"/tmp/train-tiny-v2-cache/{variant}"  # SERE artefacts: not shipped back
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 4 processes share the memory
     try:
         import torch
 
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--pool", "0.002", "--workers", str(min(2, args.workers)), "--steps", "3", "--batch-scale", "0.02",
                   "--eval-n", "2", "--device", "cpu"]
     else:
-        common += ["--eval-n", "128", "--train-minutes", str(args.train_minutes),
-                   "--max-minutes", str(args.train_minutes + 1.2)]
+        common += ["--eval-n", "128", "--train-minutes", str(args.train_minutes), "--refit",
+                   "--max-minutes", str(args.train_minutes + 0.8)]
     tokenizer = build_tokenizer(TRAINED_SPEC)
     tok_dir = work / "_pool_tokenizer"
     tokenizer.save_pretrained(tok_dir)

@@ -370,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--train-minutes", type=float, default=None,
                     help="fit --steps to this training time, measured on the first 30 steps (the steps done are "
                          "recorded: rerun with --steps N to reproduce)")
+    ap.add_argument("--refit", action="store_true",
+                    help="with --train-minutes: fit the step count again at step 150 (several runs share a GPU)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
@@ -480,6 +482,10 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             per_step = (time.time() - t_train) / 30
             total["steps"] = min(args.steps, max(31, int(args.train_minutes * 60 / per_step)))
             print(f"{per_step * 1e3:.0f} ms/step -> {total['steps']} steps", flush=True)
+        if step == 151 and args.train_minutes and args.refit:  # parallel runs: the first 30 steps were optimistic
+            per_step = (time.time() - t_train) / 150
+            total["steps"] = min(args.steps, max(151, int(args.train_minutes * 60 / per_step)))
+            print(f"refit: {per_step * 1e3:.0f} ms/step -> {total['steps']} steps", flush=True)
         weights = task_weights_at(vars(args), step, total["steps"])
         probs = np.asarray([weights[t] for t in tasks])
         task = tasks[rng.choice(len(tasks), p=probs / probs.sum())]
