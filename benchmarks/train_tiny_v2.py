@@ -169,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         p.start()
         procs[v] = p
         print(f"started {v} (pid {p.pid})", flush=True)
+    next_report = time.time() + 60
+    while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
+        time.sleep(2)
+        if time.time() >= next_report:  # one line per variant a minute: the last thing its log says
+            next_report += 60
+            for v in procs:
+                log = work / v / "log.txt"
+                lines = log.read_text(encoding="utf-8", errors="replace").splitlines() if log.exists() else []
+                lines = [ln for ln in lines if ln.startswith(("{", "[", "held-out", "refit", "wrote"))] or lines
+                print(f"  {time.time() - t_start:4.0f} s {v}: {(lines[-1] if lines else '')[:160]}", flush=True)
     for v, p in procs.items():
         p.join(timeout=max(1.0, deadline - time.time()))
         if p.is_alive():
