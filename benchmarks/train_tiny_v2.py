@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# the parent forks the CUDA-using children: any torch.cuda.is_available() before that must not initialise the
+# CUDA runtime in the parent (PyTorch's NVML-based check exists for this)
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 DEFAULT_VARIANTS = "v2,v2-curriculum,v2-group,v2-all"
 
@@ -159,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                   if args.smoke else
                   {"n_rag": 48, "n_ocr": 96, "n_mcq": 48, "batch_size": 48})
     threads = 1 if args.smoke else max(1, (os.cpu_count() or 4) // max(1, len(variants)))
+    import torch
+
+    if torch.cuda.is_initialized():  # forked children could not use CUDA
+        raise SystemExit("CUDA was initialised in the parent before forking the variants")
     ctx = mp.get_context("fork")
     procs = {}
     for v in variants:
