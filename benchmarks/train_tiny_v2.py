@@ -67,7 +67,10 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
             cmd += [f"--{key.replace('_', '-')}", ",".join(value) if isinstance(value, tuple) else str(value)]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "OMP_NUM_THREADS": str(threads)}
-        subprocess.run(cmd, check=True, env=env, cwd=str(ROOT))
+        proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT))
+        signal.signal(signal.SIGTERM, lambda *_: (proc.terminate(), sys.exit(1)))  # the parent's budget stop
+        if proc.wait():
+            raise RuntimeError(f"evaluation exited with {proc.returncode}")
         from harness.models.eval_tiny import format_table
 
         res = json.loads((out / "heldout.json").read_text(encoding="utf-8"))
