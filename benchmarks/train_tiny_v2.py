@@ -240,6 +240,11 @@ def gather(out: Path, variants: list[str], extra: dict) -> dict:
         else:
             err = out / v / "error.txt"
             summary["variants"][v] = {"error": err.read_text(encoding="utf-8")[-1500:] if err.exists() else "no result"}
+            marker = out / v / "ckpt" / "harness_model.json"
+            if marker.exists():  # trained, not evaluated: the training-time held-out accuracies still count
+                info = json.loads(marker.read_text(encoding="utf-8"))
+                summary["variants"][v]["train_heldout_accuracy"] = info.get("heldout_accuracy")
+                summary["variants"][v]["expert_usage_tv"] = usage_spread(info.get("expert_usage") or {})
     return summary
 
 

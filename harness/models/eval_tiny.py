@@ -179,9 +179,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_ocr: int = 96, n_mcq: int = 48,
                         batch_size: int = 48, rag_tokens: int = 192,
                         sections: tuple[str, ...] = ("ocr", "mix", "rag", "mcq"), deadline: float | None = None,
-                        log=print) -> dict[str, Any]:
+                        log=print, out: Path | None = None) -> dict[str, Any]:
     """Every condition guarded: one failure is recorded and the rest still runs; past ``deadline`` (a
-    ``time.time()`` value) the remaining conditions are recorded as skipped."""
+    ``time.time()`` value) the remaining conditions are recorded as skipped; ``out`` is rewritten after every
+    condition, so a run stopped from outside keeps what it measured."""
     import traceback
 
     from harness.engines.hf import resolve_device
@@ -228,9 +229,18 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
             res["wall_s"] = round(time.time() - t, 1)
             results.setdefault(section, {})[name] = res
             log(f"[eval] {section}/{name}: {json.dumps(_brief(section, res), ensure_ascii=False)}")
+            if out is not None:
+                write_results(out, {**results, "headline": headline(results), "partial": True})
     results["headline"] = headline(results)
     results["wall_s"] = round(time.time() - t0, 1)
     return results
+
+
+def write_results(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def _brief(section: str, res: dict) -> Any:
@@ -292,10 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         sizes = {"n_rag": 12, "n_ocr": 24, "n_mcq": 12, "batch_size": 12}
     res = evaluate_checkpoint(args.ckpt, device=args.device, sections=tuple(args.sections.split(",")),
-                              rag_tokens=args.rag_tokens, deadline=args.deadline, **sizes)
+                              rag_tokens=args.rag_tokens, deadline=args.deadline, out=args.out, **sizes)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+        write_results(args.out, res)
     print(format_table(res["headline"]))
     return 0
 
