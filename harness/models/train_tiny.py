@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # v1 recipe, kept importable
+from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24}
 POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000}
