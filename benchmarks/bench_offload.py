@@ -390,9 +390,11 @@ def main() -> None:
     gate_up, down, routers = build_weights(s, device, args.seed)
     from harness.offload.store import ExpertStore
 
-    store = ExpertStore(list(gate_up), list(down), pin=device.startswith("cuda"))
+    store = ExpertStore(s.layers, s.e, s.i, s.h, torch.bfloat16, pin=device.startswith("cuda"))
+    for layer in range(s.layers):
+        store.put(layer, gate_up[layer], down[layer])
     result["setup"] = {"build_and_pin_s": time.perf_counter() - t0, "pinned": store.pinned,
-                       "host_store_gb": store.nbytes / 1e9}
+                       "pin_method": getattr(store, "pin_method", None), "host_store_gb": store.nbytes / 1e9}
     log(f"store: {store.nbytes / 1e9:.2f} GB host ({'pinned' if store.pinned else 'pageable'})")
 
     # predictor for lease+pred / the threshold sweep: trained on other requests of the same generator
@@ -525,6 +527,8 @@ def main() -> None:
             result["runs"].append(r)
             log(f"accelerate cpu_offload B={r['batch']}: {r['tokens_per_s']:.2f} tok/s")
 
+    if hasattr(store, "unpin"):
+        store.unpin()
     result["total_s"] = time.perf_counter() - t_all
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
