@@ -17,9 +17,14 @@ from harness.offload.policy import Geometry, PolicyContext, make_policy, policy_
 __all__ = ["simulate", "replay"]
 
 
-def _unique(ids: Any) -> list[int]:
+def _rows(ids: Any) -> dict[int, int]:
+    """expert → how many (row, slot) entries name it (rows: a row names an expert at most once in top-k)."""
     vals = ids.reshape(-1).tolist() if hasattr(ids, "reshape") else [e for row in ids for e in row]
-    return sorted({int(e) for e in vals if int(e) >= 0})
+    out: dict[int, int] = {}
+    for e in vals:
+        if int(e) >= 0:
+            out[int(e)] = out.get(int(e), 0) + 1
+    return out
 
 
 def replay(cache: ExpertCache, steps: Sequence[Any], gate: Callable[[int, Any], Any] | None = None,
@@ -38,8 +43,9 @@ def replay(cache: ExpertCache, steps: Sequence[Any], gate: Callable[[int, Any], 
                          embeddings=None if embeds is None else embeds[t])
         for layer in range(cache.g.num_layers):
             layer_ids = ids[:, layer] if hasattr(ids, "shape") else [r[layer] for r in ids]
-            for chunk in cache.plan(layer, _unique(layer_ids)):
-                cache.acquire(layer, chunk)
+            rows_of = _rows(layer_ids)
+            for chunk in cache.plan(layer, sorted(rows_of)):
+                cache.acquire(layer, chunk, rows_of)
                 cache.release(layer)
             hidden = None if hiddens is None else hiddens[t][layer]
             cache.prefetch(cache.policy.prefetch(layer, cache.clock, hidden))

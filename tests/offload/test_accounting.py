@@ -131,3 +131,11 @@ def test_policy_sees_tokens_and_embeddings_in_the_engine(monkeypatch):
     assert seen[0][0] == "prefill" and seen[0][2][1] > 1 and seen[0][3][:2] == seen[0][2]
     assert [s[:3] for s in seen[1:]] == [("decode", 1, (1, 1)), ("decode", 2, (1, 1))]
     assert all(s[3][:2] == (1, 1) for s in seen[1:])
+
+
+def test_per_row_token_hit_rate():
+    # B = 2, one layer, top-1, capacity 2. t0: rows name 0, 0 → 1 access (miss), 2 row-accesses.
+    # t1: rows name 0, 1 → 0 hit (1 row), 1 miss (1 row). Access hit rate 1/3; per row-token 1/4.
+    out = simulate([[[[0]], [[0]]], [[[0]], [[1]]]], "lru", capacity=2, num_experts=4)
+    assert out["accesses"] == 3 and out["hit_rate"] == pytest.approx(1 / 3)
+    assert out["row_accesses"] == 4 and out["hit_rate_per_row_token"] == pytest.approx(1 / 4)
