@@ -78,6 +78,7 @@ class Accounting:
     prefetch_redundant: int = 0  # asked for an expert already resident or in flight (no copy)
     prefetch_dropped: int = 0  # no evictable slot for it
     evictions: int = 0
+    chunked_layer_passes: int = 0  # (pass, layer) computed in several chunks (more experts needed than slots)
     ever_loaded: set[tuple[int, int]] = field(default_factory=set)
 
     def reset(self) -> None:
@@ -177,6 +178,7 @@ class Accounting:
             "prefetch_recall_on_time": _ratio(d.prefetch_hits, served) if self.prefetch_issued else None,
             "wasted_bytes": self.prefetch_wasted * self.expert_bytes,
             "evictions": self.evictions,
+            "chunked_layer_passes": self.chunked_layer_passes,
             "h2d_bytes_decode": d.bytes,
             "h2d_bytes_prefill": pf.bytes,
             "h2d_bytes_per_token": _ratio(d.bytes, steps),

@@ -113,6 +113,7 @@ class ExpertCache:
         cap = self.g.capacity
         if self.mode == "resident" or len(needed) <= cap:
             return [list(needed)]
+        self.acct.chunked_layer_passes += 1
         here = [e for e in needed if e in self.entries[layer]]
         rest = [e for e in needed if e not in self.entries[layer]]
         order = here + rest

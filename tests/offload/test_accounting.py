@@ -139,3 +139,21 @@ def test_per_row_token_hit_rate():
     out = simulate([[[[0]], [[0]]], [[[0]], [[1]]]], "lru", capacity=2, num_experts=4)
     assert out["accesses"] == 3 and out["hit_rate"] == pytest.approx(1 / 3)
     assert out["row_accesses"] == 4 and out["hit_rate_per_row_token"] == pytest.approx(1 / 4)
+
+
+def test_capacity_from_gb_and_refusals():
+    from harness.offload.experts import resolve_capacity
+
+    # 4 layers × 1 MB experts: 0.02 GB → 5 slots per layer
+    assert resolve_capacity({"capacity": None, "capacity_gb": 0.02}, 4, 16, 1_000_000) == 5
+    assert resolve_capacity({"capacity": 7, "capacity_gb": None}, 4, 16, 1_000_000) == 7
+    with pytest.raises(ValueError, match="capacity"):
+        resolve_capacity({"capacity": None, "capacity_gb": 0.001}, 4, 16, 1_000_000)  # 0 slots
+    with pytest.raises(ValueError, match="capacity"):
+        resolve_capacity({"capacity": 17, "capacity_gb": None}, 4, 16, 1_000_000)
+
+
+def test_chunked_layer_streams_through_few_slots():
+    # one layer needs 5 experts with 2 slots: 3 chunks, every access a miss, each expert loaded once
+    out = simulate([[[[0, 1, 2, 3, 4]]]], "lru", capacity=2, num_experts=8)
+    assert out["chunked_layer_passes"] == 1 and out["misses"] == 5 and out["evictions"] == 3
