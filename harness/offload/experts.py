@@ -274,6 +274,8 @@ class OffloadRuntime:
             torch.cuda.synchronize(self.mover.device)  # no copy may still read the slabs
         if self.store is not None:
             self.store.unpin()
+        if self.budget.get("enforced"):  # the fraction is process-wide: the next engine must not inherit it
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
 
 def _text_model(model: torch.nn.Module, first_block: torch.nn.Module) -> torch.nn.Module:
