@@ -186,7 +186,7 @@ class HFEngine:
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
-        for handle in (self.sere, self.moe, getattr(self, "offload", None)):
+        for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
 
