@@ -218,8 +218,6 @@ RULES: tuple[Rule, ...] = (
     # plain top-K truncation (the `moe` group; inert until it exists)
     Rule("moe.top_k", optional(at_least(1, "below the model's experts per token"), "the model's top-k")),
     Rule("moe.scope", one_of("decode", "all")),
-    # offload (issue 15; harness/offload, docs/offload.md)
-    *OFFLOAD_RULES,
     # scoring
     Rule("scoring.rouge_variant", one_of("reference", "rouge_score")),
     Rule("scoring.stopwords", optional(Check(lambda v: v in ("project", "none") or existing_file(v),
@@ -234,6 +232,7 @@ RULES: tuple[Rule, ...] = (
     Rule("cache.path", NONEMPTY),
     Rule("cache.read", one_of("resume", "always", "never")),
     Rule("seed", at_least(0)),
+    *OFFLOAD_RULES,
 )
 
 

@@ -241,8 +241,6 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("cache.read=sometimes",), "cache.read"),
     (("cache.read=never",), None),
     (("cache.path=''",), "cache.path"),
-    # offload (issue 15; harness/offload, docs/offload.md)
-    *OFFLOAD_CASES,
     # model and scoring
     (("seed=-1",), "seed"),
     (("model.weights=fake",), "model.weights"),
@@ -256,6 +254,8 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((QWEN, "model.path=null"), "model.path"),
     (("scoring.rouge_variant=bogus",), "scoring.rouge_variant"),
     (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
+    # offload (issue 15; harness/offload, docs/offload.md)
+    *OFFLOAD_CASES,
 ]
 
 
