@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("harness.vllm_vz_lse")
+logger = logging.getLogger("harness.engines.vllm.lse_capture")
 
 __all__ = ["Capture", "install"]
 
