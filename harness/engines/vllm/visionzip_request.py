@@ -33,12 +33,13 @@ copied):
   bundle when multimodal pruning is on — writes ``base +`` each row's original position, also when chunked
   prefill cuts the bundle anywhere (the row index says where a slice starts).
 
-Needs ``mm_processor_cache_gb=0`` (the engine sets it): with the processor cache, items already sent to the
-engine core arrive as None and cannot be folded.
+The processor cache is bypassed for requests with images (it would hand already-sent image items over as
+None, which cannot be folded); the engine also sets ``mm_processor_cache_gb=0`` (no memory spent on it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -131,6 +132,10 @@ def request_scope_classes() -> dict[str, Any]:
             return super().get_dummy_mm_inputs(counts, cache=cache, scheduler_config=scheduler_config)
 
         def apply(self, inputs, timing_ctx):
+            if getattr(inputs, "cache", None) is not None and inputs.mm_data_items.get_all_counts().get("image"):
+                # the processor cache hands already-sent image items over as None: they could not be folded
+                # (the bundle item itself is new and always sent with its data)
+                inputs = dataclasses.replace(inputs, cache=None)
             out = super().apply(inputs, timing_ctx)
             items = list((out.get("mm_kwargs") or {}).get("image", []) or [])
             if not items:
@@ -142,8 +147,8 @@ def request_scope_classes() -> dict[str, Any]:
             cfg = self.info.get_hf_config()
             merge = int(cfg.vision_config.spatial_merge_size)
             if any(item is None for item in items):
-                raise RuntimeError("VisionZip scope=request needs mm_processor_cache_gb=0 (a cached image item "
-                                   "cannot be folded into its request's bundle)")
+                raise RuntimeError("VisionZip scope=request: an image item arrived cached (None) and cannot be "
+                                   "folded into its request's bundle; run with mm_processor_cache_gb=0")
             places = sorted(zip(out["mm_placeholders"]["image"], items, out["mm_hashes"]["image"]),
                             key=lambda p: p[0].offset)
             prompt = list(out["prompt_token_ids"])
