@@ -218,7 +218,7 @@ def request_scope_classes() -> dict[str, Any]:
             all_grid = torch.cat(grids, dim=0)
             device = self.visual.device if hasattr(self.visual, "device") else pixels[0].device
             pv = torch.cat([p.reshape(-1, p.shape[-1]) for p in pixels], dim=0).to(device).type(self.visual.dtype)
-            embeds = self.visual(pv, grid_thw=all_grid.to(device))
+            embeds = self.visual(pv, grid_thw=all_grid)  # on the host, as vLLM keeps image_grid_thw
             merge = int(self.visual.spatial_merge_size)
             sizes = (all_grid.prod(-1) // (merge * merge)).tolist()
             per_image = list(embeds.split(sizes))
