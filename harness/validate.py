@@ -317,6 +317,40 @@ OFFLOAD_CROSS_RULES = (
 CROSS_RULES = CROSS_RULES + OFFLOAD_CROSS_RULES
 
 
+# ------------------------------------------------------------------- offload.lease (issue 15, lease policy)
+from harness.offload.lease import GRACE_MODES, PREFETCH, SCORES  # noqa: E402 - no torch at import time
+
+
+def _lease_on(cfg: Any) -> bool:
+    return _offload_on(cfg) and cfg.offload.policy == "lease"
+
+
+LEASE_RULES: tuple[Rule, ...] = (
+    Rule("offload.threshold", number(0, 1, note="stability score at or above which a lease is long")),
+    Rule("offload.lease.length", at_least(1, "tokens")),
+    Rule("offload.lease.long_length", at_least(1, "tokens")),
+    Rule("offload.lease.grace_ms", number(0, note="ms")),
+    Rule("offload.lease.grace_tokens", at_least(0, "decode tokens")),
+    Rule("offload.lease.grace_mode", one_of(*GRACE_MODES)),
+    Rule("offload.lease.preemptible", BOOL),
+    Rule("offload.lease.score", one_of(*SCORES)),
+    Rule("offload.lease.predictor", optional(Check(existing_file, "an existing stability predictor artifact "
+                                                                  "(NAME.pt)"))),
+    Rule("offload.lease.prefetch", one_of(*PREFETCH)),
+)
+LEASE_CROSS_RULES = (
+    CrossRule("offload.lease.long_length", _lease_on,
+              lambda cfg: cfg.offload.lease.long_length >= cfg.offload.lease.length,
+              lambda cfg: f"at least offload.lease.length={cfg.offload.lease.length}"),
+    CrossRule("offload.lease.predictor", lambda cfg: _lease_on(cfg) and cfg.offload.lease.score == "predictor",
+              lambda cfg: cfg.offload.lease.predictor is not None,
+              "a stability predictor artifact with offload.lease.score=predictor (train one with "
+              "python -m harness.offload.predictor train TRACE --out PATH)"),
+)
+RULES = RULES + LEASE_RULES
+CROSS_RULES = CROSS_RULES + LEASE_CROSS_RULES
+
+
 @dataclass(frozen=True)
 class Normalize:
     """``key`` with a value for which ``matches`` holds is replaced by ``value`` (``note`` is printed)."""

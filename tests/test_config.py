@@ -146,6 +146,25 @@ OFFLOAD_CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((LRU, "offload.capacity=4", "+offload.params.threshold=0.7"), None),  # policy parameters are free-form
     (("+offload.capcity=4",), "offload.capcity"),
 ]
+# offload.lease / offload.threshold (issue 15, lease policy: harness/offload/lease.py, docs/offload_lease.md)
+LEASE = ("offload.policy=lease", "offload.capacity=4")
+LEASE_CASES: list[tuple[tuple[str, ...], str | None]] = [
+    (LEASE, None),  # default score: recency (no artifact needed)
+    ((*LEASE, "offload.threshold=0.7"), None),
+    ((*LEASE, "offload.threshold=1.5"), "offload.threshold"),
+    ((*LEASE, "offload.lease.length=0"), "offload.lease.length"),
+    ((*LEASE, "offload.lease.length=8", "offload.lease.long_length=4"), "offload.lease.long_length"),
+    ((*LEASE, "offload.lease.grace_ms=-1"), "offload.lease.grace_ms"),
+    ((*LEASE, "offload.lease.grace_tokens=-2"), "offload.lease.grace_tokens"),
+    ((*LEASE, "offload.lease.grace_tokens=20", "offload.lease.grace_ms=0"), None),
+    ((*LEASE, "offload.lease.grace_mode=adaptive"), "offload.lease.grace_mode"),
+    ((*LEASE, "offload.lease.grace_mode=dynamic"), None),
+    ((*LEASE, "offload.lease.score=oracle"), "offload.lease.score"),
+    ((*LEASE, "offload.lease.score=predictor"), "offload.lease.predictor"),  # the MLP needs its artifact
+    ((*LEASE, "offload.lease.score=predictor", "offload.lease.predictor=/no/such.pt"), "offload.lease.predictor"),
+    ((*LEASE, "offload.lease.prefetch=oracle"), "offload.lease.prefetch"),
+    ((*LEASE, "offload.lease.preemptible=false"), None),
+]
 # (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
 # embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
 CASES: list[tuple[tuple[str, ...], str | None]] = [
@@ -256,6 +275,7 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
     # offload (issue 15; harness/offload, docs/offload.md)
     *OFFLOAD_CASES,
+    *LEASE_CASES,
 ]
 
 

@@ -134,6 +134,7 @@ class HFEngine:
             if not supports_visionzip(self.model):
                 raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
         self.sere = self.moe = None
+        self._decode_tokens, self._sere_partial = 0, False  # the SERE canary's count (sere_graphs)
         sere_artifacts = None
         if sere_cfg is not None and sere_cfg.k is not None:  # computed on the stock model, before any hook
             from harness.engines.hf_sere import sere_artifacts_from_config
@@ -189,12 +190,19 @@ class HFEngine:
         for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
+        self._decode_tokens, self._sere_partial = 0, False
 
     def technique_stats(self) -> dict[str, Any]:
         """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
         out: dict[str, Any] = {}
         if self.sere is not None:
             out["sere"] = self.sere.stats()
+            if out["sere"]["mode"] == "decode":  # the canary: every fed decode token re-routed (sere_graphs)
+                from harness.techniques.sere_graphs import engagement
+
+                layers = [{"layer": p["layer"], "calls": p["steps"], "rows": p["tokens"]}
+                          for p in out["sere"]["per_layer"]]
+                out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
         if getattr(self, "offload", None) is not None:
@@ -216,6 +224,7 @@ class HFEngine:
         try:
             return self._generate_batch(batch, self.gen_cfg.max_new_tokens)
         except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            self._sere_partial = True  # its decode steps may have been counted without its tokens
             if len(batch) == 1:
                 return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
             return [g for r in batch for g in self.generate_batch([r])]
@@ -278,6 +287,7 @@ class HFEngine:
             ids = new_tokens[row]
             n = next((j + 1 for j, t in enumerate(ids) if t in self.eos_ids), len(ids))
             ids = ids[:n]
+            self._decode_tokens += max(n - 1, 0)  # tokens fed back: every one a re-routed decode row
             ttft = (clock.times[0] - t0) * 1e3 if clock.times else None
             e2e = (clock.times[n - 1] - t0) * 1e3 if n and len(clock.times) >= n else None
             tpot = (e2e - ttft) / (n - 1) if n > 1 and ttft is not None and e2e is not None else None
@@ -295,7 +305,8 @@ class HFEngine:
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch),
                        **({"visionzip": {**vz_ctx.requests[row].as_dict(),
-                                         "importance_ms": vz_ctx.importance_ms / len(batch)}}  # share of the batch's
+                                         "importance_ms": vz_ctx.importance_ms / len(batch),  # share of the batch's
+                                         "lse_reused": vz_ctx.lse_reused}}
                           if vz_ctx else {})},
             ))
         return results

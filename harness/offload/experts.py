@@ -102,6 +102,10 @@ class OffloadRuntime:
             trace = load_trace(cfg.get("trace"))
         params = dict(cfg.get("params") or {})
         params.setdefault("batch_size", batch_size)
+        if name == "lease":  # offload-lease (additive): offload.threshold and offload.lease.* reach the policy
+            from harness.offload.lease import lease_params
+
+            params = lease_params(cfg, params)
         ctx = PolicyContext(self.geometry, params, trace, self._gate, self.device.type)
         self.policy = make_policy(name, ctx)
         self.budget = self._enforce_budget(cfg.get("gpu_budget_gb"))
