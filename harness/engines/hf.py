@@ -205,7 +205,7 @@ class HFEngine:
                 out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
-        if getattr(self, "offload", None) is not None:
+        if self.offload is not None:
             from harness.offload.timing import offload_summary
 
             out["offload"] = offload_summary(self.offload)
@@ -230,7 +230,7 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("offload", "sere", "moe"):  # offload, then SERE: the reverse of installation
+        for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()
@@ -280,7 +280,7 @@ class HFEngine:
                     )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
-        if getattr(self, "offload", None) is not None and clock.times:  # offload's own TTFT / decode timing
+        if self.offload is not None and clock.times:
             self.offload.timing.add_batch(t0, clock.times, len(batch))
         results = []
         for row, req in enumerate(batch):
