@@ -95,6 +95,10 @@ class DeviceLock:
                 log.warning("another harness job is measuring on device %s: this job's latency is disturbed "
                             "(latency.sequential=true makes them take turns)", self.key)
                 self._flock(fcntl.LOCK_SH)  # best effort: a sequential holder keeps it exclusive
+        except TimeoutError:  # an OSError too: not "locks unavailable", the job gives up
+            os.close(self._fd)
+            self._fd = None
+            raise
         except OSError as e:  # e.g. ENOLCK on a file system without locks
             log.warning("device lock %s unavailable (%s)", self.path, e)
             self.available = False
