@@ -92,8 +92,8 @@ class DeviceLock:
                 self._wait(fcntl)
             else:
                 self.concurrent_at_start = True
-                log.warning("another harness job is measuring on device %s: this job's latency is disturbed "
-                            "(latency.sequential=true makes them take turns)", self.key)
+                log.info("another harness job is measuring on device %s: this job's latency is disturbed "
+                         "(latency.sequential=true makes them take turns; summary.json warnings says so)", self.key)
                 self._flock(fcntl.LOCK_SH)  # best effort: a sequential holder keeps it exclusive
         except TimeoutError:  # an OSError too: not "locks unavailable", the job gives up
             os.close(self._fd)
