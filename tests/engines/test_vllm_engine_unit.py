@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.engines.vllm_engine import arrival_offsets, resolve_visionzip
+from harness.engines.vllm.load import arrival_offsets
+from harness.engines.vllm.techniques import resolve_visionzip
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 3.0])
@@ -41,7 +42,7 @@ def test_vllm_refuses_min_per_image_zero():
     with pytest.raises(NotImplementedError, match="min_per_image=0.*placeholder"):
         resolve_visionzip(cfg)
     assert resolve_visionzip(SimpleNamespace(**{**vars(cfg), "min_per_image": 1})).min_per_image == 1
-    from harness.vllm_plugin import VisionZipSettings
+    from harness.engines.vllm.settings import VisionZipSettings
 
     with pytest.raises(RuntimeError, match="at least one token"):
         VisionZipSettings.from_env({"HARNESS_VZ_KEEP": "0.5", "HARNESS_VZ_MIN_PER_IMAGE": "0"})

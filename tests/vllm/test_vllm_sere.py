@@ -34,7 +34,7 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, artifacts):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     sere = SimpleNamespace(k=K, rho=RHO, protect=0, similarity=artifacts.sim_path, protection=artifacts.prot_path)
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(), max_images_per_prompt=2, sere_cfg=sere,
