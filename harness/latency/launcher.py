@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,5 @@ class ConcurrencyCheck(Callback):
         except Exception as e:  # noqa: BLE001 - a check that cannot run must never stop a sweep
             log.debug("concurrency check skipped: %s", e)
             return
-        if text:
+        if text:  # Hydra's console handler shows it (once) before the jobs start
             log.warning(text)
-            print(f"warning: {text}", file=sys.stderr, flush=True)
