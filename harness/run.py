@@ -18,6 +18,20 @@ from harness.validate import validate_config, validate_model
 log = logging.getLogger(__name__)
 
 
+def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: dict[str, Any]) -> None:
+    """The SERE engagement canary (``harness.techniques.sere_graphs``): a run with SERE on whose decode tokens
+    were not all re-routed fails (run state ``failed`` with the reason) instead of reporting a stock run as SERE."""
+    from harness.run_state import mark_failed
+    from harness.techniques.sere_graphs import SereNotEngaged, check_engagement
+
+    try:
+        check_engagement(technique_stats)
+    except SereNotEngaged as e:
+        mark_failed(run_dir, state, str(e), sere_engagement=technique_stats["sere"]["engagement"])
+        log.error("SERE not engaged: %s", e)
+        raise
+
+
 class TechniqueNotAvailable(RuntimeError):
     """A technique was enabled in the config but is not implemented for this engine yet."""
 
@@ -246,6 +260,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
+        if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
+            extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":
             extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
         try:
@@ -412,6 +428,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                                        sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
                                        sum(1 for r in records if r["cached"]))
         engine.close()
+    _check_sere_engaged(run_dir, state, technique_stats)
 
     with progress.phase("finish", unit="step"):  # aggregate, write summary.json, log to W&B
         wall_s = time.perf_counter() - wall0

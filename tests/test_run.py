@@ -102,6 +102,7 @@ def test_sere_and_visionzip_run_together_and_report_statistics(tmp_path):
                    for note in json.loads(line)["images"])
     assert vz["image_keep_rate"]["n"] == n_images and "rag_igbench" in vz["by_source"]
     assert sere["k_primary"] == 2 and sere["steps"] > 0
+    assert sere["engagement"]["ok"] and sere["engagement"]["decode_tokens"] > 0   # the canary's verdict
     assert sere["expert_union_after"] <= sere["expert_union_before"]
     # every secondary slot outside P either moved, or stayed as critical (no protection in this run)
     assert sere["moved_fraction"] + sere["critical_fraction"] == pytest.approx(sere["outside_primary_fraction"])

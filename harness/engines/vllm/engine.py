@@ -119,6 +119,9 @@ class VLLMEngine(LoadMode):
         self._async = None
         self._loop: _LoopThread | None = None
         self._closed = False
+        # the SERE canary (harness.techniques.sere_graphs): decode tokens fed since the statistics were reset,
+        # and whether a failed request may have left decode rows counted without its tokens
+        self._decode_tokens, self._sere_partial = 0, False
         if self.load_mode:
             self._start_async()
         else:
@@ -270,6 +273,7 @@ class VLLMEngine(LoadMode):
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
+        self._decode_tokens, self._sere_partial = 0, False
         return gens
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
@@ -297,12 +301,29 @@ class VLLMEngine(LoadMode):
                 continue
             try:
                 per_worker = self._worker_sere_stats(method=method)
-            except Exception as e:  # noqa: BLE001 - statistics never fail a run
+            except Exception as e:  # noqa: BLE001 - statistics never fail a run ... except SERE's canary below
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(None, f"{type(e).__name__}: {e}")
                 continue
             if per_worker:
                 out[name] = {**per_worker[0], "workers": len(per_worker)}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(per_worker[0].get("per_layer"))
         return out
+
+    def _engagement(self, per_layer: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
+        """The SERE canary's verdict (``harness.techniques.sere_graphs.engagement``): every decode token this
+        engine fed since the last reset must have been a decode row of every MoE layer's routing function.
+        Each worker routes the whole batch (tensor parallelism included), so the first worker's counts tell."""
+        from harness.techniques.sere_graphs import engagement
+
+        if per_layer is None:
+            verdict = engagement([], self._decode_tokens)
+            if error and self._decode_tokens:
+                verdict.update(ok=False, reason=f"SERE statistics could not be read from the worker: {error}")
+            return verdict
+        return engagement(per_layer, self._decode_tokens, recomputed=self._sere_partial)
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
@@ -319,6 +340,7 @@ class VLLMEngine(LoadMode):
         try:
             return self._generate_batch(batch)
         except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            self._sere_partial = True  # its decode steps may have been counted without its tokens
             if len(batch) == 1:
                 return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
             return [g for r in batch for g in self.generate_batch([r])]
@@ -396,6 +418,7 @@ class VLLMEngine(LoadMode):
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             n = len(ids)
+            self._decode_tokens += max(n - 1, 0)  # tokens fed back: each a decode row (the SERE canary)
             m = out.metrics
             ttft = e2e = tpot = ttft_engine = queue = None
             if m is not None and getattr(m, "first_token_ts", 0):
@@ -418,6 +441,8 @@ class VLLMEngine(LoadMode):
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch), "ttft_engine_ms": ttft_engine, "queue_ms": queue,
                        "finish_reason": comp.finish_reason, "token_ids": ids,
+                       # prompt tokens not computed here: prefix-cache hits, or KV loaded by a connector (P/D)
+                       "cached_prompt_tokens": getattr(out, "num_cached_tokens", None),
                        **({"visionzip": vz} if (vz := self.visionzip_stats(req)) else {})},
             ))
         return results

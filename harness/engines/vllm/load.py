@@ -106,6 +106,7 @@ class LoadMode:
                 prompt_ids = list(out.prompt_token_ids)
             if out.finished:
                 final = comp
+        self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (engine._engagement)
         return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
                 "finish_reason": getattr(final, "finish_reason", None)}
 
@@ -136,7 +137,7 @@ class LoadMode:
             try:
                 await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
             except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
-                pass
+                self._sere_partial = True
         offsets = arrival_offsets(n, qps, burstiness, seed)
         tag = time.monotonic_ns()
 
@@ -148,6 +149,7 @@ class LoadMode:
                 coro = self._stream_one(prompts[i % len(prompts)], params, f"load-{tag}-{i}")
                 r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
             except Exception as e:  # noqa: BLE001 - counted as failed
+                self._sere_partial = True  # decode rows it had may be counted without its tokens
                 return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
                                   extra={"source_uid": src.uid, "sent_at_s": delay})
             chunks, ids = r["chunks"], r["ids"]
