@@ -107,14 +107,14 @@ class TimedBatches:
         why = self._why(counter_moves, key)
         attempts = 0
         while why and self.on_compile == "retime" and attempts < self.max_retime:
-            self.events.append(self._event(pass_index, batch_index, batch, why, "retimed", key))
+            self.events.append(self._event(pass_index, batch_index, batch, why, "retimed", key, gens))
             attempts += 1
             gens, counter_moves, key, wall = self._timed_call(batch)
             why = self._why(counter_moves, key)
         excluded = bool(why) and self.on_compile != "keep"
         if why:
             self.events.append(self._event(pass_index, batch_index, batch, why,
-                                           "excluded" if excluded else "kept", key))
+                                           "excluded" if excluded else "kept", key, gens))
         self.pass_s[pass_index] = self.pass_s.get(pass_index, 0.0) + (0.0 if excluded else wall)
         for g in gens:
             self.samples.append({"uid": g.uid, "pass": pass_index, "batch": batch_index, "ttft_ms": g.ttft_ms,
@@ -138,10 +138,13 @@ class TimedBatches:
         return reasons(counter_moves, first_seen)
 
     def _event(self, pass_index: int, batch_index: int, batch: list[Any], why: list[str], action: str,
-               key: ShapeKey) -> dict[str, Any]:
+               key: ShapeKey, gens: Sequence[Any] = ()) -> dict[str, Any]:
         log.info("latency: pass %d batch %d %s (%s)", pass_index + 1, batch_index, action, "; ".join(why))
+        ok = [g for g in gens if not getattr(g, "error", None)]
         return {"pass": pass_index, "batch": batch_index, "uids": [r.uid for r in batch], "reasons": why,
-                "action": action, "shape": key_json(key)}
+                "action": action, "shape": key_json(key),
+                # what the untrusted call measured (its first request): how much the first-time cost was
+                "ttft_ms": ok[0].ttft_ms if ok else None, "e2e_ms": ok[0].e2e_ms if ok else None}
 
     # -- what summary.json records ---------------------------------------------------------------------
     def protocol_block(self) -> dict[str, Any]:
