@@ -38,24 +38,31 @@ class TechniqueNotAvailable(RuntimeError):
 
 def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
-    (the OCRBench+CCBench budget competition) and the time spent on importance."""
+    (the OCRBench+CCBench budget competition) and the time spent on importance. Requests without per-image
+    counts (``kept_per_image`` None: vLLM with ``scope=request``, whose split stays in the worker) count in
+    the totals, not in the per-image and per-source rates (``requests_with_per_image_counts``)."""
     from harness.engines.hf_visionzip import keep_rate_by_source
     from harness.metrics.latency import summarize
 
     per_request = []
+    tokens_in = kept = n_requests = 0
     for r in records:
         v = r.get("visionzip")
         if not v:
             continue
+        n_requests += 1
+        tokens_in += sum(v["tokens_per_image"])
+        kept += v["visual_tokens_after"]
+        if v.get("kept_per_image") is None:  # vLLM scope=request: the split between images stays in the worker
+            continue
         sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
             v["tokens_per_image"])
         per_request.append((sources, v["tokens_per_image"], v["kept_per_image"]))
-    tokens_in = sum(sum(t) for _, t, _ in per_request)
-    kept = sum(sum(k) for _, _, k in per_request)
     image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
     return {
         "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
-        "min_per_image": vz_cfg.min_per_image, "requests": len(per_request),
+        "min_per_image": vz_cfg.min_per_image, "requests": n_requests,
+        "requests_with_per_image_counts": len(per_request),
         "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
         "keep_rate": kept / tokens_in if tokens_in else None,
         "image_keep_rate": summarize(image_rates),

@@ -281,13 +281,15 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "a checkpoint directory or hub id (required unless model.embedded=true)"),
     CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,
               "null with engine=hf (load mode needs engine=vllm)"),
-    CrossRule("visionzip.scope", lambda cfg: _vllm(cfg) and _vz_on(cfg), lambda cfg: cfg.visionzip.scope == "image",
-              "image with engine=vllm (the request-wide budget is HF-only: docs/vllm.md)"),
-    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg),
-              lambda cfg: cfg.visionzip.contextual == 0, "0 with engine=vllm (docs/vllm.md)"),
-    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg),
+    # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
+    # fixed ratio keeps its two limits
+    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
+              lambda cfg: cfg.visionzip.contextual == 0,
+              "0 with engine=vllm visionzip.scope=image (contextual tokens need scope=request: docs/vllm.md)"),
+    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
               lambda cfg: cfg.visionzip.min_per_image >= 1,
-              ">= 1 with engine=vllm (an image of 0 tokens breaks vLLM's placeholder validation)"),
+              ">= 1 with engine=vllm visionzip.scope=image (an image of 0 tokens breaks vLLM's placeholder "
+              "validation; scope=request has one placeholder for all images)"),
     CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
               "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
               "model needs pip install 'moe-vlm-harness[clip]')"),

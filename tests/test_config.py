@@ -246,7 +246,9 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((VLLM, "load.qps=4", "load.num_requests=0"), "load.num_requests"),
     ((VLLM, "load.warmup=-1"), "load.warmup"),
     # VisionZip in vLLM
-    ((VLLM, VZ), "visionzip.scope"),  # the request-wide budget is HF-only
+    ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
+    ((VLLM, VZ, "visionzip.contextual=0.2"), None),
+    ((VLLM, VZ, "visionzip.min_per_image=0"), None),
     ((VLLM, VZ, "visionzip.scope=image"), None),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.min_per_image=0"), "visionzip.min_per_image"),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.contextual=0.2"), "visionzip.contextual"),

@@ -68,6 +68,8 @@ def test_tokens_identical(policy, resident, trace_path):
         assert stats["capacity_per_layer"] == 5 and stats["host_store_bytes"] > 0
         assert stats["misses"] > 0 and stats["h2d_bytes_decode"] == (
             stats["misses"] + stats["prefetch_issued"] - _prefill_prefetch(stats)) * stats["expert_bytes"]
+    if policy != "none":  # 5 slots < the experts a prefill needs: streamed in chunks
+        assert stats["chunked_layer_passes"] > 0 and stats["prefill_misses"] > 0
     if policy in ("lru", "lru+gate", "oracle"):
         assert stats["evictions"] > 0 and 0 < stats["hit_rate"] < 1
     if policy == "staging":
@@ -86,3 +88,21 @@ def test_oracle_beats_lru(trace_path):
     lru = run(make_engine(offload_cfg("lru", capacity=6)))[2]
     oracle = run(make_engine(offload_cfg("oracle", capacity=6, trace=str(trace_path))))[2]
     assert oracle["misses"] <= lru["misses"] and oracle["accesses"] == lru["accesses"]
+
+
+def test_model_expert_weights_leave_the_device():
+    """With a cache policy the model keeps only shape-only meta placeholders: the cache is the only device copy."""
+    from harness.techniques.sere_calibration import find_moe_blocks
+
+    eng = make_engine(offload_cfg("lru", capacity=3))
+    try:
+        blocks = find_moe_blocks(eng.model)
+        assert len(blocks) == 4
+        for ref in blocks:
+            assert ref.block.experts.gate_up_proj.device.type == "meta"
+            assert ref.block.experts.down_proj.device.type == "meta"
+        mover = eng.offload.mover
+        assert tuple(mover.gate_up.shape[:2]) == (4, 3) and mover.gate_up.device.type == "cpu"
+        assert eng.offload.store.gate_up.shape[:2] == (4, 16)
+    finally:
+        eng.close()
