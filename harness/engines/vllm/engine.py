@@ -263,19 +263,24 @@ class VLLMEngine(LoadMode):
                                                  else img for img in request.images]}
         return out
 
-    def warmup(self, batch: list[Request]) -> None:
+    def warmup(self, batch: list[Request]) -> list[Generation] | None:
         """One short untimed generation (first-call allocations, lazy initialisation); SERE statistics
-        restart after it."""
+        restart after it. Offline, returns the warm-up's generations (uid, prompt and output token counts):
+        the latency protocol (harness/latency/) reads the shape it ran."""
+        gens = None
         if self.load_mode:
             self._loop.run(self._stream_one(self.prompt(batch[0]), self.sampling_params(2),
                                             f"warmup-{time.monotonic_ns()}"))
         else:
-            self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            outs = self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            gens = [Generation(uid=r.uid, prompt_tokens=len(o.prompt_token_ids or []),
+                               output_tokens=len(o.outputs[0].token_ids)) for r, o in zip(batch, outs, strict=True)]
         if self.sere is not None:
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
         self._decode_tokens, self._sere_partial = 0, False
+        return gens
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.engines.vllm.plugin import STATS_METHOD
