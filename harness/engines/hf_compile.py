@@ -15,7 +15,8 @@ for the eager step; so the SERE statistics bookkeeping of ``hf_graphs`` is uncha
 Regions run compiled only inside :func:`decoding` (the decoder's decode steps, fixed shapes); a prefill or any
 other call runs the original eager code, so prompts of any length never trigger a compilation.
 
-Compile artefacts are cached across runs in ``TORCHINDUCTOR_CACHE_DIR`` (default ``$HARNESS_CACHE/inductor``).
+Compile artefacts are cached across runs: ``TORCHINDUCTOR_CACHE_DIR`` is set to ``$HARNESS_INDUCTOR_CACHE`` or
+``$HARNESS_CACHE/inductor`` before the first compilation (FX-graph and autotuning caches).
 Only torch is imported.
 """
 
@@ -55,7 +56,9 @@ class CompileInfo(dict):
 def _cache_dir() -> str:
     from harness.paths import cache_path
 
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_path("inductor")
+    # torch sets TORCHINDUCTOR_CACHE_DIR to /tmp/torchinductor_<user> itself when it is unset, so an inherited
+    # value cannot be told from a chosen one: HARNESS_INDUCTOR_CACHE chooses, else $HARNESS_CACHE/inductor
+    path = os.environ.get("HARNESS_INDUCTOR_CACHE") or cache_path("inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.makedirs(path, exist_ok=True)
     return path

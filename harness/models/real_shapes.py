@@ -119,6 +119,7 @@ def shapes_config(arch: str, num_layers: int | None = None, text: dict[str, Any]
     (``harness.validate.validate_model``) reads the same dict a real checkpoint's ``config.json`` would give."""
     if arch not in ARCHS:
         raise ValueError(f"model.shapes.arch={arch!r}: expected one of {sorted(ARCHS)}")
+    text, vision = _plain(text or {}), _plain(vision or {})
     spec = ARCHS[arch]
     t = {**spec["text"], "max_position_embeddings": spec["max_position_embeddings"], **(text or {})}
     if num_layers is not None:
@@ -140,6 +141,17 @@ def shapes_config(arch: str, num_layers: int | None = None, text: dict[str, Any]
             "text_config": t, "vision_config": v, "image_token_id": ids["image"], "video_token_id": ids["video"],
             "vision_start_token_id": ids["vision_start"], "vision_end_token_id": ids["vision_end"],
             "tie_word_embeddings": False}
+
+
+def _plain(value: Any) -> Any:
+    """Plain dicts / lists / scalars from OmegaConf containers (transformers' strict config fields refuse them)."""
+    from collections.abc import Mapping, Sequence
+
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _mrope_section(head_dim: int) -> list[int]:
