@@ -253,8 +253,7 @@ class HFEngine:
             "decode_path_reason": self.decode_path_reason,
             "compile": self._compile_block(),
             "device_map": self.device_map,
-            "placement": sorted({str(d) for d in (getattr(self.model, "hf_device_map", None) or {}).values()})
-            if self.model is not None and self.device_map else None,
+            "placement": sorted({str(p.device) for p in self.model.parameters()}) if self.model is not None else None,
             "ignore_eos": self.ignore_eos,
             "tokenizer_free": self.tokenizer_free,
             **({"shapes": {k: v for k, v in self.shapes_info.items() if k != "config"}} if self.shapes_info else {}),

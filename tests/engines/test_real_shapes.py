@@ -184,8 +184,8 @@ def test_device_map_loads_the_embedded_model_with_the_same_tokens(embedded_path,
     plain.close()
     placed = HFEngine(str(embedded_path), engine_cfg(device_map=device_map), gen)
     try:
-        assert getattr(placed.model, "hf_device_map", None), "accelerate did not place the model"
-        assert placed.describe()["placement"] == ["cpu"]
+        info = placed.describe()
+        assert info["device_map"] == device_map and info["placement"] == ["cpu"] and info["decode_path"] == "eager"
         assert _tokens(placed, _requests()) == want
     finally:
         placed.close()
