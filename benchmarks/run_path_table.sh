@@ -37,9 +37,9 @@ if [ $SMOKE = 1 ]; then
   PATHS=graph,eager
 else
   TEXT=model=qwen3_30b_a3b_shapes; VL=model=qwen3_vl_30b_a3b_shapes
-  BATCHES=1,16,64; NIMG=30; PROMPT_VL=1960; OUTTOK=64; T1=230; T2=100; T3=110; T4=120
-  BENCH_ARGS="--modes graph --impls harness_fused_moe --batches 1,16,64 --sere off,k2,k1 --steps 30 --budget-s 95"
-  BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 110"
+  BATCHES=1,16,64; NIMG=30; PROMPT_VL=1960; OUTTOK=64; T1=240; T2=90; T3=100; T4=110
+  BENCH_ARGS="--modes graph --impls harness_fused_moe --batches 1,16,64 --sere off,k2,k1 --steps 30 --budget-s 85"
+  BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 95 --paths compiled,graph"
   PATHS=compiled,graph
 fi
 status() { echo "$1 rc=$2 $(date +%T)" | tee -a "$OUT/run_path_status.txt"; }
