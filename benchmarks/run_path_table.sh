@@ -25,10 +25,10 @@ PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HARNESS_CACHE=${HARNESS_CACHE:-/tmp/harness-cache}
 export TRANSFORMERS_VERBOSITY=error
-OUT=results/benchmarks
-[ $SMOKE = 1 ] && OUT=${SMOKE_OUT:-/tmp/run_path_smoke}
-SWEEPS=$OUT/run_path_sweeps
-mkdir -p "$OUT" "$SWEEPS"
+RES=results/benchmarks
+[ $SMOKE = 1 ] && RES=${SMOKE_OUT:-/tmp/run_path_smoke}
+SWEEPS=$RES/run_path_sweeps
+mkdir -p "$RES" "$SWEEPS"
 COMMON="wandb.mode=disabled cache.enabled=false dataset=synthetic_load hydra.job.chdir=false"
 if [ $SMOKE = 1 ]; then
   TEXT=model=qwen3_30b_a3b_shapes_tiny; VL=model=qwen3_vl_30b_a3b_shapes_tiny
@@ -42,32 +42,32 @@ else
   BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 95 --paths compiled,graph"
   PATHS=compiled,graph
 fi
-status() { echo "$1 rc=$2 $(date +%T)" | tee -a "$OUT/run_path_status.txt"; }
-: > "$OUT/run_path_status.txt"
+status() { echo "$1 rc=$2 $(date +%T)" | tee -a "$RES/run_path_status.txt"; }
+: > "$RES/run_path_status.txt"
 t0=$(date +%s)
 
 # 1. TPOT through the run path
 timeout $T1 $PY -m harness -m $TEXT $COMMON dataset.prompt_tokens=64 dataset.output_tokens=$OUTTOK \
   'dataset.num_requests=${engine.batch_size}' engine.decode_path=$PATHS engine.batch_size=$BATCHES \
   sere.k=null,2,1 sere.rho=0.0 sere.calibration_tokens=2048 hydra.sweep.dir=$SWEEPS/tpot \
-  > "$OUT/run_path_tpot.log" 2>&1
+  > "$RES/run_path_tpot.log" 2>&1
 status tpot $?
 
 # 2. 30-image TTFT through the run path
 timeout $T2 $PY -m harness -m $VL $COMMON dataset.n_images=$NIMG dataset.prompt_tokens=$PROMPT_VL \
   dataset.output_tokens=8 dataset.num_requests=3 engine.batch_size=1 engine.decode_path=graph \
-  visionzip.keep=1.0,0.7,0.6,0.5 hydra.sweep.dir=$SWEEPS/ttft > "$OUT/run_path_ttft.log" 2>&1
+  visionzip.keep=1.0,0.7,0.6,0.5 hydra.sweep.dir=$SWEEPS/ttft > "$RES/run_path_ttft.log" 2>&1
 status ttft $?
 
 # 3. the benchmark script's figures for the same shapes
-timeout $T3 $PY benchmarks/bench_decode_step.py $BENCH_ARGS --out "$OUT/run_path_bench_decode_step.json" \
-  > "$OUT/run_path_bench.log" 2>&1
+timeout $T3 $PY benchmarks/bench_decode_step.py $BENCH_ARGS --out "$RES/run_path_bench_decode_step.json" \
+  > "$RES/run_path_bench.log" 2>&1
 status bench_decode_step $?
 
 # 4. per-step breakdown
-timeout $T4 $PY benchmarks/run_path_breakdown.py $BD_ARGS --out "$OUT/run_path_breakdown.json" \
-  > "$OUT/run_path_breakdown.log" 2>&1
+timeout $T4 $PY benchmarks/run_path_breakdown.py $BD_ARGS --out "$RES/run_path_breakdown.json" \
+  > "$RES/run_path_breakdown.log" 2>&1
 status breakdown $?
 
-$PY benchmarks/run_path_collect.py --dir "$OUT" --sweeps "$SWEEPS" --elapsed $(( $(date +%s) - t0 ))
+$PY benchmarks/run_path_collect.py --dir "$RES" --sweeps "$SWEEPS" --elapsed $(( $(date +%s) - t0 ))
 status collect $?
