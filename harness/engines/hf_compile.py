@@ -4,10 +4,13 @@ Why this design (issue 17): the manual CUDA graph of the eager step (``hf_graphs
 still runs every small kernel of attention, RoPE and the RMS norms one by one (H200, Qwen3-30B-A3B shapes:
 9.81 ms at B=1 against 5.48 ms for ``torch.compile(mode="reduce-overhead")`` of the whole model with the fused
 MoE kernel). Compiling the whole model costs 70–95 s per shape and traces the SERE hooks; this module compiles
-**regions** instead — per decoder layer the attention module, the two RMS norms and the router's ``forward``
-(its SERE hooks stay outside, in eager Python), plus the rotary embedding and the final norm — with
-``dynamic=False``. All 48 layers share one compiled code object per region (``inline_inbuilt_nn_modules``: the
-parameters are graph inputs, not constants), so the compile cost is one layer's, not 48. The fused MoE kernel
+**regions** instead — every RMS norm of the text model (input, post-attention, q, k, final), each router's
+``forward`` (its SERE hooks stay outside, in eager Python), the rotary embedding and the RoPE function
+``apply_rotary_pos_emb`` — with ``dynamic=False``. All 48 layers share one compiled code object per region (``inline_inbuilt_nn_modules``: the
+parameters are graph inputs, not constants), so the compile cost is one layer's, not 48. The attention module as a
+whole is not a region: its forward reads ``self.layer_idx`` (which KV-cache layer to update), an int dynamo
+specialises on, so it would compile once per layer (measured: one more graph per layer); its projections, the cache
+update and sdpa stay eager (a handful of large kernels). The fused MoE kernel
 (``torch.ops.harness.fused_moe``) and SERE's Triton op run as they are. The engine's ``StaticGreedyDecoder`` then
 captures the whole step — compiled regions, router hooks, MoE kernel, argmax, feed-back — in one CUDA graph, as
 for the eager step; so the SERE statistics bookkeeping of ``hf_graphs`` is unchanged.
@@ -80,7 +83,10 @@ def _wrap(module: torch.nn.Module, compiled_kwargs: dict[str, Any]) -> None:
 
 
 def uncompile(model: torch.nn.Module) -> None:
-    """Put every original ``forward`` back (the graph path after a failed compile)."""
+    """Put every original ``forward`` (and RoPE function) back (the graph path after a failed compile)."""
+    while _PATCHED:
+        mod, fn = _PATCHED.pop()
+        mod.apply_rotary_pos_emb = fn
     for m in model.modules():
         if getattr(m, "_harness_compiled", False):
             m.forward = m._harness_eager_forward
@@ -88,23 +94,48 @@ def uncompile(model: torch.nn.Module) -> None:
 
 
 def _regions(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(kind, module) of every region: per decoder layer self_attn, norms, router; rotary and final norms."""
+    """(kind, module) of every region: every RMS norm of the text model (input / post-attention / q / k / final),
+    each router, the text rotary embedding. The attention module itself is not a region: its forward reads
+    ``self.layer_idx`` (the KV-cache layer), a Python int dynamo specialises on, which would compile it once per
+    layer; its RoPE function is compiled instead (:func:`_patch_rope`)."""
     out = []
     for name, m in model.named_modules():
-        if hasattr(m, "self_attn") and hasattr(m, "mlp") and hasattr(m, "input_layernorm"):
-            out.append(("attention", m.self_attn))
-            out.append(("norm", m.input_layernorm))
-            if hasattr(m, "post_attention_layernorm"):
-                out.append(("norm", m.post_attention_layernorm))
-            gate = getattr(m.mlp, "gate", None)
-            if isinstance(gate, torch.nn.Module) and hasattr(m.mlp, "experts"):
-                out.append(("router", gate))
-        elif name.endswith("rotary_emb") and "visual" not in name:
-            out.append(("rotary", m))
-    for name, m in model.named_modules():   # the text model's final norm (not the vision tower's)
-        if name.endswith("model.norm") or name.endswith("language_model.norm"):
+        if "visual" in name:
+            continue
+        if type(m).__name__.endswith("RMSNorm"):
             out.append(("norm", m))
+        elif name.endswith("mlp.gate") and hasattr(m, "weight"):
+            out.append(("router", m))
+        elif name.endswith("rotary_emb"):
+            out.append(("rotary", m))
     return out
+
+
+def _patch_rope(model: torch.nn.Module, compiled_kwargs: dict[str, Any]) -> int:
+    """Compile ``apply_rotary_pos_emb`` of the modeling modules the model's attention classes live in (looked up
+    as a module global at call time, so the patched function is what attention calls)."""
+    import sys
+
+    n = 0
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        mod = sys.modules.get(module_name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or getattr(fn, "_harness_compiled", False):
+            continue
+        compiled = torch.compile(fn, **compiled_kwargs)
+
+        def rope(*args, _eager=fn, _compiled=compiled, **kwargs):
+            return _compiled(*args, **kwargs) if _DECODING[0] else _eager(*args, **kwargs)
+
+        rope._harness_compiled = True
+        rope._harness_eager = fn
+        setattr(mod, "apply_rotary_pos_emb", rope)
+        _PATCHED.append((mod, fn))
+        n += 1
+    return n
+
+
+_PATCHED: list = []
 
 
 def compile_regions(model: torch.nn.Module, mode: str = "default", backend: str = "inductor") -> CompileInfo:
@@ -132,6 +163,7 @@ def compile_regions(model: torch.nn.Module, mode: str = "default", backend: str 
     for kind, module in regions:
         _wrap(module, kwargs)
         counts[kind] = counts.get(kind, 0) + 1
+    counts["rope_function"] = _patch_rope(model, kwargs)
     return CompileInfo(regions=counts, mode=mode, backend=backend, inductor_cache_dir=cache,
                        wrap_s=round(time.perf_counter() - t0, 3))
 
