@@ -56,6 +56,11 @@ def ttft_rows(sweep: Path) -> list[dict]:
     for s in summaries(sweep):
         cfg = s["config"]
         vz = s.get("visionzip") or {}
+        if not vz:  # keep 1.0: nothing pruned; the visual tokens every request had, from its samples
+            recs = [json.loads(x) for x in (Path(s["_dir"]) / "samples.jsonl").read_text().splitlines() if x.strip()] \
+                if (Path(s["_dir"]) / "samples.jsonl").exists() else []
+            n = sum(r.get("visual_tokens") or 0 for r in recs)
+            vz = {"visual_tokens_in": n or None, "visual_tokens_kept": n or None}
         rows.append({"keep": cfg["visionzip"]["keep"], "n_images": cfg["dataset"]["n_images"],
                      "prompt_tokens": cfg["dataset"]["prompt_tokens"], "ttft_p50_ms": lat(s, "ttft_ms"),
                      "ttft_mean_ms": lat(s, "ttft_ms", "mean"), "ttft_p90_ms": lat(s, "ttft_ms", "p90"),
