@@ -23,7 +23,7 @@ model-inspection subprocess):
 
 Everything is a no-op when torchvision is importable (the main venv, GPU machines): the shims only
 fill holes, they never replace a working module. :func:`install` is idempotent and is called by the vLLM
-plugin (``harness.vllm_plugin.register``, run in every vLLM process) and by the vLLM engine before it
+plugin (``harness.engines.vllm.plugin.register``, run in every vLLM process) and by the vLLM engine before it
 touches transformers' processors. :func:`status` reports what was installed (tested in ``tests/vllm``).
 
 Only the standard library is imported at module level.

@@ -12,7 +12,7 @@ from typing import Any
 
 ENGINES: dict[str, str] = {
     "hf": "harness.engines.hf:HFEngine",
-    "vllm": "harness.engines.vllm_engine:VLLMEngine",
+    "vllm": "harness.engines.vllm.engine:VLLMEngine",
 }
 
 

@@ -22,7 +22,7 @@ def load_cfg():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, load_cfg):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(MAX_NEW), max_images_per_prompt=2, load_cfg=load_cfg)
     yield eng
@@ -60,7 +60,7 @@ def test_streaming_timings(result):
     assert sent == sorted(sent) and sent[0] < 0.5
     # vllm bench serve's schedule: gamma gaps rescaled so the last send is at N/QPS exactly (the first waits
     # its gap); the real send times follow it up to the event loop's lag
-    from harness.engines.vllm_engine import arrival_offsets
+    from harness.engines.vllm.load import arrival_offsets
 
     schedule = arrival_offsets(N, QPS, 1.0, 3)
     assert info["scheduled_last_send_s"] == pytest.approx(N / QPS) and schedule[0] > 0

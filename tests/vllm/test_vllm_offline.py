@@ -12,7 +12,7 @@ from vllm_lane_helpers import MAX_NEW, engine_cfg, gen_cfg
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(), max_images_per_prompt=2)
     yield eng
@@ -93,7 +93,7 @@ def test_timings_from_request_metrics(batched):
 def test_describe_and_registry(engine):
     from harness.engines import ENGINES
 
-    assert ENGINES["vllm"] == "harness.engines.vllm_engine:VLLMEngine"
+    assert ENGINES["vllm"] == "harness.engines.vllm.engine:VLLMEngine"
     info = engine.describe()
     assert info["engine"] == "vllm" and info["engine_version"] and info["dtype"] == "float32"
     assert info["device"] == "cpu" and info["mode"] == "offline" and "sere" not in info

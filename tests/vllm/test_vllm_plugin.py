@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import compat, vllm_plugin
+from harness import compat
+from harness.engines.vllm import routing, sere
+from harness.engines.vllm.settings import ENV_K, SereSettings
 from harness.techniques.sere import reroute
 
 
@@ -54,32 +56,32 @@ def test_plugin_entry_point_is_declared():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("moe_vlm_harness") == "harness.vllm_plugin:register", (
+    assert eps.get("moe_vlm_harness") == "harness.engines.vllm.plugin:register", (
         "pyproject.toml must declare [project.entry-points.\"vllm.general_plugins\"] "
-        "moe_vlm_harness = \"harness.vllm_plugin:register\" (and the package be reinstalled)")
+        "moe_vlm_harness = \"harness.engines.vllm.plugin:register\" (and the package be reinstalled)")
 
 
 # ---------------------------------------------------------------------------------------- settings
 def test_settings_round_trip_and_off_by_default():
-    assert vllm_plugin.SereSettings.from_env({}) is None
-    assert vllm_plugin.SereSettings.from_env({vllm_plugin.ENV_K: ""}) is None
-    s = vllm_plugin.SereSettings(2, 0.35, "/x/sim.safetensors", "/x/prot.safetensors", 3, "/x/t.jsonl")
-    assert vllm_plugin.SereSettings.from_env(s.env()) == s
+    assert SereSettings.from_env({}) is None
+    assert SereSettings.from_env({ENV_K: ""}) is None
+    s = SereSettings(2, 0.35, "/x/sim.safetensors", "/x/prot.safetensors", 3, "/x/t.jsonl")
+    assert SereSettings.from_env(s.env()) == s
     with pytest.raises(RuntimeError, match="SIMILARITY"):
-        vllm_plugin.SereSettings.from_env({vllm_plugin.ENV_K: "2"})
+        SereSettings.from_env({ENV_K: "2"})
 
 
 def test_layer_index_from_prefix():
-    assert vllm_plugin.layer_index("language_model.model.layers.7.mlp.experts") == 7
-    assert vllm_plugin.layer_index("model.layers.12.mlp.experts") == 12
-    assert vllm_plugin.layer_index("model.layers.3.mlp.layers.1.experts") == 1  # the innermost index
-    assert vllm_plugin.layer_index("experts") is None
+    assert routing.layer_index("language_model.model.layers.7.mlp.experts") == 7
+    assert routing.layer_index("model.layers.12.mlp.experts") == 12
+    assert routing.layer_index("model.layers.3.mlp.layers.1.experts") == 1  # the innermost index
+    assert routing.layer_index("experts") is None
 
 
 def test_register_without_sere_patches_nothing():
     """In a fresh process without HARNESS_SERE_*: register() installs the shims only (idempotently)."""
     code = ("import os\n"
-            "from harness import vllm_plugin as p\n"
+            "from harness.engines.vllm import plugin as p\n"
             "p.register(); p.register()\n"
             "from vllm.model_executor.models import qwen3_moe\n"
             "from vllm.v1.worker.gpu_model_runner import GPUModelRunner as R\n"
@@ -102,7 +104,7 @@ def test_stock_topk_is_the_hf_router_bit_for_bit(hf_ref):
         hidden = torch.randn(257, gate.hidden_dim, generator=gen) * 3
         with torch.no_grad():
             logits, w_hf, ids_hf = gate(hidden)
-            w, ids = vllm_plugin.stock_topk(logits, gate.top_k, True)
+            w, ids = routing.stock_topk(logits, gate.top_k, True)
         assert torch.equal(ids, ids_hf)
         assert w.dtype == w_hf.dtype and torch.equal(w, w_hf)
 
@@ -127,13 +129,13 @@ def test_routing_function_reroutes_decode_rows_only(monkeypatch, tmp_path, mask)
     masks = {None: None, "all": torch.ones(t, dtype=torch.bool), "none": torch.zeros(t, dtype=torch.bool),
              "some": torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.bool)}
     row_mask = masks[mask]
-    monkeypatch.setattr(vllm_plugin, "_DECODE", _FakeDecode(row_mask))
+    monkeypatch.setattr(routing, "DECODE", _FakeDecode(row_mask))
     sim, prot = _sim(), torch.zeros(e, dtype=torch.bool)
     prot[[3, 7]] = True
-    trace = vllm_plugin._Trace(str(tmp_path / "trace.jsonl"))
-    fn = vllm_plugin.make_routing_function(5, sim, 2, 0.3, prot, trace)
+    trace = routing.Trace(str(tmp_path / "trace.jsonl"))
+    fn = sere.make_routing_function(5, sim, 2, 0.3, prot, trace)
     w, ids = fn(hidden_states=None, gating_output=logits, topk=k, renormalize=True)
-    w0, ids0 = vllm_plugin.stock_topk(logits, k, True)
+    w0, ids0 = routing.stock_topk(logits, k, True)
     assert ids.dtype == torch.int32 and torch.equal(w, w0)
     if row_mask is None:
         assert torch.equal(ids.long(), ids0)  # no step information: never re-routed
@@ -158,7 +160,7 @@ def _fake_runner(q_lens, computed, prompt, max_num_tokens=64):
 
 
 def test_decode_rows_from_the_schedulers_counters():
-    rows = vllm_plugin._DecodeRows()
+    rows = routing.DecodeRows()
     # req0 decoding (prompt 10, 12 computed), req1 last prefill chunk of ONE token (9 of 10 computed),
     # req2 a chunk crossing no boundary (prefill 0..3 of 20), req3 decoding; 2 padding rows.
     runner = _fake_runner([1, 1, 4, 1], computed=[12, 9, 0, 30], prompt=[10, 10, 20, 5])
@@ -178,7 +180,7 @@ def test_decode_rows_from_the_schedulers_counters():
 
 # ------------------------------------------------------------------------------- engine set-up (no vLLM)
 def test_sere_artifacts_are_calibrated_once_when_not_given(tiny_model_path, tmp_path, monkeypatch):
-    from harness.engines.vllm_engine import resolve_sere
+    from harness.engines.vllm.techniques import resolve_sere
     from harness.techniques.sere_calibration import load_similarity
     from harness.techniques.sere_protection import load_protection
 
@@ -195,7 +197,7 @@ def test_sere_artifacts_are_calibrated_once_when_not_given(tiny_model_path, tmp_
     again = resolve_sere(SimpleNamespace(k=2, rho=0.1, protect=2, similarity=setup.similarity_path,
                                          protection=setup.protection_path), tiny_model_path)
     assert again == setup
-    settings = vllm_plugin.SereSettings.from_env(again.env())
+    settings = SereSettings.from_env(again.env())
     assert (settings.k_primary, settings.rho, settings.protect) == (2, 0.1, 2)
     with pytest.raises(FileNotFoundError):
         resolve_sere(SimpleNamespace(k=2, rho=0.1, protect=0, similarity=str(tmp_path / "nope"),

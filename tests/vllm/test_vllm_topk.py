@@ -16,7 +16,7 @@ BUDGET = 48  # max_num_batched_tokens: long prompts are prefilled in chunks, bes
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(), max_images_per_prompt=2,
                      sere_cfg=SimpleNamespace(k=None), moe_cfg=SimpleNamespace(top_k=TOP_K, scope="decode"),
@@ -80,7 +80,7 @@ def test_settings_round_trip_and_register_with_sere(tmp_path):
     import subprocess
     import sys
 
-    from harness.vllm_topk import MoeSettings
+    from harness.engines.vllm.settings import MoeSettings
 
     assert MoeSettings.from_env({}) is None
     st = MoeSettings(2, "all")
@@ -92,7 +92,7 @@ def test_settings_round_trip_and_register_with_sere(tmp_path):
     from harness.techniques.sere_calibration import save_similarity
 
     sim = save_similarity(tmp_path / "sim.safetensors", {i: torch.eye(16) for i in range(3)}, {})
-    code = ("from harness import vllm_plugin as p\np.register()\ns = p.state()\n"
+    code = ("from harness.engines.vllm import plugin as p\np.register()\ns = p.state()\n"
             "assert s['moe'].top_k == 2 and s['sere'].k_primary == 1, s\n"
             "assert type(s['routing']).__name__ == '_SereArtifacts'\nprint('ok')\n")
     env = {**os.environ, "HARNESS_MOE_TOP_K": "2", "HARNESS_SERE_K": "1", "HARNESS_SERE_SIMILARITY": str(sim)}

@@ -25,7 +25,7 @@ def sims(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, sims):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     sere = SimpleNamespace(k=K, rho=RHO, protect=0, similarity=sims[1], protection=None)
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(), max_images_per_prompt=2, sere_cfg=sere,

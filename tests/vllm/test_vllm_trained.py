@@ -37,7 +37,7 @@ def requests():
 
 @pytest.fixture(scope="module")
 def engine(trained_path):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(trained_path, engine_cfg(max_model_len=4096), gen_cfg(MAX_NEW), max_images_per_prompt=8)
     yield eng

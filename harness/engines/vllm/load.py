@@ -1,0 +1,183 @@
+"""Load mode in process: ``AsyncLLM`` (its engine core in a child process, as ``vllm serve`` runs it) fed
+at ``vllm bench serve``'s arrival times, every request streamed.
+
+:meth:`LoadMode.run_load` (when ``load.qps`` is set): requests sent at Poisson/gamma arrival times by
+``vllm bench serve``'s rule (:func:`arrival_offsets`: n gaps ~ Gamma(shape=burstiness,
+scale=1/(qps·burstiness)) — the first request waits its gap too —, summed, then rescaled so that the last
+send is at exactly n/qps; burstiness = inf gives constant 1/qps gaps; one seeded generator), each streamed:
+TTFT = first streamed chunk − send time, ITL = gaps between chunks, E2E = last chunk − send time,
+TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one by one first and discarded; a
+failed request becomes a Generation with ``error`` (counted by ``latency_summary``). Every time is
+``time.perf_counter()`` in this process.
+
+:class:`LoadMode` is a mixin of :class:`harness.engines.vllm.engine.VLLMEngine` (it uses the engine's
+``prompt``, ``sampling_params``, ``decode``, ``visionzip_stats`` and engine arguments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from harness.engines.base import Generation, Request
+from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
+
+
+def arrival_offsets(n: int, qps: float, burstiness: float = 1.0, seed: int = 0):
+    """Send times (seconds from the start) of ``n`` requests at ``qps``, as ``vllm bench serve`` draws them:
+    gaps ~ Gamma(shape=burstiness, scale=1/(qps·burstiness)) (exponential for burstiness 1; constant 1/qps
+    for burstiness = inf), cumulated from the first gap (the first request is not sent at 0), then scaled so
+    the last send is at n/qps exactly (vLLM does this to make throughput independent of the seed). The
+    generator is ``numpy.random.default_rng(seed)`` (vLLM seeds numpy's global generator: same law, other
+    draws)."""
+    import numpy as np
+
+    if n < 1 or not qps > 0 or not burstiness > 0:
+        raise ValueError(f"arrival_offsets: need n >= 1, qps > 0, burstiness > 0 (got {n}, {qps}, {burstiness})")
+    if burstiness == float("inf"):
+        gaps = np.full(n, 1.0 / qps)
+    else:
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=n)
+    offsets = np.cumsum(gaps)
+    if offsets[-1] > 0:
+        offsets = offsets * ((n / qps) / offsets[-1])
+    return offsets
+
+
+class _LoopThread:
+    """An asyncio event loop in a daemon thread (AsyncLLM's output handler lives on one loop)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="harness-vllm-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class LoadMode:
+    """``AsyncLLM`` load test of :class:`~harness.engines.vllm.engine.VLLMEngine` (module doc)."""
+
+    _async: Any
+    _loop: _LoopThread | None
+    load_cfg: Any
+
+    def _start_async(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._export_env()
+        self._loop = _LoopThread()
+        args = AsyncEngineArgs(**self._engine_args())
+
+        async def make():
+            return AsyncLLM.from_engine_args(args)
+
+        self._async = self._loop.run(make())
+
+    # -- load mode ----------------------------------------------------------------------------------
+    async def _stream_one(self, prompt: dict[str, Any], params, request_id: str) -> dict[str, Any]:
+        """Send one request and stream it: times relative to the send time (perf_counter, seconds)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = params.clone()
+        params.output_kind = RequestOutputKind.DELTA
+        sent = time.perf_counter()
+        chunks: list[float] = []
+        ids: list[int] = []
+        text: list[str] = []
+        final = None
+        prompt_ids: list[int] = []
+        async for out in self._async.generate(prompt, params, request_id):
+            now = time.perf_counter()
+            comp = out.outputs[0]
+            if comp.token_ids:
+                chunks.append(now)
+                ids.extend(comp.token_ids)
+                text.append(comp.text)
+            if out.prompt_token_ids:
+                prompt_ids = list(out.prompt_token_ids)
+            if out.finished:
+                final = comp
+        self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (engine._engagement)
+        return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
+                "finish_reason": getattr(final, "finish_reason", None)}
+
+    def run_load(self, requests: list[Request], load_cfg: Any = None,
+                 timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
+        """Serving-style load test (see the module doc). Returns (one Generation per measured request, in
+        send order; info) with ``extra["itl_ms"]``, ``extra["sent_at_s"]`` (from the start of the load phase; the first request waits its gap) and
+        ``extra["source_uid"]``; info = qps, burstiness, num_requests, warmup, seed, duration_s (first send
+        → last completion, the basis of output throughput), achieved_qps."""
+        load_cfg = load_cfg if load_cfg is not None else self.load_cfg
+        if self._async is None:
+            raise RuntimeError("load mode needs the engine built with load.qps set")
+        if not requests:
+            raise ValueError("run_load: no requests")
+        qps = float(_get(load_cfg, "qps"))
+        if qps <= 0:
+            raise ValueError(f"load.qps must be > 0, got {qps}")
+        burstiness = float(_get(load_cfg, "burstiness", 1.0))
+        n = int(_get(load_cfg, "num_requests") or len(requests))
+        n_warm = int(_get(load_cfg, "warmup", 0) or 0)
+        seed = int(_get(load_cfg, "seed", 0) or 0)
+        return self._loop.run(self._run_load(requests, qps, burstiness, n, n_warm, seed, timeout_s))
+
+    async def _run_load(self, requests, qps, burstiness, n, n_warm, seed, timeout_s):
+        params = self.sampling_params()
+        prompts = [self.prompt(r) for r in requests]
+        for i in range(n_warm):  # one by one, discarded
+            try:
+                await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
+            except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
+                self._sere_partial = True
+        offsets = arrival_offsets(n, qps, burstiness, seed)
+        tag = time.monotonic_ns()
+
+        async def one(i: int, delay: float, start: float):
+            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+            src = requests[i % len(requests)]
+            uid = src.uid if n <= len(requests) else f"{src.uid}#{i // len(requests)}"
+            try:
+                coro = self._stream_one(prompts[i % len(prompts)], params, f"load-{tag}-{i}")
+                r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+            except Exception as e:  # noqa: BLE001 - counted as failed
+                self._sere_partial = True  # decode rows it had may be counted without its tokens
+                return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
+                                  extra={"source_uid": src.uid, "sent_at_s": delay})
+            chunks, ids = r["chunks"], r["ids"]
+            if not chunks:
+                return Generation(uid=uid, error="no output token", extra={"source_uid": src.uid})
+            ttft = (chunks[0] - r["sent"]) * 1e3
+            e2e = (chunks[-1] - r["sent"]) * 1e3
+            ntok = len(ids)
+            return Generation(
+                uid=uid, text=self.decode(ids), prompt_tokens=len(r["prompt_ids"]),
+                visual_tokens=self._count_visual(r["prompt_ids"]), output_tokens=ntok,
+                ttft_ms=ttft, e2e_ms=e2e, tpot_ms=(e2e - ttft) / (ntok - 1) if ntok > 1 else None,
+                extra={"itl_ms": [(b - a) * 1e3 for a, b in zip(chunks[:-1], chunks[1:])],
+                       "sent_at_s": r["sent"] - start, "source_uid": src.uid,
+                       "finish_reason": r["finish_reason"], "chunks": len(chunks), "token_ids": ids,
+                       **({"visionzip": vz} if (vz := self.visionzip_stats(src)) else {})},
+            )
+
+        start = time.perf_counter()
+        gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
+        duration = time.perf_counter() - start
+        sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
+        completed = sum(1 for g in gens if not g.error)
+        info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
+                "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
+                "scheduled_last_send_s": float(offsets[-1]),
+                # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
+                "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
+                "request_throughput": completed / duration if duration > 0 else None,
+                "completed": completed}
+        return list(gens), info

