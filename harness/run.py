@@ -86,6 +86,13 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
         path, info = trained_checkpoint()
         return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": info["sha256"][:12],
                            "weights": "trained-synthetic", "weights_meaning": info["meaning"]}
+    shapes = model_cfg.get("shapes") if hasattr(model_cfg, "get") else getattr(model_cfg, "shapes", None)
+    if shapes is not None and shapes.get("arch"):  # a real checkpoint's shapes, random weights built on the device
+        from harness.models.real_shapes import ARCHS, shapes_config
+
+        config = shapes_config(shapes.arch, shapes.num_layers, dict(shapes.text or {}), dict(shapes.vision or {}))
+        return f"shapes:{shapes.arch}", {"name": model_cfg.name, "path": None, "weights": "random-init",
+                                         "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
     if model_cfg.embedded:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
@@ -263,10 +270,13 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
-        validate_model(cfg, model_path)  # values the checkpoint's config.json decides, before weights load
+        # values the checkpoint's config.json decides, before weights load (a shapes model: its config dict)
+        validate_model(cfg, model_path, model_info.pop("config", None))
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
+        if model_path.startswith("shapes:"):  # harness/models/real_shapes.py: built by the HF engine
+            extra.update(shapes_cfg=cfg.model.shapes, seed=cfg.model.seed)
         if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
             extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":

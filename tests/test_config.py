@@ -167,6 +167,8 @@ LEASE_CASES: list[tuple[tuple[str, ...], str | None]] = [
 ]
 # (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
 # embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
+SHP, SHPVL, LOAD = "model=qwen3_30b_a3b_shapes", "model=qwen3_vl_30b_a3b_shapes", "dataset=synthetic_load"
+
 CASES: list[tuple[tuple[str, ...], str | None]] = [
     # VisionZip
     (("visionzip.keep=1.5",), "visionzip.keep"),
@@ -292,6 +294,30 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("latency.lock_timeout_s=0",), "latency.lock_timeout_s"),
     (("latency.sequential=true",), None),
     ((VLLM, "load.qps=4", "latency.repeats=3"), "latency.repeats"),  # load mode: one stream
+    # real-shape models, synthetic load, decode path, device_map (issue 17; docs/real_shapes.md)
+    ((SHP, LOAD), None),
+    ((SHPVL, LOAD, "dataset.n_images=30", "sere.k=2", "engine.batch_size=16"), None),
+    ((SHP, LOAD, "dataset.n_images=-1"), "dataset.n_images"),
+    ((SHP, LOAD, "dataset.n_images=2"), "dataset.n_images"),  # a text-only model
+    ((SHP, LOAD, "dataset.prompt_tokens=0"), "dataset.prompt_tokens"),
+    ((SHP, LOAD, "dataset.output_tokens=0"), "generation.max_new_tokens"),  # = ${dataset.output_tokens}, checked first
+    ((SHP, LOAD, "dataset.image_width=0"), "dataset.image_width"),
+    ((SHP, LOAD, "dataset.num_requests=0"), "dataset.num_requests"),
+    ((SHP, LOAD, "generation.max_new_tokens=7"), "generation.max_new_tokens"),
+    ((SHP, LOAD, "generation.ignore_eos=false"), "generation.ignore_eos"),
+    ((LOAD,), "generation.ignore_eos"),  # another model: generation=synthetic_load is needed
+    ((LOAD, "generation=synthetic_load"), None),
+    ((SHP, LOAD, "model.shapes.arch=qwen3_moe"), "model.shapes.arch"),
+    ((SHP, LOAD, "model.shapes.num_layers=0"), "model.shapes.num_layers"),
+    ((SHP, LOAD, "model.weights=real"), "model.weights"),
+    ((SHP, LOAD, "engine=vllm"), "model.shapes.arch"),
+    ((SHP, LOAD, "engine.device_map=auto"), "engine.device_map"),
+    (("engine.decode_path=fast",), "engine.decode_path"),
+    (("engine.decode_path=compiled",), None),
+    (("engine.compile_mode=reduce-overhead",), "engine.compile_mode"),
+    (("engine.compile_backend=eager",), "engine.compile_backend"),
+    (("engine.device_map=everywhere",), "engine.device_map"),
+    (("engine.device_map=auto",), None),
     # offload (issue 15; harness/offload, docs/offload.md)
     *OFFLOAD_CASES,
     *LEASE_CASES,
