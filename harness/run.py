@@ -242,6 +242,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
+        if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
+            extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":
             extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
         try:

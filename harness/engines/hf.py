@@ -92,7 +92,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
-                 moe_cfg: Any = None):
+                 moe_cfg: Any = None, offload_cfg: Any = None):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -109,9 +109,18 @@ class HFEngine:
         self.experts_impl = resolve_experts_implementation(engine_cfg.experts_implementation, self.device)
         if self.experts_impl:
             kwargs["experts_implementation"] = self.experts_impl
+        offload_on = offload_cfg is not None and offload_cfg.get("policy") is not None
         self.model = AutoModelForImageTextToText.from_pretrained(
             model_path, trust_remote_code=trust_remote_code, **kwargs
-        ).to(self.device).eval()
+        ).eval()
+        self.offload = None
+        if offload_on:  # expert offload (harness/offload): moves the model to the device, experts stay on the host
+            from harness.offload.experts import NAME as OFFLOAD_IMPL, install_offload
+
+            self.offload = install_offload(self.model, offload_cfg, self.device, max(1, engine_cfg.batch_size))
+            self.experts_impl = OFFLOAD_IMPL
+        else:
+            self.model.to(self.device)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -120,7 +129,8 @@ class HFEngine:
             self.pad_id = next(iter(self.eos_ids))
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         # engine.cuda_graphs (CUDA only): static KV cache + CUDA-graph-replayed decode step (hf_graphs)
-        self.cuda_graphs = bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
+        self.cuda_graphs = (bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
+                            and self.offload is None)  # offload decides on the host every layer: no graph
         self._graph_decoder = None
         if self.cuda_graphs:
             from harness.engines.hf_graphs import StaticGreedyDecoder
@@ -166,12 +176,13 @@ class HFEngine:
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,
+            **({"offload": self.offload.policy.name} if self.offload is not None else {}),
         }
 
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
-        for handle in (self.sere, self.moe):
+        for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
         self._decode_tokens, self._sere_partial = 0, False
@@ -189,6 +200,10 @@ class HFEngine:
                 out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
+        if self.offload is not None:
+            from harness.offload.timing import offload_summary
+
+            out["offload"] = offload_summary(self.offload)
         return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
@@ -210,7 +225,7 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("sere", "moe"):  # SERE first: the reverse of installation
+        for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()
@@ -260,6 +275,8 @@ class HFEngine:
                     )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
+        if self.offload is not None and clock.times:
+            self.offload.timing.add_batch(t0, clock.times, len(batch))
         results = []
         for row, req in enumerate(batch):
             ids = new_tokens[row]
@@ -283,7 +300,8 @@ class HFEngine:
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch),
                        **({"visionzip": {**vz_ctx.requests[row].as_dict(),
-                                         "importance_ms": vz_ctx.importance_ms / len(batch)}}  # share of the batch's
+                                         "importance_ms": vz_ctx.importance_ms / len(batch),  # share of the batch's
+                                         "lse_reused": vz_ctx.lse_reused}}
                           if vz_ctx else {})},
             ))
         return results
