@@ -345,8 +345,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks the script end to end")
     ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 12; smoke 3)")
-    ap.add_argument("--tokens", type=int, default=None, help="timed decode steps per run (default 64; smoke 6)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 16; smoke 3)")
+    ap.add_argument("--tokens", type=int, default=None, help="timed decode steps per run (default 48; smoke 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 12; smoke 3)")
+    ap.add_argument("--max-seconds", type=float, default=285.0,
+                    help="stop starting new runs after this many seconds (skipped runs are listed in the JSON)")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--budgets", default="0.2,0.32,0.6")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -360,8 +362,8 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_offload needs a CUDA GPU (use --smoke on CPU)")
     s = Shapes(args.smoke, args.layers)
-    tokens = args.tokens or (6 if args.smoke else 64)
-    warmup = args.warmup if args.warmup is not None else (3 if args.smoke else 16)
+    tokens = args.tokens or (6 if args.smoke else 48)
+    warmup = args.warmup if args.warmup is not None else (3 if args.smoke else 12)
     steps = warmup + tokens
     batches = [int(x) for x in args.batches.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
@@ -374,10 +376,13 @@ def main() -> None:
     result: dict[str, Any] = {"benchmark": "offload", "environment": collect_environment(device), "dtype": "bfloat16",
                               "weights": "random-init", "shapes": s.as_dict(), "timed_steps": tokens,
                               "warmup_steps": warmup, "scaled_to_layers": 48, "drift": args.drift, "errors": [], "runs": [],
-                              "threshold_sweep": [], "sere": []}
+                              "threshold_sweep": [], "sere": [], "max_seconds": args.max_seconds}
     log = lambda m: print(f"[{time.perf_counter() - t_all:6.1f}s] {m}", flush=True)  # noqa: E731
 
     def guarded(label: str, fn):
+        if time.perf_counter() - t_all > args.max_seconds:
+            result.setdefault("skipped_over_time", []).append(label)
+            return None
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
@@ -390,9 +395,11 @@ def main() -> None:
     gate_up, down, routers = build_weights(s, device, args.seed)
     from harness.offload.store import ExpertStore
 
-    store = ExpertStore(list(gate_up), list(down), pin=device.startswith("cuda"))
+    store = ExpertStore(s.layers, s.e, s.i, s.h, torch.bfloat16, pin=device.startswith("cuda"))
+    for layer in range(s.layers):
+        store.put(layer, gate_up[layer], down[layer])
     result["setup"] = {"build_and_pin_s": time.perf_counter() - t0, "pinned": store.pinned,
-                       "host_store_gb": store.nbytes / 1e9}
+                       "pin_method": getattr(store, "pin_method", None), "host_store_gb": store.nbytes / 1e9}
     log(f"store: {store.nbytes / 1e9:.2f} GB host ({'pinned' if store.pinned else 'pageable'})")
 
     # predictor for lease+pred / the threshold sweep: trained on other requests of the same generator
@@ -453,30 +460,31 @@ def main() -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
-    for (name, b), src in sources.items():
-        for frac in budgets:
-            cap = max(1, min(s.e, round(frac * s.e)))
-            for policy in policies:
-                if policy == "none" or (policy == "lease+pred" and pred_path is None):
-                    continue
-                if policy == "lease+pred" and name != "skewed":
-                    continue  # the predictor reads trace embeddings; the random source has none it was trained on
-                r = guarded(f"{policy} {name} B={b} cap={cap}", lambda policy=policy, src=src, cap=cap: run_policy(
-                    policy, s, src, cap, device, store, None, warmup, policy_params(policy, pred_path),
-                    gate_precision, args.seed))
-                if r is None:
-                    continue
-                r.update(source=name, batch=b,
-                         share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
-                result["runs"].append(r)
-                log(f"{policy:10s} {name} B={b} cap={cap}: {r['tokens_per_s']:8.1f} tok/s hit {fmt(r['hit_rate'])}")
+    def policy_runs(name: str, b: int, frac: float) -> None:
+        src = sources.get((name, b))
+        if src is None:
+            return
+        cap = max(1, min(s.e, round(frac * s.e)))
+        for policy in policies:
+            if policy == "none" or (policy == "lease+pred" and (pred_path is None or name != "skewed")):
+                continue  # the predictor reads trace embeddings: the random source has none it was trained on
+            r = guarded(f"{policy} {name} B={b} cap={cap}", lambda policy=policy, src=src, cap=cap: run_policy(
+                policy, s, src, cap, device, store, None, warmup, policy_params(policy, pred_path),
+                gate_precision, args.seed))
+            if r is None:
+                continue
+            r.update(source=name, batch=b,
+                     share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
+            result["runs"].append(r)
+            log(f"{policy:10s} {name} B={b} cap={cap}: {r['tokens_per_s']:8.1f} tok/s hit {fmt(r['hit_rate'])}")
 
     # the seed's threshold sweep: lease + predictor on the skewed trace, ~32 % budget
     cap32 = max(1, round(0.32 * s.e))
-    for b in batches:
+
+    def sweep(b: int) -> None:
         src = sources.get(("skewed", b))
         if src is None or pred_path is None:
-            continue
+            return
         for thr in [float(x) for x in args.thresholds.split(",")]:
             r = guarded(f"sweep thr={thr} B={b}", lambda thr=thr, src=src: run_policy(
                 "lease+pred", s, src, cap32, device, store, None, warmup, policy_params("lease+pred", pred_path, thr),
@@ -511,12 +519,10 @@ def main() -> None:
                 log(f"SERE {label} {name} B={b} {policy}: distinct {distinct:.1f}, hit {fmt(r['hit_rate'])}, "
                     f"{r['tokens_per_s']:.1f} tok/s")
 
-    for name in ("random", "skewed"):
-        if (name, max(batches)) in sources:
-            guarded(f"sere {name}", lambda name=name: sere_section(name, max(batches)))
-
     # accelerate's naive offload (B = 1, skewed routing: it copies every expert anyway, routing is irrelevant)
-    if ("skewed", batches[0]) in sources and args.accelerate_steps > 0:
+    def accelerate_section() -> None:
+        if ("skewed", batches[0]) not in sources or args.accelerate_steps <= 0:
+            return
         src = sources[("skewed", batches[0])]
         r = guarded("accelerate", lambda: accelerate_baseline(s, src, store, device, args.accelerate_steps))
         if r is not None:
@@ -525,6 +531,34 @@ def main() -> None:
             result["runs"].append(r)
             log(f"accelerate cpu_offload B={r['batch']}: {r['tokens_per_s']:.2f} tok/s")
 
+    # priority order (--max-seconds stops starting new runs): the headline cell first (B = 1, ~32 %),
+    # then its threshold sweep, larger batches, the baselines, the other budgets
+    main_frac = min(budgets, key=lambda f: abs(f - 0.32))
+    small = [b for b in batches if b == min(batches)]
+    large = [b for b in batches if b != min(batches)]
+    for b in small:
+        for name in ("skewed", "random"):
+            policy_runs(name, b, main_frac)
+        sweep(b)
+    for b in large:
+        for name in ("skewed", "random"):
+            policy_runs(name, b, main_frac)
+    accelerate_section()
+    for name in ("skewed", "random"):
+        if (name, max(batches)) in sources:
+            guarded(f"sere {name}", lambda name=name: sere_section(name, max(batches)))
+    for frac in [f for f in budgets if f != main_frac]:
+        for b in batches:
+            for name in ("skewed", "random"):
+                policy_runs(name, b, frac)
+    for b in large:
+        sweep(b)
+    order = {p: i for i, p in enumerate((*POLICIES, "accelerate"))}
+    result["runs"].sort(key=lambda r: (r.get("source", ""), r.get("batch", 0), r.get("resident_fraction", 0),
+                                       order.get(r["policy"], 99)))
+
+    if hasattr(store, "unpin"):
+        store.unpin()
     result["total_s"] = time.perf_counter() - t_all
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
+try:
+    from omegaconf import MISSING
+except ImportError:  # a GPU box without omegaconf (benchmarks/train_tiny_v2.py): the dataclasses still work
+    MISSING = "???"  # omegaconf's own value
 
 
 @dataclass

@@ -109,18 +109,9 @@ class HFEngine:
         self.experts_impl = resolve_experts_implementation(engine_cfg.experts_implementation, self.device)
         if self.experts_impl:
             kwargs["experts_implementation"] = self.experts_impl
-        offload_on = offload_cfg is not None and offload_cfg.get("policy") is not None
         self.model = AutoModelForImageTextToText.from_pretrained(
             model_path, trust_remote_code=trust_remote_code, **kwargs
-        ).eval()
-        self.offload = None
-        if offload_on:  # expert offload (harness/offload): moves the model to the device, experts stay on the host
-            from harness.offload.experts import NAME as OFFLOAD_IMPL, install_offload
-
-            self.offload = install_offload(self.model, offload_cfg, self.device, max(1, engine_cfg.batch_size))
-            self.experts_impl = OFFLOAD_IMPL
-        else:
-            self.model.to(self.device)
+        ).to(self.device).eval()
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -129,8 +120,7 @@ class HFEngine:
             self.pad_id = next(iter(self.eos_ids))
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         # engine.cuda_graphs (CUDA only): static KV cache + CUDA-graph-replayed decode step (hf_graphs)
-        self.cuda_graphs = (bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
-                            and self.offload is None)  # offload decides on the host every layer: no graph
+        self.cuda_graphs = bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
         self._graph_decoder = None
         if self.cuda_graphs:
             from harness.engines.hf_graphs import StaticGreedyDecoder
@@ -161,6 +151,21 @@ class HFEngine:
             similarity, protected = sere_artifacts
             self.sere = install_sere(self.model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
                                      eos_token_ids=sorted(self.eos_ids))
+        self.offload = None
+        if offload_cfg is not None and offload_cfg.get("policy") is not None:
+            self._install_offload(offload_cfg)
+
+    def _install_offload(self, offload_cfg: Any) -> None:
+        """Expert offload (harness/offload, docs/offload.md), installed last: SERE's calibration ran on the
+        resident model. The experts move into the host store and leave the device (a model loaded on the host,
+        e.g. with a device_map, has its other weights moved to the device here); the host decides per layer,
+        so no CUDA graph replays the decode step."""
+        from harness.offload.experts import NAME, install_offload
+
+        self.offload = install_offload(self.model, offload_cfg, self.device, max(1, self.cfg.batch_size))
+        self.experts_impl = NAME
+        self.cuda_graphs = False
+        self._graph_decoder = None
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -200,7 +205,7 @@ class HFEngine:
                 out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
-        if self.offload is not None:
+        if getattr(self, "offload", None) is not None:
             from harness.offload.timing import offload_summary
 
             out["offload"] = offload_summary(self.offload)
@@ -225,7 +230,7 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation
+        for name in ("offload", "sere", "moe"):  # offload, then SERE: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()
@@ -275,7 +280,7 @@ class HFEngine:
                     )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
-        if self.offload is not None and clock.times:
+        if getattr(self, "offload", None) is not None and clock.times:  # offload's own TTFT / decode timing
             self.offload.timing.add_batch(t0, clock.times, len(batch))
         results = []
         for row, req in enumerate(batch):

@@ -8,7 +8,8 @@ no model and no tensors (tests/offload/test_accounting.py). The cache (:mod:`har
   top-k (so a decode step at B rows counts each distinct expert of a layer once);
 - *hit*: resident with its load complete when the layer asked; *late*: resident but its (prefetch) load still
   in flight (the compute waits on it: a late arrival); *miss*: not resident (a demand load);
-- hit rate = hits / accesses, decode only, split *cold* (decode steps 1..``warm_after`` of a batch, right after
+- hit rate = hits / accesses, decode only (``hit_rate_per_row_token`` weighs each access by the rows naming the
+  expert: per (token, layer, expert); equal to ``hit_rate`` at B = 1), split *cold* (decode steps 1..``warm_after`` of a batch, right after
   its prefill rewrote the cache) and *warm* (later steps); ``compulsory`` = misses of a (layer, expert) never
   loaded before in the run;
 - prefetch precision = prefetch loads later used (accessed before eviction) / prefetch loads issued;
@@ -54,6 +55,8 @@ class PhaseCounts:
     cold_hits: int = 0
     warm_accesses: int = 0
     warm_hits: int = 0
+    row_accesses: int = 0  # (row, layer, expert) triples: an expert named by r rows counts r times
+    row_hits: int = 0
 
     @property
     def bytes(self) -> int:
@@ -75,6 +78,7 @@ class Accounting:
     prefetch_redundant: int = 0  # asked for an expert already resident or in flight (no copy)
     prefetch_dropped: int = 0  # no evictable slot for it
     evictions: int = 0
+    chunked_layer_passes: int = 0  # (pass, layer) computed in several chunks (more experts needed than slots)
     ever_loaded: set[tuple[int, int]] = field(default_factory=set)
 
     def reset(self) -> None:
@@ -89,10 +93,14 @@ class Accounting:
         p.passes += 1
         p.row_tokens += row_tokens
 
-    def access(self, phase: str, step: int, layer: int, expert: int, outcome: str, prefetched: bool) -> None:
-        """One access; ``outcome`` is ``hit`` | ``late`` | ``miss``; ``prefetched``: its load was a prefetch."""
+    def access(self, phase: str, step: int, layer: int, expert: int, outcome: str, prefetched: bool,
+               rows: int = 1) -> None:
+        """One access; ``outcome`` is ``hit`` | ``late`` | ``miss``; ``prefetched``: its load was a prefetch;
+        ``rows``: how many rows (tokens) of the pass named the expert."""
         p = self.phases[phase]
         p.accesses += 1
+        p.row_accesses += rows
+        p.row_hits += rows if outcome == "hit" else 0
         if outcome == "hit":
             p.hits += 1
             p.prefetch_hits += int(prefetched)
@@ -150,6 +158,8 @@ class Accounting:
             "late_arrivals": d.late,
             "misses": d.misses,
             "hit_rate": _ratio(d.hits, d.accesses),
+            "hit_rate_per_row_token": _ratio(d.row_hits, d.row_accesses),
+            "row_accesses": d.row_accesses,
             "hit_rate_cold": _ratio(d.cold_hits, d.cold_accesses),
             "hit_rate_warm": _ratio(d.warm_hits, d.warm_accesses),
             "cold_accesses": d.cold_accesses,
@@ -168,6 +178,7 @@ class Accounting:
             "prefetch_recall_on_time": _ratio(d.prefetch_hits, served) if self.prefetch_issued else None,
             "wasted_bytes": self.prefetch_wasted * self.expert_bytes,
             "evictions": self.evictions,
+            "chunked_layer_passes": self.chunked_layer_passes,
             "h2d_bytes_decode": d.bytes,
             "h2d_bytes_prefill": pf.bytes,
             "h2d_bytes_per_token": _ratio(d.bytes, steps),

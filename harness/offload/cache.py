@@ -113,18 +113,21 @@ class ExpertCache:
         cap = self.g.capacity
         if self.mode == "resident" or len(needed) <= cap:
             return [list(needed)]
+        self.acct.chunked_layer_passes += 1
         here = [e for e in needed if e in self.entries[layer]]
         rest = [e for e in needed if e not in self.entries[layer]]
         order = here + rest
         return [sorted(order[i:i + cap]) for i in range(0, len(order), cap)]
 
     # -- demand path ------------------------------------------------------------------------------
-    def acquire(self, layer: int, chunk: Sequence[int]) -> dict[int, int]:
-        """Make ``chunk`` resident in ``layer``; returns expert → slot. Accounts each access once."""
+    def acquire(self, layer: int, chunk: Sequence[int], rows: dict[int, int] | None = None) -> dict[int, int]:
+        """Make ``chunk`` resident in ``layer``; returns expert → slot. Accounts each access once (``rows``:
+        expert → how many rows named it, for the per-token hit rate; default 1)."""
         clock, phase, acct = self.clock, self.phase, self.acct
+        rows = rows or {}
         if self.mode == "resident":
             for e in chunk:
-                acct.access(phase, self.step, layer, e, "hit", False)
+                acct.access(phase, self.step, layer, e, "hit", False, rows.get(e, 1))
             self.policy.on_access(layer, list(chunk), clock)
             return {e: e for e in chunk}
         entries = self.entries[layer]
@@ -136,7 +139,7 @@ class ExpertCache:
                 missing.append(e)
                 continue
             late = ent.load is not None and self.mover is not None and not self.mover.done(ent.load)
-            acct.access(phase, self.step, layer, e, "late" if late else "hit", ent.prefetched)
+            acct.access(phase, self.step, layer, e, "late" if late else "hit", ent.prefetched, rows.get(e, 1))
             if ent.load is not None:
                 waits.append(ent.load)
                 ent.load = None
@@ -144,7 +147,7 @@ class ExpertCache:
         if missing:
             self._make_room(layer, len(missing), exclude=set(chunk), for_prefetch=False)
             for e in missing:
-                acct.access(phase, self.step, layer, e, "miss", False)
+                acct.access(phase, self.step, layer, e, "miss", False, rows.get(e, 1))
                 ent = self._load(layer, e, prefetch=False)
                 if ent.load is not None:
                     waits.append(ent.load)

@@ -208,9 +208,11 @@ class OffloadRuntime:
         cache = self.cache
         if self.recorder is not None and cache.phase == "decode":
             self.recorder.layer(layer, top_k_index, top_k_weights)
-        needed = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < self.geometry.num_experts]
+        uniq, counts = torch.unique(top_k_index, return_counts=True)  # one device→host read per layer
+        rows = {e: c for e, c in zip(uniq.tolist(), counts.tolist()) if 0 <= e < self.geometry.num_experts}
+        needed = sorted(rows)
         if cache.mode == "resident":
-            cache.acquire(layer, needed)
+            cache.acquire(layer, needed, rows)
             return _kernel(hidden, experts.gate_up_proj, experts.down_proj, top_k_index, top_k_weights)
         chunks = cache.plan(layer, needed)
         mover = self.mover
@@ -218,7 +220,7 @@ class OffloadRuntime:
         safe = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
         out = None
         for chunk in chunks:
-            cache.acquire(layer, chunk)
+            cache.acquire(layer, chunk, rows)
             slots = mover.table[layer][safe]
             if len(chunks) > 1:
                 chunk_t = torch.tensor(chunk, device=top_k_index.device, dtype=top_k_index.dtype)
@@ -276,6 +278,8 @@ class OffloadRuntime:
             torch.cuda.synchronize(self.mover.device)  # no copy may still read the slabs
         if self.store is not None:
             self.store.unpin()
+        if self.budget.get("enforced"):  # the fraction is process-wide: the next engine must not inherit it
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
 
 def _text_model(model: torch.nn.Module, first_block: torch.nn.Module) -> torch.nn.Module:

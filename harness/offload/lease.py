@@ -146,6 +146,7 @@ class LeasePolicy(OffloadPolicy):
         self._last_tokens, self._last_ms = 0, 0.0
         self._layer_scores: list[float] | None = None  # this step's predictor score per layer
         self._recent: list[deque] = [deque(maxlen=RECENCY_WINDOW) for _ in range(nl)]  # last steps' expert sets
+        self._recent_pass = [-1] * nl
         self._scorer = None
         if self.s.score == "predictor":
             from harness.offload.predictor import OnlineScorer, load_predictor
@@ -255,8 +256,13 @@ class LeasePolicy(OffloadPolicy):
                 self.n["scored"] += 1
                 self.score_sum += sc
             self._grant(layer, e, clock, sc)
-        if decode:
-            self._recent[layer].append(frozenset(experts))
+        if decode:  # one set per (step, layer): a chunked layer calls on_access once per chunk
+            recent = self._recent[layer]
+            if self._recent_pass[layer] == clock.pass_index and recent:
+                recent[-1] = recent[-1] | frozenset(experts)
+            else:
+                recent.append(frozenset(experts))
+                self._recent_pass[layer] = clock.pass_index
             if layer == self.geometry.num_layers - 1:
                 self._track_peaks(clock)
 

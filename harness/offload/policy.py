@@ -31,7 +31,8 @@ Life cycle, per forward pass (a prefill, or one decode step of a batch):
 
 Clock: :class:`Clock` gives both the token clock (``tokens``: decode steps so far in the run, ``step``: decode
 step within the current batch, ``pass_index``: forward passes so far) and the wall clock (``ms``: host
-milliseconds since the cache was created; under a trace, ``ms`` is simulated as ``tokens × ms_per_token``).
+milliseconds since the cache was created, sampled once at the start of each pass; under a trace, ``ms`` is
+simulated as ``tokens × ms_per_token``).
 Leases and grace periods can therefore be expressed in tokens and in ms.
 
 Mode (``mode`` class attribute): ``"cache"`` — the cache asks the policy as above; ``"resident"`` — every

@@ -14,12 +14,17 @@ from typing import Any
 from harness.offload.cache import ExpertCache
 from harness.offload.policy import Geometry, PolicyContext, make_policy, policy_class
 
-__all__ = ["simulate", "replay"]
+__all__ = ["simulate", "replay", "simulate_trace", "embeds_by_batch"]
 
 
-def _unique(ids: Any) -> list[int]:
+def _rows(ids: Any) -> dict[int, int]:
+    """expert → how many (row, slot) entries name it (rows: a row names an expert at most once in top-k)."""
     vals = ids.reshape(-1).tolist() if hasattr(ids, "reshape") else [e for row in ids for e in row]
-    return sorted({int(e) for e in vals if int(e) >= 0})
+    out: dict[int, int] = {}
+    for e in vals:
+        if int(e) >= 0:
+            out[int(e)] = out.get(int(e), 0) + 1
+    return out
 
 
 def replay(cache: ExpertCache, steps: Sequence[Any], gate: Callable[[int, Any], Any] | None = None,
@@ -38,8 +43,9 @@ def replay(cache: ExpertCache, steps: Sequence[Any], gate: Callable[[int, Any], 
                          embeddings=None if embeds is None else embeds[t])
         for layer in range(cache.g.num_layers):
             layer_ids = ids[:, layer] if hasattr(ids, "shape") else [r[layer] for r in ids]
-            for chunk in cache.plan(layer, _unique(layer_ids)):
-                cache.acquire(layer, chunk)
+            rows_of = _rows(layer_ids)
+            for chunk in cache.plan(layer, sorted(rows_of)):
+                cache.acquire(layer, chunk, rows_of)
                 cache.release(layer)
             hidden = None if hiddens is None else hiddens[t][layer]
             cache.prefetch(cache.policy.prefetch(layer, cache.clock, hidden))
@@ -65,6 +71,52 @@ def simulate(steps: Sequence[Any], policy: str, capacity: int, num_experts: int,
     out = cache.summary()
     out["policy_stats"] = cache.policy.stats()
     return out
+
+
+def embeds_by_batch(trace: Any, batch_size: int) -> list[Any]:
+    """The trace's token embeddings regrouped exactly as ``trace.steps_by_batch(batch_size)`` regroups its ids:
+    one ``[b, 1, H]`` tensor per decode step (what ``begin_pass`` receives in a live decode step)."""
+    import torch
+
+    request = trace.request.long()
+    n_req = int(request.max()) + 1 if len(request) else 0
+    counts = torch.bincount(request, minlength=n_req).tolist()
+    starts = [sum(counts[:i]) for i in range(n_req)]
+    out = []
+    for g in range(0, n_req, batch_size):
+        group = list(range(g, min(g + batch_size, n_req)))
+        for t in range(max(counts[r] for r in group)):
+            rows = [starts[r] + t for r in group if t < counts[r]]
+            out.append(trace.embeds[rows].float()[:, None, :])
+    return out
+
+
+def simulate_trace(trace: Any, batch_size: int, policy: str, capacity: int, **kw: Any) -> dict[str, Any]:
+    """:func:`simulate` on a recorded trace (``harness.offload.trace.RoutingTrace`` or one loaded by
+    :func:`harness.offload.trace_io.load_trace`): ids regrouped by ``steps_by_batch(batch_size)``, the policy's
+    ``begin_pass`` gets the matching ``[b, 1, H]`` embeddings when the trace has them, the oracle sees the same
+    trace, a prefill marker starts each batch (so warm/cold follow batches)."""
+    steps = trace.steps_by_batch(batch_size)
+    embeds = None
+    if getattr(trace, "embeds", None) is not None and trace.embeds.shape[-1] > 0:
+        embeds = embeds_by_batch(trace, batch_size)
+    starts, t = [], 0
+    for g in _group_lengths(trace, batch_size):
+        starts.append(t)
+        t += g
+    params = {"batch_size": batch_size, **(kw.pop("params", None) or {})}
+    num_experts = kw.pop("num_experts", None) or int(getattr(trace, "num_experts", 0) or (int(trace.ids.max()) + 1))
+    return simulate(steps, policy, capacity, num_experts, trace=trace, embeds=embeds, params=params,
+                    new_batch_at=starts, **kw)
+
+
+def _group_lengths(trace: Any, batch_size: int) -> list[int]:
+    import torch
+
+    request = trace.request.long()
+    n_req = int(request.max()) + 1 if len(request) else 0
+    counts = torch.bincount(request, minlength=n_req).tolist()
+    return [max(counts[g:g + batch_size]) for g in range(0, n_req, batch_size)]
 
 
 class _ListTrace:

@@ -22,8 +22,11 @@ FORMAT = "harness-routing-trace/1"
 class MiniTrace:
     """The part of ``RoutingTrace`` the oracle reads: ``steps_by_batch(B)`` (same regrouping rule)."""
 
-    def __init__(self, ids: torch.Tensor, request: torch.Tensor, step: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, request: torch.Tensor, step: torch.Tensor,
+                 embeds: torch.Tensor | None = None, num_experts: int | None = None):
         self.ids, self.request, self.step = ids, request, step
+        self.embeds = embeds if embeds is not None else torch.zeros(ids.shape[0], 0)
+        self.num_experts = num_experts if num_experts is not None else (int(ids.max()) + 1 if len(ids) else 0)
 
     def steps_by_batch(self, batch_size: int) -> list[torch.Tensor]:
         n_req = int(self.request.max()) + 1 if len(self.request) else 0
@@ -49,7 +52,10 @@ def load_trace(path: str | Path) -> Any:
     p = Path(path)
     pt = p.with_suffix(".pt") if p.suffix in (".pt", ".json", "") else p
     blob = torch.load(pt, map_location="cpu", weights_only=True)
-    return MiniTrace(blob["ids"].long(), blob["request"].long(), blob["step"].long())
+    js = pt.with_suffix(".json")
+    meta = json.loads(js.read_text()) if js.exists() else {}
+    return MiniTrace(blob["ids"].long(), blob["request"].long(), blob["step"].long(), blob["embeds"].float(),
+                     meta.get("num_experts"))
 
 
 class TraceRecorder:

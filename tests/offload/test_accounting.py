@@ -131,3 +131,60 @@ def test_policy_sees_tokens_and_embeddings_in_the_engine(monkeypatch):
     assert seen[0][0] == "prefill" and seen[0][2][1] > 1 and seen[0][3][:2] == seen[0][2]
     assert [s[:3] for s in seen[1:]] == [("decode", 1, (1, 1)), ("decode", 2, (1, 1))]
     assert all(s[3][:2] == (1, 1) for s in seen[1:])
+
+
+def test_per_row_token_hit_rate():
+    # B = 2, one layer, top-1, capacity 2. t0: rows name 0, 0 → 1 access (miss), 2 row-accesses.
+    # t1: rows name 0, 1 → 0 hit (1 row), 1 miss (1 row). Access hit rate 1/3; per row-token 1/4.
+    out = simulate([[[[0]], [[0]]], [[[0]], [[1]]]], "lru", capacity=2, num_experts=4)
+    assert out["accesses"] == 3 and out["hit_rate"] == pytest.approx(1 / 3)
+    assert out["row_accesses"] == 4 and out["hit_rate_per_row_token"] == pytest.approx(1 / 4)
+
+
+def test_capacity_from_gb_and_refusals():
+    from harness.offload.experts import resolve_capacity
+
+    # 4 layers × 1 MB experts: 0.02 GB → 5 slots per layer
+    assert resolve_capacity({"capacity": None, "capacity_gb": 0.02}, 4, 16, 1_000_000) == 5
+    assert resolve_capacity({"capacity": 7, "capacity_gb": None}, 4, 16, 1_000_000) == 7
+    with pytest.raises(ValueError, match="capacity"):
+        resolve_capacity({"capacity": None, "capacity_gb": 0.001}, 4, 16, 1_000_000)  # 0 slots
+    with pytest.raises(ValueError, match="capacity"):
+        resolve_capacity({"capacity": 17, "capacity_gb": None}, 4, 16, 1_000_000)
+
+
+def test_chunked_layer_streams_through_few_slots():
+    # one layer needs 5 experts with 2 slots: 3 chunks, every access a miss, each expert loaded once
+    out = simulate([[[[0, 1, 2, 3, 4]]]], "lru", capacity=2, num_experts=8)
+    assert out["chunked_layer_passes"] == 1 and out["misses"] == 5 and out["evictions"] == 3
+
+
+def test_simulate_trace_regroups_ids_and_embeddings():
+    import torch
+
+    from harness.offload.policies import LRUPolicy
+    from harness.offload.policy import register_policy
+    from harness.offload.simulate import simulate_trace
+    from harness.offload.trace_io import MiniTrace
+
+    # 3 requests (lengths 2, 1, 2), 1 layer, top-1; embeddings = [request, step] so the regrouping is visible
+    request = torch.tensor([0, 0, 1, 2, 2])
+    step = torch.tensor([0, 1, 0, 0, 1])
+    ids = torch.tensor([0, 1, 2, 0, 3]).reshape(5, 1, 1)
+    trace = MiniTrace(ids, request, step, torch.stack([request, step], 1).float(), num_experts=4)
+    seen = []
+
+    @register_policy("probe-trace-embeds")
+    class Probe(LRUPolicy):
+        needs_embeddings = True
+
+        def begin_pass(self, clock, tokens=None, embeddings=None):
+            if clock.phase == "decode":
+                seen.append((clock.step, embeddings[:, 0].tolist()))
+
+    out = simulate_trace(trace, 2, "probe-trace-embeds", capacity=2)
+    # batch 0 = requests 0, 1: step 1 rows (0,0), (1,0); step 2 row (0,1). batch 1 = request 2: steps 1, 2
+    assert seen == [(1, [[0, 0], [1, 0]]), (2, [[0, 1]]), (1, [[2, 0]]), (2, [[2, 1]])]
+    assert out["decode_steps"] == 4 and out["accesses"] == 5
+    oracle = simulate_trace(trace, 2, "oracle", capacity=1)
+    assert oracle["policy_stats"]["trace_mismatch_steps"] == 0

@@ -68,6 +68,8 @@ def test_tokens_identical(policy, resident, trace_path):
         assert stats["capacity_per_layer"] == 5 and stats["host_store_bytes"] > 0
         assert stats["misses"] > 0 and stats["h2d_bytes_decode"] == (
             stats["misses"] + stats["prefetch_issued"] - _prefill_prefetch(stats)) * stats["expert_bytes"]
+    if policy != "none":  # 5 slots < the experts a prefill needs: streamed in chunks
+        assert stats["chunked_layer_passes"] > 0 and stats["prefill_misses"] > 0
     if policy in ("lru", "lru+gate", "oracle"):
         assert stats["evictions"] > 0 and 0 < stats["hit_rate"] < 1
     if policy == "staging":

@@ -196,3 +196,14 @@ def test_lease_in_the_cache_bookkeeping_on_a_scripted_trace():
     steps = [[[[e]]] for e in [0, 1] * 6]
     out = simulate(steps, "lease", capacity=2, num_experts=4, params={"lease": {"score": "recency"}})
     assert out["misses"] == 2 and out["hits"] == 10 and out["policy_stats"]["lease_hits"] >= 9
+
+
+def test_a_chunked_layer_counts_once_in_the_recency_window():
+    p = policy(length=1, score="recency")
+    c = clock(1)
+    p.begin_pass(c)
+    p.on_access(0, [0, 1], c)  # two chunks of one layer in one pass
+    p.on_access(0, [2], c)
+    assert len(p._recent[0]) == 1 and p._recent[0][0] == frozenset({0, 1, 2})
+    step(p, 2, access={0: [2]})
+    assert p.score(0, 2) == pytest.approx(2 / 5) and p.score(0, 0) == pytest.approx(1 / 5)
