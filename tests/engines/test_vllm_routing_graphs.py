@@ -124,3 +124,16 @@ def test_state_allocated_during_a_capture_fails_loudly():
             RoutingCounters(0, E).counter("cpu")
         with pytest.raises(RuntimeError, match="during a graph capture"):
             StepRows().buffer("cpu", 4)
+
+
+def test_routing_techniques_ask_for_the_v1_model_runner(monkeypatch):
+    """The decode rows come from the V1 GPU model runner's hooks; vLLM 0.32 picks Model Runner V2 wherever
+    Triton is installed, so SERE / moe.top_k ask for V1 — unless the user chose (then the canary judges)."""
+    from harness.engines.vllm.techniques import V1_RUNNER_ENV, plugin_env
+
+    sere = SimpleNamespace(env=lambda: {"HARNESS_SERE_K": "2"})
+    monkeypatch.delenv(V1_RUNNER_ENV, raising=False)
+    assert plugin_env(sere)[V1_RUNNER_ENV] == "0"
+    assert V1_RUNNER_ENV not in plugin_env(None)
+    monkeypatch.setenv(V1_RUNNER_ENV, "1")
+    assert V1_RUNNER_ENV not in plugin_env(sere)
