@@ -199,6 +199,26 @@ class CacheConfig:
     read: str = "resume"  # resume | always | never
 
 
+# ---- latency measurement protocol (harness/latency/, docs/latency.md) -------------------------------------
+@dataclass
+class LatencyConfig:
+    """How latency is measured: warm-up per shape, verification, repeats, spread (``harness.latency``).
+
+    Why: one pass is not a measurement (TPOT p50 moved 52-574 ms between jobs of one CPU sweep; a first
+    VisionZip job timed a shape its one warm-up batch had not warmed). Quality is unaffected: answers and
+    scores always come from the first pass."""
+
+    repeats: int = 1  # timed passes over the same requests (answers and scores from the first)
+    warmup: str = "per_shape"  # per_shape: one warm-up per shape key of the timed batches | first_batch (old)
+    bucket: Optional[int] = None  # prompt-length bucket of a shape key: null = powers of two, N = multiples of N
+    # a timed batch that compiled, captured a CUDA graph or ran a shape not seen before: re-time | exclude | keep
+    on_compile: str = "retime"
+    max_retime: int = 2  # re-timings of one batch before it is excluded
+    max_cv: Optional[float] = 0.1  # flag a metric whose pass-to-pass coefficient of variation exceeds this
+    confidence: float = 0.95  # bootstrap interval of the mean
+    bootstrap_resamples: int = 2000
+    sequential: bool = False  # take this host's device lock for model load + measurement: jobs take turns
+    lock_timeout_s: Optional[float] = None  # give up waiting for the device lock (None = wait)
 # ---------------------------------------------------------------------- offload.lease (issue 15, lease policy)
 @dataclass
 class OffloadLeaseConfig:
@@ -251,6 +271,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     opencompass: OpenCompassConfig = field(default_factory=OpenCompassConfig)
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
@@ -266,6 +287,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
+    "latency": LatencyConfig,
     "offload": OffloadConfig,
 }  # opencompass: a block of base_config (no group options to choose), set with opencompass.<key>=...
 

@@ -281,13 +281,15 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "a checkpoint directory or hub id (required unless model.embedded=true)"),
     CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,
               "null with engine=hf (load mode needs engine=vllm)"),
-    CrossRule("visionzip.scope", lambda cfg: _vllm(cfg) and _vz_on(cfg), lambda cfg: cfg.visionzip.scope == "image",
-              "image with engine=vllm (the request-wide budget is HF-only: docs/vllm.md)"),
-    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg),
-              lambda cfg: cfg.visionzip.contextual == 0, "0 with engine=vllm (docs/vllm.md)"),
-    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg),
+    # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
+    # fixed ratio keeps its two limits
+    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
+              lambda cfg: cfg.visionzip.contextual == 0,
+              "0 with engine=vllm visionzip.scope=image (contextual tokens need scope=request: docs/vllm.md)"),
+    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
               lambda cfg: cfg.visionzip.min_per_image >= 1,
-              ">= 1 with engine=vllm (an image of 0 tokens breaks vLLM's placeholder validation)"),
+              ">= 1 with engine=vllm visionzip.scope=image (an image of 0 tokens breaks vLLM's placeholder "
+              "validation; scope=request has one placeholder for all images)"),
     CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
               "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
               "model needs pip install 'moe-vlm-harness[clip]')"),
@@ -366,6 +368,27 @@ NORMALIZE: tuple[Normalize, ...] = (
               "sere.k=0 is SERE off (the reference's identity): recorded as sere.k=null"),
 )
 
+
+
+# ---- latency measurement protocol (harness/latency/, docs/latency.md): its own rows, appended to the tables
+LATENCY_RULES: tuple[Rule, ...] = (
+    Rule("latency.repeats", at_least(1, "timed passes; answers from the first")),
+    Rule("latency.warmup", one_of("per_shape", "first_batch")),
+    Rule("latency.bucket", optional(at_least(1, "tokens"), "powers of two")),
+    Rule("latency.on_compile", one_of("retime", "exclude", "keep")),
+    Rule("latency.max_retime", at_least(0)),
+    Rule("latency.max_cv", optional(number(0, lo_open=True), "never flag")),
+    Rule("latency.confidence", number(0, 1, lo_open=True, hi_open=True)),
+    Rule("latency.bootstrap_resamples", at_least(100)),
+    Rule("latency.lock_timeout_s", optional(number(0, lo_open=True), "wait")),
+)
+LATENCY_CROSS_RULES: tuple[CrossRule, ...] = (
+    CrossRule("latency.repeats", lambda cfg: cfg.load.qps is not None and _select(cfg, "latency.repeats", 1) != 1,
+              lambda cfg: False, "1 with load.qps (load mode times one stream of load.num_requests: raise that "
+              "instead)"),
+)
+RULES = RULES + LATENCY_RULES
+CROSS_RULES = CROSS_RULES + LATENCY_CROSS_RULES
 
 # ---------------------------------------------------------------------------------- values of the model
 

@@ -246,7 +246,9 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((VLLM, "load.qps=4", "load.num_requests=0"), "load.num_requests"),
     ((VLLM, "load.warmup=-1"), "load.warmup"),
     # VisionZip in vLLM
-    ((VLLM, VZ), "visionzip.scope"),  # the request-wide budget is HF-only
+    ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
+    ((VLLM, VZ, "visionzip.contextual=0.2"), None),
+    ((VLLM, VZ, "visionzip.min_per_image=0"), None),
     ((VLLM, VZ, "visionzip.scope=image"), None),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.min_per_image=0"), "visionzip.min_per_image"),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.contextual=0.2"), "visionzip.contextual"),
@@ -273,6 +275,23 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((QWEN, "model.path=null"), "model.path"),
     (("scoring.rouge_variant=bogus",), "scoring.rouge_variant"),
     (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
+    # latency measurement protocol (harness/latency/, docs/latency.md)
+    (("latency.repeats=0",), "latency.repeats"),
+    (("latency.repeats=5",), None),
+    (("latency.warmup=all",), "latency.warmup"),
+    (("latency.warmup=first_batch",), None),
+    (("latency.bucket=0",), "latency.bucket"),
+    (("latency.bucket=64",), None),
+    (("latency.on_compile=ignore",), "latency.on_compile"),
+    (("latency.on_compile=exclude",), None),
+    (("latency.max_retime=-1",), "latency.max_retime"),
+    (("latency.max_cv=0",), "latency.max_cv"),
+    (("latency.max_cv=null",), None),
+    (("latency.confidence=1",), "latency.confidence"),
+    (("latency.bootstrap_resamples=10",), "latency.bootstrap_resamples"),
+    (("latency.lock_timeout_s=0",), "latency.lock_timeout_s"),
+    (("latency.sequential=true",), None),
+    ((VLLM, "load.qps=4", "latency.repeats=3"), "latency.repeats"),  # load mode: one stream
     # offload (issue 15; harness/offload, docs/offload.md)
     *OFFLOAD_CASES,
     *LEASE_CASES,

@@ -60,19 +60,21 @@ def resolve_experts_implementation(name: str | None, device: str) -> str | None:
 
 
 class _StepClock:
-    """A ``StoppingCriteria`` that only records when each generation step finished."""
+    """A ``StoppingCriteria`` that only records when each generation step finished (``now``: the engine's
+    clock, injectable so tests can script the timings)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, now=time.perf_counter):
         import torch
 
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        self.now = now
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
         self.sync()
-        self.times.append(time.perf_counter())
+        self.times.append(self.now())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -184,13 +186,30 @@ class HFEngine:
             **({"offload": self.offload.policy.name} if self.offload is not None else {}),
         }
 
-    def warmup(self, batch: list[Request]) -> None:
-        """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
-        self._generate_batch(batch, max_new_tokens=2)
+    def warmup(self, batch: list[Request]) -> list[Generation]:
+        """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT.
+        Returns its generations: the latency protocol (harness/latency/) reads the shape it ran."""
+        gens = self._generate_batch(batch, max_new_tokens=2)
         for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
         self._decode_tokens, self._sere_partial = 0, False
+        return gens
+
+    # -- latency protocol hooks (harness/latency/runner.py) ---------------------------------------------
+    clock = staticmethod(time.perf_counter)  # every timestamp of a generation (tests script it)
+
+    def prompt_length(self, batch: list[Request]) -> int:
+        """The padded prompt length (tokens, images expanded, before VisionZip) the processor gives ``batch``:
+        the warm-up planner's shape key."""
+        inputs = self.processor(text=[self._prompt(r) for r in batch],
+                                images=[img for r in batch for img in r.images] or None, return_tensors="pt",
+                                padding=True)
+        return int(inputs["input_ids"].shape[1])
+
+    def compile_counters(self) -> dict[str, int]:
+        """Counts a timed batch must not move: CUDA graphs captured by the static decoder."""
+        return {"cuda_graph_captures": int(getattr(self._graph_decoder, "captures", 0) or 0)}
 
     def technique_stats(self) -> dict[str, Any]:
         """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
@@ -205,7 +224,7 @@ class HFEngine:
                 out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
-        if getattr(self, "offload", None) is not None:
+        if self.offload is not None:
             from harness.offload.timing import offload_summary
 
             out["offload"] = offload_summary(self.offload)
@@ -230,7 +249,7 @@ class HFEngine:
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("offload", "sere", "moe"):  # offload, then SERE: the reverse of installation
+        for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()
@@ -250,9 +269,9 @@ class HFEngine:
 
     def _generate_batch(self, batch: list[Request], max_new_tokens: int) -> list[Generation]:
         torch = self._torch
-        clock = _StepClock(self.device)
+        clock = _StepClock(self.device, self.clock)
         clock.sync()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         texts = [self._prompt(r) for r in batch]
         images = [img for r in batch for img in r.images]
         inputs = self.processor(text=texts, images=images or None, return_tensors="pt", padding=True)
@@ -280,7 +299,7 @@ class HFEngine:
                     )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
-        if getattr(self, "offload", None) is not None and clock.times:  # offload's own TTFT / decode timing
+        if self.offload is not None and clock.times:
             self.offload.timing.add_batch(t0, clock.times, len(batch))
         results = []
         for row, req in enumerate(batch):

@@ -88,3 +88,21 @@ def test_oracle_beats_lru(trace_path):
     lru = run(make_engine(offload_cfg("lru", capacity=6)))[2]
     oracle = run(make_engine(offload_cfg("oracle", capacity=6, trace=str(trace_path))))[2]
     assert oracle["misses"] <= lru["misses"] and oracle["accesses"] == lru["accesses"]
+
+
+def test_model_expert_weights_leave_the_device():
+    """With a cache policy the model keeps only shape-only meta placeholders: the cache is the only device copy."""
+    from harness.techniques.sere_calibration import find_moe_blocks
+
+    eng = make_engine(offload_cfg("lru", capacity=3))
+    try:
+        blocks = find_moe_blocks(eng.model)
+        assert len(blocks) == 4
+        for ref in blocks:
+            assert ref.block.experts.gate_up_proj.device.type == "meta"
+            assert ref.block.experts.down_proj.device.type == "meta"
+        mover = eng.offload.mover
+        assert tuple(mover.gate_up.shape[:2]) == (4, 3) and mover.gate_up.device.type == "cpu"
+        assert eng.offload.store.gate_up.shape[:2] == (4, 16)
+    finally:
+        eng.close()

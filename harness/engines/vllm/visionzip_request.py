@@ -17,11 +17,11 @@ copied):
   hash from the images' hashes, the span and the settings (the encoder cache and prefix caching key the
   *request's* bundle, whose rows depend on all its images).
 * **Profiling** (:class:`BundleInfo`, :meth:`BundleProcessor.get_dummy_mm_inputs`): the largest bundle —
-  ``limit`` images of the largest size (capped by ``max_model_len``), plus :data:`ENV_SPAN_TEXT` tokens of
-  text between images — is what ``get_mm_max_tokens_per_item`` reports and what the encoder profile runs,
+  ``limit`` images of the largest size (capped by ``max_model_len``), plus ``HARNESS_VZ_SPAN_TEXT`` tokens of
+  text between images (:data:`~harness.engines.vllm.settings.ENV_VZ_SPAN_TEXT`) — is what ``get_mm_max_tokens_per_item`` reports and what the encoder profile runs,
   so the encoder cache and compute budget hold any bundle (a longer one is refused with a clear error).
 * **Model** (:meth:`BundleModel.embed_multimodal`): the vision tower on all images of the batch's bundles
-  at once; the scoring block's attention hands over q, k and its LSE (``harness.engines.vllm_vz_lse``);
+  at once; the scoring block's attention hands over q, k and its LSE (``harness.engines.vllm.lse_capture``);
   ``compute_importance`` → ``merge_unit_scores`` → ``select_tokens(scope="request")`` per bundle (the HF
   engine's functions), ``compress_image`` for contextual tokens (main and deepstack channels are one row in
   vLLM and the merge is linear per channel, so they merge alike); rows assembled in span order — kept
@@ -33,62 +33,26 @@ copied):
   bundle when multimodal pruning is on — writes ``base +`` each row's original position, also when chunked
   prefill cuts the bundle anywhere (the row index says where a slice starts).
 
-Needs ``mm_processor_cache_gb=0`` (the engine sets it): with the processor cache, items already sent to the
-engine core arrive as None and cannot be folded.
+The processor cache is bypassed for requests with images (it would hand already-sent image items over as
+None, which cannot be folded); the engine also sets ``mm_processor_cache_gb=0`` (no memory spent on it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
-from dataclasses import dataclass
 from typing import Any
 
-from harness.techniques.visionzip_bundle import SpanLayout, decode_ints, encode_ints, request_total
+from harness.engines.vllm.settings import ENV_VZ_SCOPE, ENV_VZ_SPAN_TEXT, VZ_REQUEST_ARCH, VisionZipSettings
+from harness.techniques.visionzip_bundle import SpanLayout, decode_ints, encode_ints
 
-ENV_SCOPE = "HARNESS_VZ_SCOPE"
-ENV_CONTEXTUAL = "HARNESS_VZ_CONTEXTUAL"
-ENV_SPAN_TEXT = "HARNESS_VZ_SPAN_TEXT"  # text tokens between images a bundle may hold (profiling bound)
-DEFAULT_SPAN_TEXT = 512
-REQUEST_ARCH = "HarnessVisionZipRequestQwen3VLMoeForConditionalGeneration"
 POS_CHANNELS = 8  # (t, h, w, row) × (hi, lo)
 
-__all__ = ["RequestScopeSettings", "REQUEST_ARCH", "ENV_SCOPE", "ENV_CONTEXTUAL", "ENV_SPAN_TEXT",
-           "request_scope_classes", "bundle_hash"]
+__all__ = ["VZ_REQUEST_ARCH", "request_scope_classes", "bundle_hash"]
 
 
-@dataclass(frozen=True)
-class RequestScopeSettings:
-    """``scope=request`` settings of this process, from the environment (``HARNESS_VZ_*``)."""
-
-    keep: float
-    layer: int = -1
-    min_per_image: int = 1
-    contextual: float = 0.0
-    span_text: int = DEFAULT_SPAN_TEXT
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "RequestScopeSettings | None":
-        env = os.environ if env is None else env
-        keep = (env.get("HARNESS_VZ_KEEP") or "").strip()
-        if not keep or float(keep) >= 1.0 or (env.get(ENV_SCOPE) or "image").strip() != "request":
-            return None
-        return cls(keep=float(keep), layer=int(env.get("HARNESS_VZ_LAYER") or -1),
-                   min_per_image=int(env.get("HARNESS_VZ_MIN_PER_IMAGE") or 1),
-                   contextual=float(env.get(ENV_CONTEXTUAL) or 0.0),
-                   span_text=int(env.get(ENV_SPAN_TEXT) or DEFAULT_SPAN_TEXT))
-
-    def env(self) -> dict[str, str]:
-        return {"HARNESS_VZ_KEEP": repr(float(self.keep)), "HARNESS_VZ_LAYER": str(self.layer),
-                "HARNESS_VZ_MIN_PER_IMAGE": str(self.min_per_image), ENV_SCOPE: "request",
-                ENV_CONTEXTUAL: repr(float(self.contextual)), ENV_SPAN_TEXT: str(self.span_text)}
-
-    def total(self, sizes) -> int:
-        return request_total(sizes, self.keep, self.min_per_image)
-
-
-def bundle_hash(image_hashes, span_ids, settings: RequestScopeSettings) -> str:
+def bundle_hash(image_hashes, span_ids, settings: VisionZipSettings) -> str:
     """The bundle's identity: its images (in order), the span around them and the selection settings."""
     blob = json.dumps([list(image_hashes), list(span_ids), settings.keep, settings.layer, settings.min_per_image,
                        settings.contextual], separators=(",", ":"))
@@ -131,14 +95,14 @@ def request_scope_classes() -> dict[str, Any]:
         PlaceholderRange,
     )
 
-    from harness.engines import vllm_vz_lse
+    from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
     from harness.techniques.visionzip import compress_image, merge_unit_scores, merge_units, select_tokens
 
-    def settings() -> RequestScopeSettings:
-        st = RequestScopeSettings.from_env()
-        if st is None:
-            raise RuntimeError(f"{REQUEST_ARCH} needs HARNESS_VZ_KEEP < 1 and {ENV_SCOPE}=request")
+    def settings() -> VisionZipSettings:
+        st = VisionZipSettings.from_env()
+        if st is None or st.scope != "request":
+            raise RuntimeError(f"{VZ_REQUEST_ARCH} needs HARNESS_VZ_KEEP < 1 and {ENV_VZ_SCOPE}=request")
         return st
 
     class BundleInfo(Qwen3VLMoeProcessingInfo):
@@ -168,6 +132,10 @@ def request_scope_classes() -> dict[str, Any]:
             return super().get_dummy_mm_inputs(counts, cache=cache, scheduler_config=scheduler_config)
 
         def apply(self, inputs, timing_ctx):
+            if getattr(inputs, "cache", None) is not None and inputs.mm_data_items.get_all_counts().get("image"):
+                # the processor cache hands already-sent image items over as None: they could not be folded
+                # (the bundle item itself is new and always sent with its data)
+                inputs = dataclasses.replace(inputs, cache=None)
             out = super().apply(inputs, timing_ctx)
             items = list((out.get("mm_kwargs") or {}).get("image", []) or [])
             if not items:
@@ -179,8 +147,8 @@ def request_scope_classes() -> dict[str, Any]:
             cfg = self.info.get_hf_config()
             merge = int(cfg.vision_config.spatial_merge_size)
             if any(item is None for item in items):
-                raise RuntimeError("VisionZip scope=request needs mm_processor_cache_gb=0 (a cached image item "
-                                   "cannot be folded into its request's bundle)")
+                raise RuntimeError("VisionZip scope=request: an image item arrived cached (None) and cannot be "
+                                   "folded into its request's bundle; run with mm_processor_cache_gb=0")
             places = sorted(zip(out["mm_placeholders"]["image"], items, out["mm_hashes"]["image"]),
                             key=lambda p: p[0].offset)
             prompt = list(out["prompt_token_ids"])
@@ -194,7 +162,7 @@ def request_scope_classes() -> dict[str, Any]:
             if length > self.info.max_bundle_tokens():
                 raise ValueError(f"VisionZip scope=request: this request's image span needs {length} tokens, more "
                                  f"than the {self.info.max_bundle_tokens()} the encoder cache was sized for "
-                                 f"(raise {ENV_SPAN_TEXT}, now {st.span_text}, or max_model_len)")
+                                 f"(raise {ENV_VZ_SPAN_TEXT}, now {st.span_text}, or max_model_len)")
             pixel = torch.cat([item["pixel_values"].data for _, item, _ in places], dim=0)
             batched = MultiModalFieldConfig.batched("image").field
             on_cpu = MultiModalFieldConfig.batched("image", keep_on_cpu=True).field
@@ -224,7 +192,7 @@ def request_scope_classes() -> dict[str, Any]:
                 raise ValueError(f"visionzip.layer={self._vz.layer} out of range for {len(blocks)} blocks")
             block = blocks[self._vz.layer].attn
             self._vz_op = block.attn
-            self._vz_capture = vllm_vz_lse.install(block.attn, block.qkv, want_keys=self._vz.contextual > 0)
+            self._vz_capture = lse_capture.install(block.attn, block.qkv, want_keys=self._vz.contextual > 0)
             self._vz_stats: list[dict[str, Any]] = []  # per bundle encoded (kept per image), for statistics
 
         # ------------------------------------------------------------------------------ encoder side
@@ -250,7 +218,7 @@ def request_scope_classes() -> dict[str, Any]:
             all_grid = torch.cat(grids, dim=0)
             device = self.visual.device if hasattr(self.visual, "device") else pixels[0].device
             pv = torch.cat([p.reshape(-1, p.shape[-1]) for p in pixels], dim=0).to(device).type(self.visual.dtype)
-            embeds = self.visual(pv, grid_thw=all_grid.to(device))
+            embeds = self.visual(pv, grid_thw=all_grid)  # on the host, as vLLM keeps image_grid_thw
             merge = int(self.visual.spatial_merge_size)
             sizes = (all_grid.prod(-1) // (merge * merge)).tolist()
             per_image = list(embeds.split(sizes))
@@ -345,12 +313,12 @@ def request_scope_classes() -> dict[str, Any]:
                 positions[:3, offset + rows] = (got[:, :3].T + base).to(positions.dtype)
             return embeds, positions, int(positions.max()) + 1 - positions.shape[-1]
 
-    BundleModel.__name__ = BundleModel.__qualname__ = REQUEST_ARCH
+    BundleModel.__name__ = BundleModel.__qualname__ = VZ_REQUEST_ARCH
     _CLASSES.update(processor=BundleProcessor, info=BundleInfo, model=BundleModel)
     return _CLASSES
 
 
-def __getattr__(name: str):  # PEP 562: "harness.engines.vllm_vz_request:<REQUEST_ARCH>" resolves lazily
-    if name == REQUEST_ARCH:
+def __getattr__(name: str):  # PEP 562: "<this module>:<VZ_REQUEST_ARCH>" resolves lazily (imports vLLM)
+    if name == VZ_REQUEST_ARCH:
         return request_scope_classes()["model"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

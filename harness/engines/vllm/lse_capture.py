@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("harness.vllm_vz_lse")
+logger = logging.getLogger("harness.engines.vllm.lse_capture")
 
 __all__ = ["Capture", "install"]
 
@@ -37,6 +37,8 @@ class Capture:
 
     def take(self) -> dict[str, Any]:
         seen, self.seen = self.seen, {}
+        if seen.get("error"):
+            raise RuntimeError(f"VisionZip: {seen['error']}")
         if not seen or seen.get("q") is None or seen.get("cu") is None:
             raise RuntimeError("VisionZip: the scoring block's attention was not observed")
         return seen
@@ -82,6 +84,14 @@ def install(op, qkv_module=None, want_keys: bool = False) -> Capture:
             cu = torch.tensor([0, q3.shape[0]], dtype=torch.int32, device=q3.device)
         else:
             cu = (cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.as_tensor(cu_seqlens)).to(q3.device)
+        if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != q3.shape[0]:
+            # FlashInfer's ViT path passes rescaled/padded offsets: not segment bounds of the packed tokens
+            cap.seen = {"error": f"the {getattr(op, 'attn_backend', '?')} ViT attention backend passes cu_seqlens "
+                                 "that are not token offsets; VisionZip needs FLASH_ATTN, TRITON_ATTN or TORCH_SDPA "
+                                 "(vLLM's mm_encoder_attn_backend)"}
+            cap.fallback_calls += 1
+            return stock(query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         sequence_lengths=sequence_lengths)
         cap.seen.update(q=q3, k=k3, cu=cu, lse=None)
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         got = _vllm_flash_with_lse(op, q3, k3, v3, cu.to(torch.int32), longest)
