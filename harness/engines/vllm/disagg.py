@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sere-rho", type=float, default=0.1)
     parser.add_argument("--similarity", default=None, help="similarity artifact (default: calibrate once)")
     parser.add_argument("--visionzip-keep", type=float, default=0.5)
+    parser.add_argument("--visionzip-scope", choices=["image", "request"], default="image",
+                        help="image: tested in P/D (tests/vllm/test_vllm_disagg.py); request: not tested here")
     parser.add_argument("--connector", default=CONNECTOR)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--storage", required=True, help="an empty folder for the connector's KV files")
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_cfg = SimpleNamespace(name="vllm", device="auto", dtype="auto", batch_size=8, max_model_len=args.max_model_len,
                                  gpu_memory_utilization=0.5, enforce_eager=False, tensor_parallel_size=1)
     sere = SimpleNamespace(k=args.sere_k, rho=args.sere_rho, protect=0, similarity=args.similarity, protection=None)
-    vz = SimpleNamespace(keep=args.visionzip_keep, scope="image", contextual=0.0, layer=-1, min_per_image=1)
+    vz = SimpleNamespace(keep=args.visionzip_keep, scope=args.visionzip_scope, contextual=0.0, layer=-1,
+                         min_per_image=1)
     requests = _requests(args.dataset, args.limit)
     out = run_disaggregated(model, requests, engine_cfg, args.max_new_tokens, sere_cfg=sere, visionzip_cfg=vz,
                             storage=args.storage, connector=args.connector, block_size=args.block_size,
