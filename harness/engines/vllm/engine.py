@@ -135,8 +135,10 @@ class VLLMEngine(LoadMode):
     def _export_env(self) -> None:
         from harness.engines.vllm.settings import ALL_ENV
 
+        from harness.engines.vllm.techniques import V1_RUNNER_ENV
+
         wanted = plugin_env(self.sere, self.visionzip, self.moe)
-        for key in ALL_ENV:
+        for key in (*ALL_ENV, V1_RUNNER_ENV) if V1_RUNNER_ENV in wanted else ALL_ENV:
             if key not in self._env_saved:
                 self._env_saved[key] = os.environ.get(key)
             if key in wanted:
