@@ -266,6 +266,18 @@ class OffloadLeaseConfig:
     prefetch: str = "gate"  # gate (next layer's router on the current hidden state) | none
 
 
+# ------------------------------------------------------------- offload.prefetch (issue 15, offload-prefetch)
+@dataclass
+class OffloadPrefetchConfig:
+    """``offload.prefetch.*``: which speculative loads the cache issues, for every prefetching policy
+    (``harness/offload/prefetch.py``, docs/offload.md "Prefetch admission"). 0 = no limit."""
+
+    max_per_layer: int = 1  # new (non-resident) experts prefetched per target layer per pass, best-ranked first
+    max_inflight: int = 2  # no new prefetch while this many prefetch copies are still in flight
+    protect_tokens: int = 2  # a prefetch never evicts an expert accessed in the last N decode tokens
+    stream: str = "separate"  # separate (low-priority prefetch stream, high-priority demand stream) | shared
+
+
 # ---------------------------------------------------------------------------------------- offload (issue 15)
 @dataclass
 class OffloadConfig:
@@ -283,6 +295,8 @@ class OffloadConfig:
     # offload-lease (additive): the lease policy's stability threshold and its keys
     threshold: float = 0.5  # stability score >= threshold -> long, non-pre-emptible lease (policy=lease)
     lease: OffloadLeaseConfig = field(default_factory=OffloadLeaseConfig)
+    # offload-prefetch (additive): prefetch admission rules of the cache
+    prefetch: OffloadPrefetchConfig = field(default_factory=OffloadPrefetchConfig)
 
 
 @dataclass

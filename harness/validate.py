@@ -394,6 +394,17 @@ LEASE_CROSS_RULES = (
 RULES = RULES + LEASE_RULES
 CROSS_RULES = CROSS_RULES + LEASE_CROSS_RULES
 
+# ------------------------------------------------------------- offload.prefetch (issue 15, offload-prefetch)
+from harness.offload.prefetch import STREAMS  # noqa: E402 - stdlib-only module
+
+PREFETCH_RULES: tuple[Rule, ...] = (
+    Rule("offload.prefetch.max_per_layer", at_least(0, "experts per target layer per pass; 0 = no limit")),
+    Rule("offload.prefetch.max_inflight", at_least(0, "prefetch copies in flight; 0 = no limit")),
+    Rule("offload.prefetch.protect_tokens", at_least(0, "decode tokens; 0 = no protection")),
+    Rule("offload.prefetch.stream", one_of(*STREAMS)),
+)
+RULES = RULES + PREFETCH_RULES
+
 
 @dataclass(frozen=True)
 class Normalize:

@@ -165,6 +165,16 @@ LEASE_CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((*LEASE, "offload.lease.prefetch=oracle"), "offload.lease.prefetch"),
     ((*LEASE, "offload.lease.preemptible=false"), None),
 ]
+# offload.prefetch (issue 15, offload-prefetch: harness/offload/prefetch.py, docs/offload.md)
+PREFETCH_CASES: list[tuple[tuple[str, ...], str | None]] = [
+    ((LRU, "offload.capacity=4", "offload.policy=lru+gate"), None),
+    ((LRU, "offload.capacity=4", "offload.prefetch.max_per_layer=0", "offload.prefetch.max_inflight=0",
+      "offload.prefetch.protect_tokens=0", "offload.prefetch.stream=shared"), None),  # the legacy behaviour
+    ((LRU, "offload.capacity=4", "offload.prefetch.max_per_layer=-1"), "offload.prefetch.max_per_layer"),
+    ((LRU, "offload.capacity=4", "offload.prefetch.max_inflight=-1"), "offload.prefetch.max_inflight"),
+    ((LRU, "offload.capacity=4", "offload.prefetch.protect_tokens=1.5"), "offload.prefetch.protect_tokens"),
+    ((LRU, "offload.capacity=4", "offload.prefetch.stream=priority"), "offload.prefetch.stream"),
+]
 # (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
 # embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
 SHP, SHPVL, LOAD = "model=qwen3_30b_a3b_shapes", "model=qwen3_vl_30b_a3b_shapes", "dataset=synthetic_load"
@@ -321,6 +331,7 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     # offload (issue 15; harness/offload, docs/offload.md)
     *OFFLOAD_CASES,
     *LEASE_CASES,
+    *PREFETCH_CASES,
 ]
 
 

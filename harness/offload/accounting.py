@@ -76,7 +76,9 @@ class Accounting:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_redundant: int = 0  # asked for an expert already resident or in flight (no copy)
-    prefetch_dropped: int = 0  # no evictable slot for it
+    prefetch_dropped: int = 0  # no evictable slot for it (free slots gone, the rest protected)
+    prefetch_capped: int = 0  # over offload.prefetch.max_per_layer (not issued)
+    prefetch_throttled: int = 0  # offload.prefetch.max_inflight prefetch copies already in flight (not issued)
     evictions: int = 0
     chunked_layer_passes: int = 0  # (pass, layer) computed in several chunks (more experts needed than slots)
     ever_loaded: set[tuple[int, int]] = field(default_factory=set)
@@ -174,6 +176,8 @@ class Accounting:
             "prefetch_wasted": self.prefetch_wasted,
             "prefetch_redundant": self.prefetch_redundant,
             "prefetch_dropped": self.prefetch_dropped,
+            "prefetch_capped": self.prefetch_capped,
+            "prefetch_throttled": self.prefetch_throttled,
             "prefetch_precision": _ratio(self.prefetch_used, self.prefetch_issued),
             "prefetch_recall_on_time": _ratio(d.prefetch_hits, served) if self.prefetch_issued else None,
             "wasted_bytes": self.prefetch_wasted * self.expert_bytes,

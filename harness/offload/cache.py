@@ -20,7 +20,13 @@ Mechanism, per access of layer ``l`` with needed experts ``N`` (sorted unique):
    (demand loads) — the copy waits on the layer's last-read event, so it never overwrites a slot compute may
    still read; the compute stream waits on each needed load's event; the table gets the new slot ids.
 3. the caller computes, then ``release(l)`` records the layer's read event; ``prefetch(l, pairs)`` issues
-   speculative loads for later layers (their victims exclude experts loaded in the current pass).
+   speculative loads for later layers under the admission rules of :mod:`harness.offload.prefetch`
+   (``offload.prefetch.*``: a cap per layer, a cap on prefetch copies in flight, no eviction of an expert
+   used in the last N tokens or predicted by the same request, their own low-priority copy stream; their
+   victims also exclude experts loaded in the current pass).
+
+Slot reuse across streams: when an entry whose load is still in flight is evicted (an unused prefetch), the
+next load into its slot is told to wait on that load (``after=``), so two copies never race on one slot.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 
 from harness.offload.accounting import Accounting
 from harness.offload.policy import Clock, Geometry, OffloadPolicy
+from harness.offload.prefetch import PrefetchSettings
 
 __all__ = ["ExpertCache", "Entry"]
 
@@ -44,14 +51,21 @@ class Entry:
     prefetched: bool  # its load was a prefetch not yet used
     pass_loaded: int  # pass index of the load
     load: Any = None  # the mover's handle of an in-flight load (None = complete)
+    last_step: int = -1  # the cache's pass-independent decode-step counter at the last access (-1 = never)
 
 
 class ExpertCache:
     """See the module doc. ``mover`` performs copies (None = bookkeeping only)."""
 
     def __init__(self, geometry: Geometry, policy: OffloadPolicy, mover: Any = None, warm_after: int = 8,
-                 ms_per_token: float | None = None):
+                 ms_per_token: float | None = None, prefetch: PrefetchSettings | None = None):
         self.g = geometry
+        self.pf = prefetch if prefetch is not None else PrefetchSettings()
+        if mover is not None and hasattr(mover, "set_streams"):
+            mover.set_streams(self.pf.stream)
+        self._inflight: list[Any] = []  # handles of prefetch loads that may still be copying
+        self._slot_after: list[dict[int, Any]] = [dict() for _ in range(geometry.num_layers)]
+        self._steps = 0  # decode steps ever (never reset: the recency rule must survive reset_stats)
         self.policy = policy
         self.mover = mover
         self.mode = policy.mode
@@ -83,6 +97,7 @@ class ExpertCache:
         else:
             self.step += 1
             self.tokens += 1
+            self._steps += 1
         self.clock = self._clock()
         self.acct.begin_pass(phase, row_tokens)
         self.policy.begin_pass(self.clock, tokens, embeddings if self.policy.needs_embeddings else None)
@@ -144,11 +159,13 @@ class ExpertCache:
                 waits.append(ent.load)
                 ent.load = None
             ent.prefetched = False
+            ent.last_step = self._steps
         if missing:
             self._make_room(layer, len(missing), exclude=set(chunk), for_prefetch=False)
             for e in missing:
                 acct.access(phase, self.step, layer, e, "miss", False, rows.get(e, 1))
                 ent = self._load(layer, e, prefetch=False)
+                ent.last_step = self._steps
                 if ent.load is not None:
                     waits.append(ent.load)
                     ent.load = None
@@ -167,24 +184,58 @@ class ExpertCache:
 
     # -- prefetch path ----------------------------------------------------------------------------
     def prefetch(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Speculative loads (policy-chosen ``(layer, expert)`` pairs); no-op outside the cache mode."""
+        """Speculative loads (policy-chosen ``(layer, expert)`` pairs, best first); no-op outside the cache mode.
+        Admission (``self.pf``): resident or repeated pairs are redundant; of the rest, per layer, the first
+        ``max_per_layer`` (others ``prefetch_capped``), while fewer than ``max_inflight`` prefetch copies are in
+        flight (others ``prefetch_throttled``), into free slots or victims that are not protected (others
+        ``prefetch_dropped``)."""
         if self.mode != "cache":
             return
         by_layer: dict[int, list[int]] = {}
+        predicted: dict[int, set[int]] = {}
         for layer, e in pairs:
             if not (0 <= layer < self.g.num_layers and 0 <= e < self.g.num_experts):
                 raise ValueError(f"policy {self.policy.name!r} asked to prefetch ({layer}, {e}): out of range")
+            predicted.setdefault(layer, set()).add(e)
             if e in self.entries[layer] or e in by_layer.get(layer, ()):
                 self.acct.prefetch_redundant += 1
                 continue
             by_layer.setdefault(layer, []).append(e)
+        pf, acct = self.pf, self.acct
         for layer, experts in by_layer.items():
-            room = self._make_room(layer, len(experts), exclude=set(), for_prefetch=True)
-            if room < len(experts):
-                self.acct.prefetch_dropped += len(experts) - room
-                experts = experts[:room]
+            asked = experts
+            if pf.max_per_layer and len(experts) > pf.max_per_layer:
+                acct.prefetch_capped += len(experts) - pf.max_per_layer
+                experts = experts[:pf.max_per_layer]
+            if pf.max_inflight:
+                self._prune_inflight()
+                room_q = max(0, pf.max_inflight - len(self._inflight))
+                if room_q < len(experts):
+                    acct.prefetch_throttled += len(experts) - room_q
+                    experts = experts[:room_q]
+            if experts:
+                room = self._make_room(layer, len(experts), exclude=predicted[layer], for_prefetch=True)
+                if room < len(experts):
+                    acct.prefetch_dropped += len(experts) - room
+                    experts = experts[:room]
+            if len(experts) < len(asked):
+                self.policy.on_prefetch_skipped(layer, asked[len(experts):], self.clock)
             for e in experts:
-                self._load(layer, e, prefetch=True)
+                ent = self._load(layer, e, prefetch=True)
+                if ent.load is not None:
+                    self._inflight.append(ent.load)
+
+    def _prune_inflight(self) -> None:
+        if self.mover is None:
+            self._inflight.clear()
+        else:
+            self._inflight = [h for h in self._inflight if not self.mover.done(h)]
+
+    def protected(self, layer: int, e: int) -> bool:
+        """``e`` of ``layer`` was accessed in the last ``protect_tokens`` decode steps (a prefetch may not evict it)."""
+        n = self.pf.protect_tokens
+        ent = self.entries[layer][e]
+        return bool(n) and ent.last_step >= 0 and ent.last_step > self._steps - n
 
     # -- internals --------------------------------------------------------------------------------
     def _make_room(self, layer: int, n: int, exclude: set[int], for_prefetch: bool) -> int:
@@ -195,7 +246,7 @@ class ExpertCache:
             return n
         entries = self.entries[layer]
         cands = [e for e in sorted(entries) if e not in exclude
-                 and not (for_prefetch and entries[e].pass_loaded == self.pass_index)]
+                 and not (for_prefetch and (entries[e].pass_loaded == self.pass_index or self.protected(layer, e)))]
         want = min(n - len(free), len(cands))
         if want < n - len(free) and not for_prefetch:
             raise RuntimeError(f"layer {layer}: {n} slots needed, {len(free)} free and {len(cands)} evictable "
@@ -212,6 +263,8 @@ class ExpertCache:
     def _drop(self, layer: int, e: int, count: bool) -> None:
         ent = self.entries[layer].pop(e)
         self.free[layer].append(ent.slot)
+        if ent.load is not None and self.mover is not None and not self.mover.done(ent.load):
+            self._slot_after[layer][ent.slot] = ent.load  # the next write of this slot waits on this copy
         if count:
             self.acct.evict(unused_prefetch=ent.prefetched)
         if self.mover is not None:
@@ -219,7 +272,9 @@ class ExpertCache:
 
     def _load(self, layer: int, e: int, prefetch: bool) -> Entry:
         slot = self.free[layer].pop(0)
-        handle = self.mover.load(self, layer, e, slot, prefetch) if self.mover is not None else None
+        after = self._slot_after[layer].pop(slot, None)
+        handle = (self.mover.load(self, layer, e, slot, prefetch, after=after) if self.mover is not None
+                  else None)
         ent = Entry(slot=slot, prefetched=prefetch, pass_loaded=self.pass_index, load=handle)
         self.entries[layer][e] = ent
         self.acct.load(self.phase, layer, e, prefetch)

@@ -134,7 +134,10 @@ class OffloadRuntime:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.mover = Mover(self.store, capacity, self.device)
-        self.cache = ExpertCache(self.geometry, self.policy, self.mover, int(cfg.get("warm_after_tokens", 8)))
+        from harness.offload.prefetch import prefetch_settings  # offload-prefetch: offload.prefetch.* admission
+
+        self.cache = ExpertCache(self.geometry, self.policy, self.mover, int(cfg.get("warm_after_tokens", 8)),
+                                 prefetch=prefetch_settings(cfg))
         from harness.offload.timing import BatchTiming
 
         self.timing = BatchTiming()

@@ -311,11 +311,19 @@ class LeasePolicy(OffloadPolicy):
                 or clock.phase != "decode"):
             return ()
         ids = self.ctx.gate(nxt, hidden)
-        experts = sorted({int(e) for e in ids.reshape(-1).tolist() if 0 <= int(e) < self.geometry.num_experts})
+        from harness.offload.policies import rank_gate_guess
+
+        experts = rank_gate_guess(ids, self.geometry.num_experts)  # best first: the cache admits the first few
         for e in experts:
             if e not in self.leases[nxt]:
                 self._grant(nxt, e, clock, 0.0, prefetched=True)
         return [(nxt, e) for e in experts]
+
+    def on_prefetch_skipped(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        """The cache did not load these prefetch guesses (offload.prefetch admission): no lease for an expert
+        that is not there (it is not resident, so its only lease is the prefetch grant)."""
+        for e in experts:
+            self.leases[layer].pop(e, None)
 
     def on_reset(self, clock: Clock) -> None:
         """Measurement starts and the token clock restarts at 0 (under a trace the ms clock too): re-base every

@@ -74,9 +74,25 @@ class LRUGatePolicy(LRUPolicy):
                 or (clock.phase != "decode" and not self.ctx.params.get("prefetch_prefill", False))):
             return ()
         ids = self.ctx.gate(nxt, hidden)
-        experts = sorted({int(e) for e in ids.reshape(-1).tolist() if 0 <= int(e) < self.geometry.num_experts})
+        experts = rank_gate_guess(ids, self.geometry.num_experts)
         self.touch(nxt, experts)
         return [(nxt, e) for e in experts]
+
+
+def rank_gate_guess(ids: Any, num_experts: int) -> list[int]:
+    """The gate's guessed experts ``[T, k]`` (each row's top-k, best first), best first: by the number of rows
+    naming the expert, then by its best rank in a row, then id. The cache admits only the first few
+    (``offload.prefetch.max_per_layer``), so the order is the prefetch priority."""
+    rows = ids.reshape(-1, ids.shape[-1]).tolist() if hasattr(ids, "reshape") else [list(ids)]
+    score: dict[int, list[int]] = {}
+    for row in rows:
+        for rank, e in enumerate(row):
+            e = int(e)
+            if 0 <= e < num_experts:
+                s = score.setdefault(e, [0, rank])
+                s[0] += 1
+                s[1] = min(s[1], rank)
+    return sorted(score, key=lambda e: (-score[e][0], score[e][1], e))
 
 
 @register_policy("oracle")

@@ -125,6 +125,11 @@ class OffloadPolicy:
         """``(layer', expert)`` pairs to load speculatively after ``layer`` was scheduled. Default: none."""
         return ()
 
+    def on_prefetch_skipped(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        """Prefetch guesses of ``layer`` (not resident) the cache did not load (``offload.prefetch`` admission:
+        over the per-layer cap, too many copies in flight, or no unprotected slot). Added in interface v1
+        (additive)."""
+
     def on_evict(self, layer: int, expert: int, clock: Clock) -> None:
         """``expert`` left ``layer``'s pool (a victim the policy chose)."""
 

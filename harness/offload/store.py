@@ -8,8 +8,12 @@ tensors and the "device" slots are CPU tensors too — the same tables, the same
 
 CUDA ordering (no copy ever overwrites a slot compute may still read, nothing is copied back):
 
-- loads run on one dedicated copy stream; before writing any slot of layer ``l`` the copy stream waits on
+- loads run on a dedicated copy stream (``set_streams("separate")``, the cache's default: demand loads on a
+  high-priority copy stream, prefetches on their own low-priority one, so a demand copy is never queued behind
+  a speculative copy in stream order); before writing any slot of layer ``l`` the copy stream waits on
   layer ``l``'s last *read event* (recorded on the compute stream right after the layer's kernel was issued);
+- a load into a slot whose previous (evicted, unused) prefetch may still be copying waits on that copy's event
+  first (``after``): with two copy streams, two writes of one slot are otherwise unordered;
 - each load records a completion event; the compute stream waits on the events of the experts it needs
   (only those: unrelated copies never block compute);
 - timing: an event pair around each load (copy-stream busy time → achieved GB/s) and around each wait that
@@ -86,6 +90,7 @@ class Mover:
                                 device=self.device)
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=self.device)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.prefetch_stream = self.stream  # set_streams("separate") gives prefetches their own stream
         self.read_events: list[Any] = [None] * num_layers
         self._copies: list[tuple[str, Any, Any]] = []  # (phase, start, end) timing events
         self._stalls: list[tuple[str, Any, Any]] = []
@@ -95,20 +100,36 @@ class Mover:
         return (self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
                 + self.table.numel() * self.table.element_size())
 
+    def set_streams(self, mode: str) -> None:
+        """``separate``: demand loads on a high-priority copy stream, prefetches on a low-priority one;
+        ``shared``: one copy stream for both. Called by the cache before any load."""
+        if not self.cuda:
+            return
+        if mode == "separate":
+            # lower number = higher priority; out-of-range values are mapped to the nearest valid one
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
+            self.prefetch_stream = torch.cuda.Stream(self.device, priority=0)
+        else:
+            self.stream = self.prefetch_stream = torch.cuda.Stream(self.device)
+
     # -- called by the cache ----------------------------------------------------------------------
-    def load(self, cache: Any, layer: int, expert: int, slot: int, prefetch: bool) -> Any:
-        """Copy ``expert`` of ``layer`` into ``slot``; returns the completion event (CUDA) or None (done)."""
+    def load(self, cache: Any, layer: int, expert: int, slot: int, prefetch: bool, after: Any = None) -> Any:
+        """Copy ``expert`` of ``layer`` into ``slot`` (after the copy ``after``, if any, into the same slot);
+        returns the completion event (CUDA) or None (done)."""
         src_gu, src_dn = self.store.gate_up[layer, expert], self.store.down[layer, expert]
         if self.cuda:
-            with torch.cuda.stream(self.stream):
+            stream = self.prefetch_stream if prefetch else self.stream
+            with torch.cuda.stream(stream):
                 if self.read_events[layer] is not None:
-                    self.stream.wait_event(self.read_events[layer])
+                    stream.wait_event(self.read_events[layer])
+                if after is not None:
+                    stream.wait_event(after)
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
+                start.record(stream)
                 self.gate_up[layer, slot].copy_(src_gu, non_blocking=True)
                 self.down[layer, slot].copy_(src_dn, non_blocking=True)
-                end.record(self.stream)
+                end.record(stream)
             self._copies.append((cache.phase, start, end))
             self.table[layer, expert] = slot
             return end

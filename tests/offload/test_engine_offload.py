@@ -58,6 +58,8 @@ def trace_path(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["none", "staging", "lru", "lru+gate", "oracle"])
 def test_tokens_identical(policy, resident, trace_path):
     extra = {"trace": str(trace_path)} if policy == "oracle" else {}
+    if policy == "lru+gate":  # 5 slots, top-4 at B=2: every slot was used within 2 tokens, so the default
+        extra = {"prefetch": {"protect_tokens": 0}}  # protection would refuse every prefetch: let some happen
     texts, n, stats = run(make_engine(offload_cfg(policy, **extra)))
     assert (texts, n) == resident[:2]
     assert stats["policy"] == policy and stats["decode_steps"] > 0
@@ -106,3 +108,12 @@ def test_model_expert_weights_leave_the_device():
         assert eng.offload.store.gate_up.shape[:2] == (4, 16)
     finally:
         eng.close()
+
+
+def test_tokens_identical_default_prefetch_admission(resident):
+    """lru+gate under the default offload.prefetch admission (protection on): same tokens; guesses are asked
+    for and refused by the protection rule or the caps, each refusal counted."""
+    texts, n, stats = run(make_engine(offload_cfg("lru+gate")))
+    assert (texts, n) == resident[:2]
+    refused = stats["prefetch_dropped"] + stats["prefetch_capped"] + stats["prefetch_throttled"]
+    assert refused > 0
