@@ -170,6 +170,9 @@ class OffloadRuntime:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         frac = min(1.0, float(budget_gb) * 1e9 / total)
+        # the limit is checked only when the caching allocator asks the driver for more: blocks it already caches
+        # (the experts just moved to the host) would be handed out beyond it. Release them first.
+        torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(frac, index)
         return {"gpu_budget_gb": float(budget_gb), "memory_fraction": frac, "enforced": True,
                 "device_total_bytes": total}
