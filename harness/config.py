@@ -83,6 +83,11 @@ class LoadConfig:
     burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
     warmup: int = 2  # requests sent and discarded before measuring
     seed: int = 0
+    # --- vllm serve load mode (harness/engines/vllm/serve_mode.py, docs/vllm.md) ---
+    # null = AsyncLLM in process; "auto" = the harness starts `vllm serve` with the run's techniques;
+    # "http://host:port" = a running server (its techniques, reported by the harness endpoint plugin)
+    endpoint: Optional[str] = None
+    server_timeout_s: float = 900.0  # auto: how long to wait for the server's /health
 
 
 @dataclass

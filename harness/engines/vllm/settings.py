@@ -142,3 +142,15 @@ class VisionZipSettings:
         from harness.techniques.visionzip import budget
 
         return min(n, max(min(self.min_per_image, n), budget(self.keep, n)))
+
+
+def describe_env(env: dict[str, str] | None = None) -> dict[str, dict | None]:
+    """What these variables switch on, as plain dicts (None = off): how a process — the harness, or a
+    ``vllm serve`` reporting through ``harness.engines.vllm.endpoint`` — states its techniques."""
+    from dataclasses import asdict
+
+    out: dict[str, dict | None] = {}
+    for name, cls in (("sere", SereSettings), ("visionzip", VisionZipSettings), ("moe", MoeSettings)):
+        got = cls.from_env(env)
+        out[name] = asdict(got) if got is not None else None
+    return out
