@@ -170,6 +170,9 @@ class OpenCompassConfig:
     max_num_workers: int = 1  # OpenCompass --max-num-workers (parallel tasks)
     debug: bool = False  # OpenCompass --debug: tasks in the runner's own process (no subprocess per task)
     timeout_s: Optional[int] = None  # kill OpenCompass after this many seconds (None = no limit)
+    # engine=vllm (harness/opencompass/vllm_route.py): the vLLM venv's python that runs `vllm serve`;
+    # None = $HARNESS_VLLM_PYTHON, else .venv-vllm/bin/python of this checkout
+    vllm_python: Optional[str] = None
 
 
 @dataclass

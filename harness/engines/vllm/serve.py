@@ -111,9 +111,11 @@ class VLLMServer:
     # -- lifecycle ----------------------------------------------------------------------------------
     @classmethod
     def start(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
-              timeout_s: float = 900.0, host: str = "127.0.0.1", port: int | None = None) -> "VLLMServer":
+              timeout_s: float = 900.0, host: str = "127.0.0.1", port: int | None = None,
+              python: str | None = None) -> "VLLMServer":
+        """``python``: the vLLM venv's interpreter (default: this one)."""
         port = port or free_port(host)
-        cmd = [sys.executable, "-m", "harness.engines.vllm.serve_main", "serve", str(model_path), "--host", host,
+        cmd = [python or sys.executable, "-m", "harness.engines.vllm.serve_main", "serve", str(model_path), "--host", host,
                "--port", str(port), "--generation-config", "vllm", *cli_args(engine_args)]
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,20 @@ def config_mismatches(sere_cfg: Any, visionzip_cfg: Any, moe_cfg: Any, sere: Any
     return out
 
 
+def check_server_techniques(server: Any, sere: Any, visionzip: Any, moe: Any) -> dict[str, Any]:
+    """The server's ``GET /harness/techniques`` report, after checking that its workers run exactly these
+    settings; raises RuntimeError otherwise (a server whose plugin did not load would be measured as stock)."""
+    report = server.techniques()
+    got = _worker(report)
+    want = expected_state(sere, visionzip, moe)
+    if got is None or any(got.get(k) != v for k, v in want.items()):
+        raise RuntimeError(
+            f"vllm serve at {server.url} does not run the techniques it was started with: wanted {want}, its "
+            f"workers report {None if got is None else {k: got.get(k) for k in want}} (is the harness plugin "
+            f"installed — pip install -e . — so its entry points are current? log {server.log_path})")
+    return report
+
+
 class ServeMode:
     """``vllm serve`` load mode of :class:`~harness.engines.vllm.engine.VLLMEngine` (module doc)."""
 
@@ -110,16 +124,11 @@ class ServeMode:
         self._server = VLLMServer.start(self.model_path, self._engine_args(),
                                         plugin_env(self.sere, self.visionzip, self.moe), log_dir,
                                         timeout_s=float(_get(self.load_cfg, "server_timeout_s", 900.0) or 900.0))
-        report = self._server.techniques()
-        got = _worker(report)
-        want = expected_state(self.sere, self.visionzip, self.moe)
-        if got is None or any(got.get(k) != v for k, v in want.items()):
+        try:
+            report = check_server_techniques(self._server, self.sere, self.visionzip, self.moe)
+        except BaseException:
             self._server.stop()
-            raise RuntimeError(
-                f"vllm serve at {self._server.url} does not run the techniques it was started with: wanted "
-                f"{want}, its workers report {None if got is None else {k: got.get(k) for k in want}} (is the "
-                f"harness plugin installed — pip install -e . — so its entry points are current? log "
-                f"{self._server.log_path})")
+            raise
         self.server_report, self.techniques_source = report, "harness (server environment; confirmed by its workers)"
 
     def _attach_server(self, sere_cfg: Any, visionzip_cfg: Any, moe_cfg: Any) -> None:
