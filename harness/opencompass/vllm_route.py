@@ -10,7 +10,8 @@ is stopped — its log kept — at the end. How a cluster user evaluates a serve
   does). Before OpenCompass starts, the server's workers must report exactly those settings (the serve
   mode's check, ``GET /harness/techniques``). Its log: ``<run_dir>/opencompass/vllm_serve.log``.
 - **The model entry** is OpenCompass's ``OpenAISDK`` with ``openai_api_base`` = the server, ``path`` = the
-  served model name, greedy (``temperature=0``), the checkpoint's tokenizer for OpenCompass's length checks.
+  served model name, greedy (``temperature=0``; ``seed`` and ``repetition_penalty=1`` in ``extra_body``), the
+  checkpoint's tokenizer for OpenCompass's length checks.
   The server applies the chat template, as the HF route's engine does.
 - **Latency**: OpenCompass sends the requests (non-streaming), so per-request TTFT/TPOT are the server's own:
   the means of vLLM's Prometheus histograms on ``/metrics`` (``vllm:time_to_first_token_seconds``,
@@ -98,7 +99,9 @@ def model_entry(cfg: Any, server: Any, model_path: str, model_name: str) -> dict
     return {"type": MODEL_TYPE, "abbr": oc.model_abbr or model_name, "path": server.model, "key": "EMPTY",
             "openai_api_base": server.url + "/v1", "tokenizer_path": str(model_path), "temperature": 0.0,
             "max_seq_len": int(oc.max_seq_len), "max_out_len": int(max_out), "batch_size": int(cfg.engine.batch_size),
-            "query_per_second": 1000, "retry": 2, "run_cfg": {"num_gpus": 0, "num_procs": 1}}
+            "query_per_second": 1000, "retry": 2, "run_cfg": {"num_gpus": 0, "num_procs": 1},
+            # greedy exactly as the harness's own requests (client.chat_payload): vLLM extra sampling fields
+            "extra_body": {"seed": int(cfg.seed), "repetition_penalty": 1.0}}
 
 
 def prometheus_means(text: str) -> dict[str, float | None]:
