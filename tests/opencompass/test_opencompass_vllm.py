@@ -37,21 +37,35 @@ def _run(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+SETTINGS = {"off": [], "sere_k2": ["sere.k=2"]}
+
+
 @pytest.fixture(scope="module")
-def vllm_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+def vllm_run(tmp_path_factory):
+    """``vllm_run(setting)`` -> (run directory, summary.json), each setting run once, when first asked for."""
     base = tmp_path_factory.mktemp("oc_vllm")
-    out = {}
-    for name, overrides in {"off": [], "sere_k2": ["sere.k=2"]}.items():
-        run_dir = base / name
-        proc = _run(run_dir, overrides)
-        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
-        out[name] = (run_dir, json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
-    return out
+    done: dict[str, tuple[Path, dict]] = {}
+
+    def get(name: str) -> tuple[Path, dict]:
+        if name not in done:
+            run_dir = base / name
+            proc = _run(run_dir, SETTINGS[name])
+            assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+            done[name] = (run_dir, json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
+        return done[name]
+
+    return get
+
+
+def _predictions(run_dir: Path, abbr: str) -> list[str]:
+    oc = json.loads((run_dir / "summary.json").read_text())["run"]["opencompass"]
+    rows = json.loads((Path(oc["output_dir"]) / "predictions" / oc["model_abbr"] / f"{abbr}.json").read_text())
+    return [rows[k]["prediction"] for k in sorted(rows, key=int)]
 
 
 @pytest.mark.parametrize("setting", ["off", "sere_k2"])
-def test_opencompass_scored_the_served_model(vllm_runs, setting):
-    run_dir, s = vllm_runs[setting]
+def test_opencompass_scored_the_served_model(vllm_run, setting):
+    run_dir, s = vllm_run(setting)
     oc = s["metrics"]["opencompass"]
     for abbr in DATASETS:
         assert 0.0 <= oc[abbr]["accuracy"] <= 100.0
@@ -67,10 +81,24 @@ def test_opencompass_scored_the_served_model(vllm_runs, setting):
     assert log.startswith("$ ") and "moe_vlm_harness_endpoint" in log
 
 
-def test_the_server_ran_the_runs_techniques(vllm_runs):
-    _, off = vllm_runs["off"]
-    _, sere = vllm_runs["sere_k2"]
+def test_the_server_ran_the_runs_techniques(vllm_run):
+    _, off = vllm_run("off")
+    sere_dir, sere = vllm_run("sere_k2")
     assert "sere" not in off
     assert sere["sere"]["k_primary"] == 2 and sere["sere"]["steps"] > 0 and sere["sere"]["workers"] == 1
-    log = (vllm_runs["sere_k2"][0] / "opencompass" / "vllm_serve.log").read_text()
+    log = (sere_dir / "opencompass" / "vllm_serve.log").read_text()
     assert "HARNESS_SERE_K=2" in log
+
+
+def test_the_served_model_answers_as_the_hf_route(vllm_run, tmp_path):
+    """Stock greedy decoding: OpenCompass's predictions through vllm serve are the HF route's, item for item
+    (SERE runs are not compared: its primary set is the decode batch's union, and the two routes batch
+    differently)."""
+    from conftest import run_harness_opencompass
+
+    hf_dir = tmp_path / "hf_off"
+    proc = run_harness_opencompass(hf_dir, [])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    vllm_dir, _ = vllm_run("off")
+    for abbr in DATASETS:
+        assert _predictions(vllm_dir, abbr) == _predictions(hf_dir, abbr), abbr
