@@ -1,6 +1,7 @@
 """Benchmark: VisionZip importance (attention received per patch) on Qwen3-VL vision shapes.
 
-    python benchmarks/bench_importance.py [--out results/benchmarks/importance.json]
+    python benchmarks/bench_importance.py [--out results/benchmarks/importance.json] [--sections main lse]
+    python benchmarks/bench_importance.py --smoke --lse-out /tmp/importance_lse.json   # CPU, tiny, interpreter
 
 On CUDA: one vision layer of Qwen3-VL (16 heads, head_dim 72, bf16) for packed batches of 1, 8 and 30
 images of 448×448 px (28×28 = 784 patches each). Correctness is checked on the GPU first (bf16 and fp32
@@ -23,6 +24,14 @@ achieved bandwidth over the minimal bytes and fraction of the measured copy band
 memory allocated above the inputs. The importance FLOPs count two QKᵀ per image with the true head_dim 72
 (the kernel pads to 128, so its tensor cores do 128/72 of that). Inputs are random (randn q, k, v): the
 timing does not depend on the values; nothing here is a trained model's attention.
+
+**LSE reuse** (``--sections lse``, file ``--lse-out``, default ``results/benchmarks/importance_lse.json``):
+importance time with the scoring attention's own log-sum-exp handed over (kernel pass 2 only) against the
+kernel computing it itself (both passes), for 1, 8 and 30 images; and the whole scoring block as each engine
+runs it — vLLM: one varlen flash call (``aten._flash_attention_forward``, ``harness.kernels.attention_lse``)
+then the importance; HF: one flash call per image (its vision attention's per-segment path, the registered
+attention function) then the importance. Correctness of the reused-LSE result against the float64 reference
+is checked before any timing.
 
 On CPU there is nothing worth timing: the script runs a tiny correctness pass through Triton's interpreter
 (it sets ``TRITON_INTERPRET=1`` itself when triton was not imported yet), prints it, and writes no file.
@@ -54,12 +63,13 @@ COPY_BYTES_PER_S = 4.3e12  # measured device copy (measuring.md)
 BF16_TOL, FP32_TOL = 1e-2, 1e-5
 
 
-def make_inputs(n_images: int, dtype: torch.dtype, device: str, seed: int = 0):
+def make_inputs(n_images: int, dtype: torch.dtype, device: str, seed: int = 0, patches: int = PATCHES,
+                heads: int = HEADS, head_dim: int = HEAD_DIM):
     g = torch.Generator(device=device).manual_seed(seed)
-    n = n_images * PATCHES
-    q, k, v = (torch.randn(n, HEADS, HEAD_DIM, generator=g, device=device, dtype=torch.float32).to(dtype)
+    n = n_images * patches
+    q, k, v = (torch.randn(n, heads, head_dim, generator=g, device=device, dtype=torch.float32).to(dtype)
                for _ in range(3))
-    cu = torch.arange(0, n + 1, PATCHES, dtype=torch.int32, device=device)
+    cu = torch.arange(0, n + 1, patches, dtype=torch.int32, device=device)
     return q, k, v, cu
 
 
@@ -214,43 +224,209 @@ def cpu_sanity() -> None:
         print(f"interpreter sanity {dtype}: rel err {err:.2e} ({'ok' if err < tol else 'FAIL'})")
 
 
+# ----------------------------------------------------------------------------------------- LSE reuse
+
+
+def _smoke_timer(fn, n_flops: float, n_bytes: float) -> dict:
+    """CPU smoke stand-in for :func:`measure`: one call, wall time (no meaning beyond "it runs")."""
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return {"p50_ms": (time.perf_counter() - t0) * 1e3, "smoke": True}
+
+
+def bench_lse_reuse(n_images: int, device: str, dtype: torch.dtype, timer, patches: int = PATCHES,
+                    heads: int = HEADS, head_dim: int = HEAD_DIM) -> dict:
+    """Importance with / without the attention's LSE, alone and with the scoring block's attention."""
+    import torch.nn.functional as F
+
+    from harness.kernels.attention_lse import sdpa_with_lse, varlen_attention_with_lse
+    from harness.kernels.importance import attention_importance, attention_lse, importance_flops
+    from harness.techniques.visionzip import attention_received
+
+    q, k, v, cu = make_inputs(n_images, dtype, device, seed=7 + n_images, patches=patches, heads=heads,
+                              head_dim=head_dim)
+    n, scale = q.shape[0], head_dim ** -0.5
+    bounds = cu.tolist()
+    seqlens = [patches] * n_images
+    imp_flops = importance_flops(seqlens, heads, head_dim)
+    attn_flops = 4 * sum(x * x for x in seqlens) * heads * head_dim
+    qkv_bytes = 3 * n * heads * head_dim * q.element_size()
+
+    _, lse = varlen_attention_with_lse(q, k, v, cu, scale=scale, max_seqlen=patches)
+    if lse is None:
+        return {"n_images": n_images, "error": f"no LSE-returning attention op for {dtype} on {device}"}
+    ref = attention_received(q.double(), k.double(), cu)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    correctness = {
+        "reused_lse_rel_err": rel_err(attention_importance(q, k, cu, scale=scale, lse=lse, max_seqlen=patches), ref),
+        "own_lse_rel_err": rel_err(attention_importance(q, k, cu, scale=scale, max_seqlen=patches), ref),
+        "lse_attention_vs_kernel_max_abs": (lse - attention_lse(q, k, cu, scale=scale, max_seqlen=patches))
+        .abs().max().item(),
+    }
+    if not correctness["reused_lse_rel_err"] < tol:
+        raise AssertionError(f"importance with the attention's LSE wrong: {correctness}")
+
+    def hf_attention(with_lse: bool):
+        outs, lses = [], []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            if with_lse:
+                o, l = sdpa_with_lse(qs, ks, vs, scale)
+                lses.append(l[0])
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            outs.append(o)
+        return outs, (torch.cat(lses, dim=1) if with_lse else None)
+
+    def vllm_stock():
+        varlen_attention_with_lse(q, k, v, cu, scale=scale, max_seqlen=patches)  # the LSE is dropped
+        return attention_importance(q, k, cu, scale=scale, max_seqlen=patches)
+
+    def vllm_reuse():
+        _, l = varlen_attention_with_lse(q, k, v, cu, scale=scale, max_seqlen=patches)
+        return attention_importance(q, k, cu, scale=scale, lse=l, max_seqlen=patches)
+
+    def hf_stock():
+        hf_attention(False)
+        return attention_importance(q, k, cu, scale=scale, max_seqlen=patches)
+
+    def hf_reuse():
+        _, l = hf_attention(True)
+        return attention_importance(q, k, cu, scale=scale, lse=l, max_seqlen=patches)
+
+    variants = {
+        "importance_own_lse": (lambda: attention_importance(q, k, cu, scale=scale, max_seqlen=patches), imp_flops),
+        "importance_reused_lse": (lambda: attention_importance(q, k, cu, scale=scale, lse=lse, max_seqlen=patches),
+                                  imp_flops / 2),
+        "vllm_block_stock": (vllm_stock, attn_flops + imp_flops),
+        "vllm_block_reuse": (vllm_reuse, attn_flops + imp_flops / 2),
+        "hf_block_stock": (hf_stock, attn_flops + imp_flops),
+        "hf_block_reuse": (hf_reuse, attn_flops + imp_flops / 2),
+    }
+    timings: dict[str, dict] = {}
+    for name, (fn, flops) in variants.items():
+        try:
+            timings[name] = timer(fn, flops, qkv_bytes)
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
+            timings[name] = {"p50_ms": float("inf"), "error": f"{type(exc).__name__}: {exc}"[:300]}
+    ms = {k: t["p50_ms"] for k, t in timings.items()}
+    saved = {
+        "importance_saved_ms": ms["importance_own_lse"] - ms["importance_reused_lse"],
+        "importance_speedup": ms["importance_own_lse"] / ms["importance_reused_lse"],
+        "vllm_block_saved_ms": ms["vllm_block_stock"] - ms["vllm_block_reuse"],
+        "hf_block_saved_ms": ms["hf_block_stock"] - ms["hf_block_reuse"],
+    }
+    return {"n_images": n_images, "tokens": n, "seqlens": f"{n_images} x {patches}", "dtype": str(dtype),
+            "correctness": correctness, "timings": timings, "saved": saved}
+
+
+def print_lse_table(rows: list[dict]) -> None:
+    head = f"{'images':>6} {'variant':<22} {'p50 ms':>9} {'p10-p90 ms':>17}"
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['n_images']:>6} failed: {row['error']}")
+            continue
+        for name, t in row["timings"].items():
+            spread = f"{t['p10_ms']:>8.4f}-{t['p90_ms']:<8.4f}" if "p10_ms" in t else f"{'':>17}"
+            print(f"{row['n_images']:>6} {name:<22} {t['p50_ms']:>9.4f} {spread} {t.get('error', '')}")
+        sv = row["saved"]
+        print(f"{'':>6} reuse saves {sv['importance_saved_ms']:.4f} ms of importance (x{sv['importance_speedup']:.2f}); "
+              f"block: vLLM {sv['vllm_block_saved_ms']:.4f} ms, HF {sv['hf_block_saved_ms']:.4f} ms")
+        print(f"{'':>6} correctness: {row['correctness']}")
+
+
+def run_lse_section(images: list[int], device: str, smoke: bool, out: Path) -> None:
+    if smoke:
+        rows = [bench_lse_reuse(n, device, torch.float32, _smoke_timer, patches=16, heads=2) for n in images]
+    else:
+        rows = []
+        for n in images:
+            try:
+                rows.append(bench_lse_reuse(n, device, torch.bfloat16, measure))
+            except Exception as exc:  # noqa: BLE001 - keep the other image counts
+                rows.append({"n_images": n, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    print_lse_table(rows)
+    result = {
+        "benchmark": "vision_importance_lse_reuse",
+        "smoke": smoke,
+        "environment": collect_environment(device),
+        "dtype": "float32 (smoke)" if smoke else "bfloat16",
+        "shapes": {"heads": 2 if smoke else HEADS, "head_dim": HEAD_DIM, "patches_per_image": 16 if smoke else PATCHES,
+                   "image_px": None if smoke else IMAGE_PX, "image_counts": images,
+                   "model": "Qwen3-VL-30B-A3B vision tower (16 heads x 72, patch 16)"},
+        "inputs": "random (torch.randn q, k, v); timings do not depend on values",
+        "variants": {
+            "importance_own_lse": "Triton kernel, both passes (computes the LSE itself: the fallback)",
+            "importance_reused_lse": "Triton kernel pass 2 with the attention's LSE",
+            "vllm_block_stock / _reuse": "varlen flash attention (one call) + importance without / with reuse",
+            "hf_block_stock / _reuse": "per-image SDPA / flash-with-LSE calls + importance without / with reuse",
+        },
+        "timing": "smoke: one wall-clock call (not a measurement)" if smoke else
+                  "triton.testing.do_bench median (p10/p90), warmup 25 ms, rep 200 ms",
+        "results": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "benchmarks" / "importance.json")
+    parser.add_argument("--lse-out", type=Path, default=ROOT / "results" / "benchmarks" / "importance_lse.json")
     parser.add_argument("--images", type=int, nargs="+", default=list(IMAGE_COUNTS))
+    parser.add_argument("--sections", nargs="+", choices=("main", "lse"), default=["main", "lse"])
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: tiny shapes through Triton's interpreter, the LSE section end to end (no timing)")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        print("No CUDA device: CPU timings of a Triton kernel say nothing, so none are taken and no file is written.")
+        print("No CUDA device: CPU timings of a Triton kernel say nothing, so none are taken.")
         if "triton" not in sys.modules:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("Set TRITON_INTERPRET=1 for a tiny interpreter correctness pass.")
             return 0
         cpu_sanity()
+        if args.smoke:
+            run_lse_section([1, 3], "cpu", True, args.lse_out)
         return 0
 
-    rows = [bench_images(n) for n in args.images]
-    print(f"{torch.cuda.get_device_name()} — Qwen3-VL vision layer: {HEADS} heads, head_dim {HEAD_DIM}, "
-          f"{PATCHES} patches/image ({IMAGE_PX}x{IMAGE_PX} px), bf16, random inputs")
-    print_table(rows)
-    result = {
-        "benchmark": "vision_importance",
-        "environment": collect_environment("cuda"),
-        "dtype": "bfloat16",
-        "shapes": {"heads": HEADS, "head_dim": HEAD_DIM, "patches_per_image": PATCHES, "image_px": IMAGE_PX,
-                   "patch_size": PATCH, "image_counts": args.images},
-        "inputs": "random (torch.randn q, k, v); timings do not depend on values",
-        "roofline": {"peak_bf16_flops": PEAK_BF16_FLOPS, "copy_bytes_per_s": COPY_BYTES_PER_S,
-                     "importance_flops": "2 QK^T per image with head_dim 72 (kernel pads to 128)",
-                     "importance_min_bytes": "q and k read once, [N] float32 written once"},
-        "timing": "triton.testing.do_bench median (p10/p90), warmup 25 ms, rep 200 ms, L2 flushed per rep",
-        "results": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.out}")
-    return 0
+    status = 0
+    if "main" in args.sections:
+        try:
+            rows = [bench_images(n) for n in args.images]
+            print(f"{torch.cuda.get_device_name()} — Qwen3-VL vision layer: {HEADS} heads, head_dim {HEAD_DIM}, "
+                  f"{PATCHES} patches/image ({IMAGE_PX}x{IMAGE_PX} px), bf16, random inputs")
+            print_table(rows)
+            result = {
+                "benchmark": "vision_importance",
+                "environment": collect_environment("cuda"),
+                "dtype": "bfloat16",
+                "shapes": {"heads": HEADS, "head_dim": HEAD_DIM, "patches_per_image": PATCHES, "image_px": IMAGE_PX,
+                           "patch_size": PATCH, "image_counts": args.images},
+                "inputs": "random (torch.randn q, k, v); timings do not depend on values",
+                "roofline": {"peak_bf16_flops": PEAK_BF16_FLOPS, "copy_bytes_per_s": COPY_BYTES_PER_S,
+                             "importance_flops": "2 QK^T per image with head_dim 72 (kernel pads to 128)",
+                             "importance_min_bytes": "q and k read once, [N] float32 written once"},
+                "timing": "triton.testing.do_bench median (p10/p90), warmup 25 ms, rep 200 ms, L2 flushed per rep",
+                "results": rows,
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2, default=str))
+            print(f"wrote {args.out}")
+        except Exception as exc:  # noqa: BLE001 - the LSE section still runs
+            print(f"main section failed: {type(exc).__name__}: {exc}")
+            status = 1
+    if "lse" in args.sections:
+        print(f"\nLSE reuse — {torch.cuda.get_device_name()}, bf16, {PATCHES} patches/image ({IMAGE_PX} px)")
+        run_lse_section(args.images, "cuda", False, args.lse_out)
+    return status
 
 
 if __name__ == "__main__":

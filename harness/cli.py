@@ -30,12 +30,13 @@ def main(cfg: DictConfig) -> None:
     from harness.outcome import console_summary
     from harness.run import TechniqueNotAvailable, run_experiment
     from harness.run_state import RunDirLocked
+    from harness.techniques.sere_graphs import SereNotEngaged
     from harness.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked) as e:
+    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     # a short summary (key metrics, latency, warnings) rather than a JSON dump: the numbers are in summary.json

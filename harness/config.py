@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
+try:
+    from omegaconf import MISSING
+except ImportError:  # a GPU box without omegaconf (benchmarks/train_tiny_v2.py): the dataclasses still work
+    MISSING = "???"  # omegaconf's own value
 
 
 @dataclass
@@ -204,6 +207,42 @@ class CacheConfig:
     read: str = "resume"  # resume | always | never
 
 
+# ---------------------------------------------------------------------- offload.lease (issue 15, lease policy)
+@dataclass
+class OffloadLeaseConfig:
+    """``offload.lease.*``: the seed's lease policy (``harness/offload/lease.py``, docs/offload_lease.md).
+    The stability threshold is ``offload.threshold``."""
+
+    length: int = 2  # tokens a short (pre-emptible) lease covers after the access
+    long_length: int = 16  # tokens a lease covers when the stability score >= offload.threshold (not pre-emptible)
+    grace_ms: float = 200.0  # grace period after an expired lease (both this and grace_tokens must elapse)
+    grace_tokens: int = 0  # grace period in decode tokens (0 = the ms rule alone)
+    grace_mode: str = "fixed"  # fixed (grace_ms) | dynamic (150 ms + 50 ms x the layer's memory utilisation)
+    preemptible: bool = True  # short leases may be pre-empted under memory pressure (long ones never)
+    score: str = "recency"  # predictor (the stability MLP) | recency (share of the last 5 steps) | none
+    predictor: Optional[str] = None  # stability predictor artifact (NAME.pt) for score=predictor
+    prefetch: str = "gate"  # gate (next layer's router on the current hidden state) | none
+
+
+# ---------------------------------------------------------------------------------------- offload (issue 15)
+@dataclass
+class OffloadConfig:
+    """Expert offload in the HF engine (``harness/offload``, docs/offload.md). ``policy=null`` is off."""
+
+    policy: Optional[str] = None  # null = off | none | staging | lru | lru+gate | oracle | lease
+    capacity: Optional[int] = None  # cache slots (experts) per MoE layer
+    capacity_gb: Optional[float] = None  # or: the whole cache in GB (1e9 B), split evenly over the MoE layers
+    gpu_budget_gb: Optional[float] = None  # CUDA: torch.cuda.set_per_process_memory_fraction(budget / total)
+    trace: Optional[str] = None  # routing trace (NAME.pt) of the same requests: needed by policy=oracle
+    record_trace: Optional[str] = None  # write this run's decode routing trace here (NAME.pt + NAME.json)
+    warm_after_tokens: int = 8  # decode steps 1..N of a batch count as "cold" in the hit-rate split
+    resident_summary: Optional[str] = None  # summary.json of a policy=none run: share_of_resident
+    params: dict[str, Any] = field(default_factory=dict)  # policy-specific (e.g. lease threshold)
+    # offload-lease (additive): the lease policy's stability threshold and its keys
+    threshold: float = 0.5  # stability score >= threshold -> long, non-pre-emptible lease (policy=lease)
+    lease: OffloadLeaseConfig = field(default_factory=OffloadLeaseConfig)
+
+
 @dataclass
 class Config:
     """One experiment."""
@@ -220,6 +259,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     opencompass: OpenCompassConfig = field(default_factory=OpenCompassConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
 
@@ -234,6 +274,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
+    "offload": OffloadConfig,
 }  # opencompass: a block of base_config (no group options to choose), set with opencompass.<key>=...
 
 

@@ -18,30 +18,51 @@ from harness.validate import validate_config, validate_model
 log = logging.getLogger(__name__)
 
 
+def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: dict[str, Any]) -> None:
+    """The SERE engagement canary (``harness.techniques.sere_graphs``): a run with SERE on whose decode tokens
+    were not all re-routed fails (run state ``failed`` with the reason) instead of reporting a stock run as SERE."""
+    from harness.run_state import mark_failed
+    from harness.techniques.sere_graphs import SereNotEngaged, check_engagement
+
+    try:
+        check_engagement(technique_stats)
+    except SereNotEngaged as e:
+        mark_failed(run_dir, state, str(e), sere_engagement=technique_stats["sere"]["engagement"])
+        log.error("SERE not engaged: %s", e)
+        raise
+
+
 class TechniqueNotAvailable(RuntimeError):
     """A technique was enabled in the config but is not implemented for this engine yet."""
 
 
 def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
-    (the OCRBench+CCBench budget competition) and the time spent on importance."""
+    (the OCRBench+CCBench budget competition) and the time spent on importance. Requests without per-image
+    counts (``kept_per_image`` None: vLLM with ``scope=request``, whose split stays in the worker) count in
+    the totals, not in the per-image and per-source rates (``requests_with_per_image_counts``)."""
     from harness.engines.hf_visionzip import keep_rate_by_source
     from harness.metrics.latency import summarize
 
     per_request = []
+    tokens_in = kept = n_requests = 0
     for r in records:
         v = r.get("visionzip")
         if not v:
             continue
+        n_requests += 1
+        tokens_in += sum(v["tokens_per_image"])
+        kept += v["visual_tokens_after"]
+        if v.get("kept_per_image") is None:  # vLLM scope=request: the split between images stays in the worker
+            continue
         sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
             v["tokens_per_image"])
         per_request.append((sources, v["tokens_per_image"], v["kept_per_image"]))
-    tokens_in = sum(sum(t) for _, t, _ in per_request)
-    kept = sum(sum(k) for _, _, k in per_request)
     image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
     return {
         "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
-        "min_per_image": vz_cfg.min_per_image, "requests": len(per_request),
+        "min_per_image": vz_cfg.min_per_image, "requests": n_requests,
+        "requests_with_per_image_counts": len(per_request),
         "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
         "keep_rate": kept / tokens_in if tokens_in else None,
         "image_keep_rate": summarize(image_rates),
@@ -228,6 +249,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
+        if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
+            extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":
             extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
             if cfg.load.get("endpoint") is not None:  # vllm serve: its log goes to the run directory
@@ -370,6 +393,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                                        sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
                                        sum(1 for r in records if r["cached"]))
         engine.close()
+    _check_sere_engaged(run_dir, state, technique_stats)
 
     with progress.phase("finish", unit="step"):  # aggregate, write summary.json, log to W&B
         wall_s = time.perf_counter() - wall0

@@ -183,6 +183,17 @@ def mark_finished(run_dir: Path, state: dict[str, Any]) -> None:
     write_state(run_dir, state)
 
 
+def mark_failed(run_dir: Path, state: dict[str, Any], reason: str, **details: Any) -> None:
+    """The run ended without a valid result (e.g. SERE configured but not engaged: ``sere_graphs``): status
+    ``failed`` with the reason; no ``summary.json`` is written, so a rerun starts again."""
+    state["status"] = "failed"
+    state["reason"] = reason
+    state.update(details)
+    if state.get("attempts"):
+        state["attempts"][-1]["failed"] = _now()
+    write_state(run_dir, state)
+
+
 def mark_wandb_logged(run_dir: Path, state: dict[str, Any], wandb_dir: str | None) -> None:
     """W&B logging of the finished run completed (summary, samples table, artifact): nothing left to redo."""
     state["wandb"] = {**(state.get("wandb") or {}), "logged": True, "dir": wandb_dir}

@@ -114,7 +114,7 @@ class LiveRun:
             tags = technique_tags(config, summary)
             if hasattr(run, "tags"):  # tags known only at the end (latency-partial)
                 run.tags = tuple(dict.fromkeys([*(run.tags or ()), *tags]))
-            blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache") if summary.get(k)}
+            blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache", "offload") if summary.get(k)}
             run.summary.update(_flatten("", blocks, {}))
             score_keys = sorted({k for r in records for k in r.get("scores", {})})
             table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])

@@ -137,6 +137,31 @@ def _vllm(cfg: Any) -> bool:
     return cfg.engine.name == "vllm"
 
 
+# ------------------------------------------------------------------------------ offload (issue 15)
+from harness.offload.policy import KNOWN_POLICIES, POLICY_MODULES  # noqa: E402 - stdlib-only module
+
+
+def _offload_on(cfg: Any) -> bool:
+    return _select(cfg, "offload.policy", None) is not None
+
+
+def _offload_caches(cfg: Any) -> bool:
+    """A policy that keeps a cache of ``capacity`` slots (every one but ``none``)."""
+    return _offload_on(cfg) and cfg.offload.policy != "none"
+
+
+OFFLOAD_RULES: tuple[Rule, ...] = (
+    Rule("offload.policy", optional(one_of(*KNOWN_POLICIES), "off")),
+    Rule("offload.capacity", optional(at_least(1, "experts per MoE layer; at most the model's experts"))),
+    Rule("offload.capacity_gb", optional(number(0, lo_open=True, note="the whole cache"))),
+    Rule("offload.gpu_budget_gb", optional(number(0, lo_open=True), "not enforced")),
+    Rule("offload.warm_after_tokens", at_least(0)),
+    Rule("offload.trace", optional(Check(existing_file, "an existing routing trace file (NAME.pt)"))),
+    Rule("offload.resident_summary", optional(Check(existing_file, "an existing summary.json of a policy=none run"))),
+)
+
+
+
 #: Rules on one key each. Enumerations follow the code that reads the key (the registries of engines and
 #: loaders, the experts registry of harness.engines.hf, the VisionZip scopes); ranges follow what the code
 #: can honour (a batch of 0 runs as 1, a keep rate above 1 prunes nothing).
@@ -210,6 +235,7 @@ RULES: tuple[Rule, ...] = (
     Rule("cache.path", NONEMPTY),
     Rule("cache.read", one_of("resume", "always", "never")),
     Rule("seed", at_least(0)),
+    *OFFLOAD_RULES,
 )
 
 
@@ -261,13 +287,15 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
               lambda cfg: _vllm(cfg) and cfg.load.qps is not None,
               "null unless engine=vllm and load.qps is set (the vllm serve mode is a load test)"),
-    CrossRule("visionzip.scope", lambda cfg: _vllm(cfg) and _vz_on(cfg), lambda cfg: cfg.visionzip.scope == "image",
-              "image with engine=vllm (the request-wide budget is HF-only: docs/vllm.md)"),
-    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg),
-              lambda cfg: cfg.visionzip.contextual == 0, "0 with engine=vllm (docs/vllm.md)"),
-    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg),
+    # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
+    # fixed ratio keeps its two limits
+    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
+              lambda cfg: cfg.visionzip.contextual == 0,
+              "0 with engine=vllm visionzip.scope=image (contextual tokens need scope=request: docs/vllm.md)"),
+    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
               lambda cfg: cfg.visionzip.min_per_image >= 1,
-              ">= 1 with engine=vllm (an image of 0 tokens breaks vLLM's placeholder validation)"),
+              ">= 1 with engine=vllm visionzip.scope=image (an image of 0 tokens breaks vLLM's placeholder "
+              "validation; scope=request has one placeholder for all images)"),
     CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
               "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
               "model needs pip install 'moe-vlm-harness[clip]')"),
@@ -277,6 +305,58 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               + ", ".join(f"scoring.{k}_model={cfg.scoring[f'{k}_model']!r}" for k in _random_scorers(cfg))
               + " has random weights); scoring=reference selects the reference's scorers"),
 )
+
+
+OFFLOAD_CROSS_RULES = (
+    CrossRule("offload.policy", _offload_on, lambda cfg: cfg.engine.name == "hf",
+              lambda cfg: f"null with engine={cfg.engine.name} (expert offload is implemented in the HF engine)"),
+    CrossRule("offload.policy", _offload_on,
+              lambda cfg: importlib.util.find_spec(POLICY_MODULES[cfg.offload.policy]) is not None,
+              lambda cfg: f"a policy whose module is installed ({POLICY_MODULES[cfg.offload.policy]} is missing)"),
+    CrossRule("offload.capacity", _offload_caches,
+              lambda cfg: (cfg.offload.capacity is None) != (cfg.offload.capacity_gb is None),
+              lambda cfg: f"exactly one of offload.capacity / offload.capacity_gb with offload.policy="
+              f"{cfg.offload.policy} (got capacity={cfg.offload.capacity}, capacity_gb={cfg.offload.capacity_gb})"),
+    CrossRule("offload.trace", lambda cfg: _offload_on(cfg) and cfg.offload.policy == "oracle",
+              lambda cfg: cfg.offload.trace is not None,
+              "a routing trace of the same requests with offload.policy=oracle (record one with "
+              "offload.policy=none offload.record_trace=PATH)"),
+)
+CROSS_RULES = CROSS_RULES + OFFLOAD_CROSS_RULES
+
+
+# ------------------------------------------------------------------- offload.lease (issue 15, lease policy)
+from harness.offload.lease import GRACE_MODES, PREFETCH, SCORES  # noqa: E402 - no torch at import time
+
+
+def _lease_on(cfg: Any) -> bool:
+    return _offload_on(cfg) and cfg.offload.policy == "lease"
+
+
+LEASE_RULES: tuple[Rule, ...] = (
+    Rule("offload.threshold", number(0, 1, note="stability score at or above which a lease is long")),
+    Rule("offload.lease.length", at_least(1, "tokens")),
+    Rule("offload.lease.long_length", at_least(1, "tokens")),
+    Rule("offload.lease.grace_ms", number(0, note="ms")),
+    Rule("offload.lease.grace_tokens", at_least(0, "decode tokens")),
+    Rule("offload.lease.grace_mode", one_of(*GRACE_MODES)),
+    Rule("offload.lease.preemptible", BOOL),
+    Rule("offload.lease.score", one_of(*SCORES)),
+    Rule("offload.lease.predictor", optional(Check(existing_file, "an existing stability predictor artifact "
+                                                                  "(NAME.pt)"))),
+    Rule("offload.lease.prefetch", one_of(*PREFETCH)),
+)
+LEASE_CROSS_RULES = (
+    CrossRule("offload.lease.long_length", _lease_on,
+              lambda cfg: cfg.offload.lease.long_length >= cfg.offload.lease.length,
+              lambda cfg: f"at least offload.lease.length={cfg.offload.lease.length}"),
+    CrossRule("offload.lease.predictor", lambda cfg: _lease_on(cfg) and cfg.offload.lease.score == "predictor",
+              lambda cfg: cfg.offload.lease.predictor is not None,
+              "a stability predictor artifact with offload.lease.score=predictor (train one with "
+              "python -m harness.offload.predictor train TRACE --out PATH)"),
+)
+RULES = RULES + LEASE_RULES
+CROSS_RULES = CROSS_RULES + LEASE_CROSS_RULES
 
 
 @dataclass(frozen=True)
@@ -330,6 +410,9 @@ MODEL_RULES: tuple[ModelRule, ...] = (
                                                  "experts; sere.k >= that moves nothing; 0 or null = off)"),
     ModelRule("sere.protect", "num_experts", _sere_on, lambda v, e: 0 <= v < e,
               lambda e: f"an integer in [0, {e - 1}] (the model has {e} experts per layer)"),
+    ModelRule("offload.capacity", "num_experts", lambda cfg: _offload_caches(cfg) and cfg.offload.capacity is not None,
+              lambda v, e: 1 <= v <= e, lambda e: f"an integer in [1, {e}] (slots per MoE layer; the model has {e} "
+                                                  "experts per layer)"),
     ModelRule("moe.top_k", "experts_per_token", lambda cfg: _moe_top_k(cfg) is not None,
               lambda v, k: 1 <= v < k, lambda k: f"an integer in [1, {k - 1}] (the model's top-k is {k}; null = "
                                                  "unchanged)"),

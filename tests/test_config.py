@@ -127,6 +127,44 @@ def _tiny_model_config() -> dict:
 
 
 VZ, VLLM, QWEN = "visionzip.keep=0.6", "engine=vllm", "model=qwen3_vl_30b_a3b"
+LRU = "offload.policy=lru"
+OFFLOAD_CASES: list[tuple[tuple[str, ...], str | None]] = [
+    (("offload.policy=mru",), "offload.policy"),
+    ((LRU,), "offload.capacity"),  # a cache policy needs a size
+    ((LRU, "offload.capacity=0"), "offload.capacity"),
+    ((LRU, "offload.capacity=17"), "offload.capacity"),  # more slots than the model's 16 experts per layer
+    ((LRU, "offload.capacity=16"), None),
+    ((LRU, "offload.capacity=4", "offload.capacity_gb=1"), "offload.capacity"),  # exactly one of the two
+    ((LRU, "offload.capacity_gb=0"), "offload.capacity_gb"),
+    ((LRU, "offload.capacity_gb=0.01"), None),
+    ((VLLM, LRU, "offload.capacity=4"), "offload.policy"),  # HF engine only
+    (("offload.policy=oracle", "offload.capacity=4"), "offload.trace"),  # Belady needs the future
+    (("offload.policy=oracle", "offload.capacity=4", "offload.trace=/no/such/trace.pt"), "offload.trace"),
+    (("offload.policy=none",), None),  # all resident: no capacity needed
+    (("offload.gpu_budget_gb=-1",), "offload.gpu_budget_gb"),
+    (("offload.warm_after_tokens=-1",), "offload.warm_after_tokens"),
+    ((LRU, "offload.capacity=4", "+offload.params.threshold=0.7"), None),  # policy parameters are free-form
+    (("+offload.capcity=4",), "offload.capcity"),
+]
+# offload.lease / offload.threshold (issue 15, lease policy: harness/offload/lease.py, docs/offload_lease.md)
+LEASE = ("offload.policy=lease", "offload.capacity=4")
+LEASE_CASES: list[tuple[tuple[str, ...], str | None]] = [
+    (LEASE, None),  # default score: recency (no artifact needed)
+    ((*LEASE, "offload.threshold=0.7"), None),
+    ((*LEASE, "offload.threshold=1.5"), "offload.threshold"),
+    ((*LEASE, "offload.lease.length=0"), "offload.lease.length"),
+    ((*LEASE, "offload.lease.length=8", "offload.lease.long_length=4"), "offload.lease.long_length"),
+    ((*LEASE, "offload.lease.grace_ms=-1"), "offload.lease.grace_ms"),
+    ((*LEASE, "offload.lease.grace_tokens=-2"), "offload.lease.grace_tokens"),
+    ((*LEASE, "offload.lease.grace_tokens=20", "offload.lease.grace_ms=0"), None),
+    ((*LEASE, "offload.lease.grace_mode=adaptive"), "offload.lease.grace_mode"),
+    ((*LEASE, "offload.lease.grace_mode=dynamic"), None),
+    ((*LEASE, "offload.lease.score=oracle"), "offload.lease.score"),
+    ((*LEASE, "offload.lease.score=predictor"), "offload.lease.predictor"),  # the MLP needs its artifact
+    ((*LEASE, "offload.lease.score=predictor", "offload.lease.predictor=/no/such.pt"), "offload.lease.predictor"),
+    ((*LEASE, "offload.lease.prefetch=oracle"), "offload.lease.prefetch"),
+    ((*LEASE, "offload.lease.preemptible=false"), None),
+]
 # (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
 # embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
 CASES: list[tuple[tuple[str, ...], str | None]] = [
@@ -215,7 +253,9 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("load.endpoint=auto",), "load.endpoint"),  # engine=hf
     ((VLLM, "load.qps=4", "load.endpoint=auto", "load.server_timeout_s=0"), "load.server_timeout_s"),
     # VisionZip in vLLM
-    ((VLLM, VZ), "visionzip.scope"),  # the request-wide budget is HF-only
+    ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
+    ((VLLM, VZ, "visionzip.contextual=0.2"), None),
+    ((VLLM, VZ, "visionzip.min_per_image=0"), None),
     ((VLLM, VZ, "visionzip.scope=image"), None),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.min_per_image=0"), "visionzip.min_per_image"),
     ((VLLM, VZ, "visionzip.scope=image", "visionzip.contextual=0.2"), "visionzip.contextual"),
@@ -242,6 +282,9 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((QWEN, "model.path=null"), "model.path"),
     (("scoring.rouge_variant=bogus",), "scoring.rouge_variant"),
     (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
+    # offload (issue 15; harness/offload, docs/offload.md)
+    *OFFLOAD_CASES,
+    *LEASE_CASES,
 ]
 
 

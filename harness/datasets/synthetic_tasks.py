@@ -39,7 +39,33 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-GENERATOR_VERSION = "1"
+GENERATORS = ("1", "2")  # "2": grid-aligned big glyphs and one-cell shapes (docs/embedded_model.md, "v2")
+_VERSION_FILE = __import__("pathlib").Path(__file__).parent / "bundled" / "GENERATOR"
+
+
+def _bundled_version() -> str:
+    """The generator version the bundled samples (and so ``model=tiny``) were drawn with: ``bundled/GENERATOR``,
+    written by :func:`bundle`; "1" where the file is absent (everything before generator 2)."""
+    try:
+        v = _VERSION_FILE.read_text(encoding="utf-8").strip()
+    except OSError:
+        return "1"
+    return v if v in GENERATORS else "1"
+
+
+GENERATOR_VERSION = _bundled_version()  # what the bundled samples use; training picks its own (use_generator)
+_ACTIVE = {"version": GENERATOR_VERSION}
+
+
+def use_generator(version: str) -> None:
+    """Select the generator version every item function draws with (process-wide; forked workers inherit it)."""
+    if version not in GENERATORS:
+        raise ValueError(f"generator version must be one of {GENERATORS}, got {version!r}")
+    _ACTIVE["version"] = version
+
+
+def generator_version() -> str:
+    return _ACTIVE["version"]
 
 MERGE_PX = 32  # patch 16 × spatial merge 2: one LLM visual token covers 32 × 32 pixels
 ALPHABET = "ABCDEFGHJKLMNPRSTUVWXYZ"  # no I / O (they look like 1 / 0)
@@ -150,6 +176,61 @@ def shape_image(rng: random.Random, shapes: list[Shape], size: tuple[int, int]) 
     return img
 
 
+# ------------------------------------------------------------------------------- drawing, generator 2
+# Why generator 2: with generator 1 the tiny model never learnt to read (glyphs of 24 px at random x offsets,
+# two or three characters sharing one 32-pixel LLM token, 33 symbols) nor to answer shape questions above
+# chance, and the text images were no denser than the shape images, so the request-wide VisionZip budget
+# could not favour them. Generator 2 puts every character, and every shape, in its own 32 × 32 cell (= one
+# LLM visual token): reading becomes "classify each cell, in order", a text image is 75-100 % content cells
+# and a shape image 6-33 %, which is the OCRBench vs CCBench contrast the budget competition is about.
+
+V2_ALPHABET = "ACEHKLNPRTXY" + DIGITS  # 12 visually distinct capitals + digits, one token each
+V2_FONT = 28
+
+
+def _v2() -> bool:
+    return _ACTIVE["version"] == "2"
+
+
+def text_image_v2(rng: random.Random, lines: list[str], width: int = 4 * MERGE_PX) -> Image.Image:
+    """Big glyphs, one per 32-pixel cell (a few pixels of jitter), line i in token row i; height 32 · lines."""
+    size = (width, MERGE_PX * len(lines))
+    img = Image.new("RGB", size, rng.choice(BACKGROUNDS))
+    draw = ImageDraw.Draw(img)
+    font = _font(V2_FONT)
+    ink = (rng.randint(0, 60), rng.randint(0, 60), rng.randint(0, 80))
+    cols = width // MERGE_PX
+    for i, line in enumerate(lines):
+        start = rng.randint(0, cols - len(line))
+        for j, ch in enumerate(line):
+            left, top, right, bottom = font.getbbox(ch)
+            x = (start + j) * MERGE_PX + (MERGE_PX - (right - left)) // 2 + rng.randint(-1, 1)
+            y = i * MERGE_PX + (MERGE_PX - (bottom - top)) // 2 + rng.randint(-1, 1)
+            draw.text((x - left, y - top), ch, font=font, fill=ink)
+    return img
+
+
+def random_shapes_v2(rng: random.Random, size: tuple[int, int], n: int) -> list[Shape]:
+    """``n`` shapes of distinct colours, each alone in its own 32 × 32 cell (22-28 px, jittered inside it)."""
+    w, h = size
+    cells = rng.sample([(cx, cy) for cy in range(h // MERGE_PX) for cx in range(w // MERGE_PX)], n)
+    shapes = []
+    for colour, (cx, cy) in zip(rng.sample(list(COLOURS), n), cells):
+        d = rng.randint(22, 28)
+        x0 = cx * MERGE_PX + rng.randint(1, MERGE_PX - d - 1)
+        y0 = cy * MERGE_PX + rng.randint(1, MERGE_PX - d - 1)
+        shapes.append(Shape(rng.choice(KINDS), colour, (x0, y0, x0 + d, y0 + d)))
+    return shapes
+
+
+def _text_image(rng: random.Random, lines: list[str]) -> Image.Image:
+    return text_image_v2(rng, lines) if _v2() else text_image(rng, lines)
+
+
+def _random_shapes(rng: random.Random, size: tuple[int, int], n: int) -> list[Shape]:
+    return random_shapes_v2(rng, size, n) if _v2() else random_shapes(rng, size, n)
+
+
 # ---------------------------------------------------------------------------------------------- items
 
 @dataclass
@@ -190,23 +271,25 @@ def _word(rng: random.Random, lo: int, hi: int, chars: str) -> str:
 
 def ocr_item(rng: random.Random, split: str) -> OcrItem:
     """One OCR question of ``split``: 2/3 read-the-lines, 1/3 read-the-number."""
+    v2 = _v2()
     while True:
         if rng.random() < 2 / 3:
-            lines = [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(rng.randint(1, 2))]
+            lines = ([_word(rng, 3, 4, V2_ALPHABET) for _ in range(rng.randint(1, 2))] if v2 else
+                     [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(rng.randint(1, 2))])
             question, qtype = READ_Q, "Regular Text Recognition"
         else:
-            lines = [_word(rng, 4, 6, DIGITS)]
+            lines = [_word(rng, 3, 4, DIGITS)] if v2 else [_word(rng, 4, 6, DIGITS)]
             question, qtype = NUMBER_Q, "Digit String Recognition"
         text = " ".join(lines)
         if _in_split("ocr:" + text, split):
-            return OcrItem("ocr:" + text, text_image(rng, lines), question, [text], qtype)
+            return OcrItem("ocr:" + text, _text_image(rng, lines), question, [text], qtype)
 
 
 def mcq_item(rng: random.Random, split: str) -> McqItem:
     """One multiple-choice question about a shape image (options in random order: rotations come for free)."""
     while True:
         size = rng.choice(SHAPE_SIZES)
-        shapes = random_shapes(rng, size, rng.randint(1, 4))
+        shapes = _random_shapes(rng, size, rng.randint(1, 4))
         kind = rng.randrange(3)
         if kind == 0:
             question, gold, pool, category = "图中有几个图形？", COUNTS[len(shapes) - 1], list(COUNTS), "Count"
@@ -270,10 +353,12 @@ def rag_item(rng: random.Random, split: str) -> RagItem:
             imgs = []
             for kind in note_kinds:
                 if kind == "text":
-                    imgs.append(text_image(rng, [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(2)]))
+                    words = ([_word(rng, 3, 4, V2_ALPHABET) for _ in range(2)] if _v2() else
+                             [_word(rng, 3, 5, ALPHABET + DIGITS) for _ in range(2)])
+                    imgs.append(_text_image(rng, words))
                 else:
                     size = rng.choice(SHAPE_SIZES)
-                    imgs.append(shape_image(rng, random_shapes(rng, size, rng.randint(1, 3)), size))
+                    imgs.append(shape_image(rng, _random_shapes(rng, size, rng.randint(1, 3)), size))
             images.append(imgs)
         answer, raw = rag_answer(query, qtype, documents, kinds)
         return RagItem(key, query, qtype, documents, images, kinds, answer, raw)
@@ -282,7 +367,7 @@ def rag_item(rng: random.Random, split: str) -> RagItem:
 def items(task: str, split: str, n: int, seed: int = 0) -> list:
     """``n`` items of ``task`` (``ocr`` | ``mcq`` | ``rag``) from ``split``, a pure function of the seed."""
     make = {"ocr": ocr_item, "mcq": mcq_item, "rag": rag_item}[task]
-    rng = random.Random(f"{GENERATOR_VERSION}:{task}:{split}:{seed}")
+    rng = random.Random(f"{_ACTIVE['version']}:{task}:{split}:{seed}")
     return [make(rng, split) for _ in range(n)]
 
 
@@ -309,8 +394,9 @@ def _fake_rag(rng: random.Random) -> tuple[str, str, list[str], list[list[str]]]
     return query, qtype, docs, kinds
 
 
-def bundle(root: str | None = None) -> list:
-    """Regenerate the three bundled ``*_sample`` datasets from the held-out split; returns their data files."""
+def bundle(root: str | None = None, version: str | None = None) -> list:
+    """Regenerate the three bundled ``*_sample`` datasets from the held-out split of generator ``version``
+    (default: the active one) and record that version in ``GENERATOR``; returns their data files."""
     import shutil
     from pathlib import Path
 
@@ -318,6 +404,10 @@ def bundle(root: str | None = None) -> list:
     from harness.datasets.synthetic_ocr_cc import make_ccbench_sample, make_ocrbench_sample
 
     base = Path(root) if root else Path(__file__).parent / "bundled"
+    if version is not None:
+        use_generator(version)
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "GENERATOR").write_text(generator_version() + "\n", encoding="utf-8")
     for name in ("rag_igbench_sample/images", "ocrbench_sample/images"):
         shutil.rmtree(base / name, ignore_errors=True)  # no stale images of an older generator
     return [make_rag_igbench_sample(base / "rag_igbench_sample"), make_ocrbench_sample(base / "ocrbench_sample"),
@@ -327,7 +417,13 @@ def bundle(root: str | None = None) -> list:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] != ["bundle"]:
-        raise SystemExit("usage: python -m harness.datasets.synthetic_tasks bundle [ROOT]")
-    for path in bundle(*sys.argv[2:3]):
+    args = sys.argv[1:]
+    version = None
+    if "--generator" in args:
+        i = args.index("--generator")
+        version = args[i + 1]
+        del args[i:i + 2]
+    if args[:1] != ["bundle"]:
+        raise SystemExit("usage: python -m harness.datasets.synthetic_tasks bundle [ROOT] [--generator 1|2]")
+    for path in bundle(*args[1:2], version=version):
         print(path)

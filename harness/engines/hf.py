@@ -92,7 +92,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
-                 moe_cfg: Any = None):
+                 moe_cfg: Any = None, offload_cfg: Any = None):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -134,6 +134,7 @@ class HFEngine:
             if not supports_visionzip(self.model):
                 raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
         self.sere = self.moe = None
+        self._decode_tokens, self._sere_partial = 0, False  # the SERE canary's count (sere_graphs)
         sere_artifacts = None
         if sere_cfg is not None and sere_cfg.k is not None:  # computed on the stock model, before any hook
             from harness.engines.hf_sere import sere_artifacts_from_config
@@ -150,6 +151,21 @@ class HFEngine:
             similarity, protected = sere_artifacts
             self.sere = install_sere(self.model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
                                      eos_token_ids=sorted(self.eos_ids))
+        self.offload = None
+        if offload_cfg is not None and offload_cfg.get("policy") is not None:
+            self._install_offload(offload_cfg)
+
+    def _install_offload(self, offload_cfg: Any) -> None:
+        """Expert offload (harness/offload, docs/offload.md), installed last: SERE's calibration ran on the
+        resident model. The experts move into the host store and leave the device (a model loaded on the host,
+        e.g. with a device_map, has its other weights moved to the device here); the host decides per layer,
+        so no CUDA graph replays the decode step."""
+        from harness.offload.experts import NAME, install_offload
+
+        self.offload = install_offload(self.model, offload_cfg, self.device, max(1, self.cfg.batch_size))
+        self.experts_impl = NAME
+        self.cuda_graphs = False
+        self._graph_decoder = None
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -165,22 +181,34 @@ class HFEngine:
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,
+            **({"offload": self.offload.policy.name} if self.offload is not None else {}),
         }
 
     def warmup(self, batch: list[Request]) -> None:
         """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
         self._generate_batch(batch, max_new_tokens=2)
-        for handle in (self.sere, self.moe):
+        for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
+        self._decode_tokens, self._sere_partial = 0, False
 
     def technique_stats(self) -> dict[str, Any]:
         """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
         out: dict[str, Any] = {}
         if self.sere is not None:
             out["sere"] = self.sere.stats()
+            if out["sere"]["mode"] == "decode":  # the canary: every fed decode token re-routed (sere_graphs)
+                from harness.techniques.sere_graphs import engagement
+
+                layers = [{"layer": p["layer"], "calls": p["steps"], "rows": p["tokens"]}
+                          for p in out["sere"]["per_layer"]]
+                out["sere"]["engagement"] = engagement(layers, self._decode_tokens, recomputed=self._sere_partial)
         if self.moe is not None:
             out["moe"] = self.moe.stats()
+        if self.offload is not None:
+            from harness.offload.timing import offload_summary
+
+            out["offload"] = offload_summary(self.offload)
         return out
 
     def generate(self, requests: list[Request]) -> list[Generation]:
@@ -196,12 +224,13 @@ class HFEngine:
         try:
             return self._generate_batch(batch, self.gen_cfg.max_new_tokens)
         except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            self._sere_partial = True  # its decode steps may have been counted without its tokens
             if len(batch) == 1:
                 return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
             return [g for r in batch for g in self.generate_batch([r])]
 
     def close(self) -> None:
-        for name in ("sere", "moe"):  # SERE first: the reverse of installation
+        for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation
             handle = getattr(self, name, None)
             if handle is not None:
                 handle.remove()
@@ -251,11 +280,14 @@ class HFEngine:
                     )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
+        if self.offload is not None and clock.times:
+            self.offload.timing.add_batch(t0, clock.times, len(batch))
         results = []
         for row, req in enumerate(batch):
             ids = new_tokens[row]
             n = next((j + 1 for j, t in enumerate(ids) if t in self.eos_ids), len(ids))
             ids = ids[:n]
+            self._decode_tokens += max(n - 1, 0)  # tokens fed back: every one a re-routed decode row
             ttft = (clock.times[0] - t0) * 1e3 if clock.times else None
             e2e = (clock.times[n - 1] - t0) * 1e3 if n and len(clock.times) >= n else None
             tpot = (e2e - ttft) / (n - 1) if n > 1 and ttft is not None and e2e is not None else None
@@ -273,7 +305,8 @@ class HFEngine:
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch),
                        **({"visionzip": {**vz_ctx.requests[row].as_dict(),
-                                         "importance_ms": vz_ctx.importance_ms / len(batch)}}  # share of the batch's
+                                         "importance_ms": vz_ctx.importance_ms / len(batch),  # share of the batch's
+                                         "lse_reused": vz_ctx.lse_reused}}
                           if vz_ctx else {})},
             ))
         return results

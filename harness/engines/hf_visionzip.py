@@ -134,6 +134,7 @@ class VisionZipContext:
     deepstack_split: bool  # True: deepstack levels are per-image tuples (transformers ≥ 5.2x layout)
     vision_calls: int = 0  # how often the patched get_image_features answered (1 per generate)
     importance_ms: float = 0.0  # time of the importance computation (kernel or reference) for the batch
+    lse_reused: bool = False  # the scoring attention's own LSE fed the importance (no kernel LSE pass)
 
     @property
     def prompt_lengths(self) -> list[int]:
@@ -196,13 +197,17 @@ def _rotary_fn(attn):
 
 
 def encode_and_score(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, layer: int = -1,
-                     want_keys: bool = False, timings: dict[str, float] | None = None):
+                     want_keys: bool = False, timings: dict[str, Any] | None = None, reuse_lse: bool = True):
     """Run the vision tower once and score its patches at block ``layer``.
 
     Returns ``(vision_output, patch_scores [N] float32, cu_seqlens, patch_keys [N, heads, head_dim] or
     None)``: ``vision_output`` is what ``model.model.get_image_features`` returned (untouched);
     ``patch_keys`` are the block's keys before the rotary embedding (the contextual-merge metric).
+    ``reuse_lse``: the block's attention runs through :mod:`harness.engines.hf_attention_lse` and its
+    log-sum-exp goes to the importance kernel (pass 2 only); False, or where no op returns it, the kernel's
+    own LSE pass runs (``timings["lse_reused"]`` says which).
     """
+    from harness.engines.hf_attention_lse import capture_block_lse
     from harness.kernels.importance import compute_importance
 
     base = _base(model)
@@ -223,7 +228,8 @@ def encode_and_score(model, pixel_values: torch.Tensor, image_grid_thw: torch.Te
 
     handles = [attn.register_forward_pre_hook(pre_hook, with_kwargs=True), attn.qkv.register_forward_hook(qkv_hook)]
     try:
-        vision_output = base.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+        with capture_block_lse(attn) as got_lse:  # the block's own attention hands over its LSE
+            vision_output = base.get_image_features(pixel_values, image_grid_thw, return_dict=True)
     finally:
         for h in handles:
             h.remove()
@@ -241,10 +247,15 @@ def encode_and_score(model, pixel_values: torch.Tensor, image_grid_thw: torch.Te
     sync = torch.cuda.synchronize if q_rot.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    scores = compute_importance(q_rot.contiguous(), k_rot.contiguous(), cu, scale=getattr(attn, "scaling", None))
+    lse = got_lse["lse"] if reuse_lse else None
+    if lse is not None and tuple(lse.shape) != (q_rot.shape[1], n):
+        raise RuntimeError(f"VisionZip: captured LSE {tuple(lse.shape)}, expected {(q_rot.shape[1], n)}")
+    scores = compute_importance(q_rot.contiguous(), k_rot.contiguous(), cu, scale=getattr(attn, "scaling", None),
+                                lse=lse)
     sync()
     if timings is not None:
         timings["importance_ms"] = timings.get("importance_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+        timings["lse_reused"] = lse is not None
     return vision_output, scores.float(), cu, keys
 
 
@@ -436,6 +447,7 @@ def prepare_visionzip_inputs(model, inputs: Any, cfg: Any, *, pad_token_id: int 
         image_scores=unit_scores,
         deepstack_split=ds_split,
         importance_ms=timings.get("importance_ms", 0.0),
+        lse_reused=bool(timings.get("lse_reused", False)),
     )
     return new_inputs, ctx
 

@@ -15,7 +15,9 @@ accumulated in fp32 (fp32 inputs use IEEE fp32 dots, not TF32):
 
 Each pass costs one QKᵀ over the segment (2·n²·d FLOPs per head), so both together cost about what an
 attention forward does (QKᵀ + PV) and the P·V product is never needed. If the engine's attention already
-returns its log-sum-exp (flash attention does), pass ``lse=`` and only pass 2 runs. head_dim need not be a
+returns its log-sum-exp (flash attention does), pass ``lse=`` and only pass 2 runs: both engines do
+(``harness.kernels.attention_lse`` runs the scoring block's attention with the op that returns it); pass 1
+remains the fallback where no such op exists (fp32 on CUDA). head_dim need not be a
 power of two: it is padded to one (72 → 128 for Qwen3-VL) with masked loads.
 
 Tiles are fixed per device (``GPU_CONFIG``, or the small ``INTERPRETER_CONFIG`` on CPU) rather than
@@ -274,12 +276,45 @@ def triton_available(device: torch.device | str) -> bool:
     return interpreted and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def compute_importance(
-    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+def reference_colsums_from_lse(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, lse: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernel where it runs (CUDA or interpreter), else the torch reference."""
+    """PyTorch reference of pass 2: per-head column sums of ``exp(scale·q_i·k_j − lse_i)``, [heads, N].
+
+    ``lse``: [heads, N] natural-log row log-sum-exp (the attention's own). Materialises one segment's
+    [heads, n, n] at a time, in float32 (float64 for float64 inputs). With the true LSE this equals the
+    column sums of the softmax; a wrong LSE shows up as segments not summing to their length.
+    """
+    n, heads, head_dim = q.shape
+    if lse.shape != (heads, n):
+        raise ValueError(f"lse must be [heads, N] = {(heads, n)}, got {tuple(lse.shape)}")
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bounds = [int(b) for b in cu_seqlens.reshape(-1).tolist()]
+    out = torch.zeros((heads, n), dtype=dtype, device=q.device)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e == s:
+            continue
+        qs, ks = q[s:e].to(dtype).transpose(0, 1), k[s:e].to(dtype).transpose(0, 1)  # [H, n, D]
+        logits = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [H, n(q), n(k)]
+        out[:, s:e] = torch.exp(logits - lse[:, s:e].to(dtype).unsqueeze(-1)).sum(dim=1)
+    return out
+
+
+def compute_importance(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatcher: the Triton kernel where it runs (CUDA or interpreter), else the torch reference.
+
+    ``lse``: the scoring attention's own row log-sum-exp [heads, N] (natural log), when the engine has it
+    (``harness.kernels.attention_lse``): only pass 2 runs (Triton), or the reference's pass-2 twin
+    (:func:`reference_colsums_from_lse`). Without it the kernel computes the LSE itself (the fallback).
+    """
     if triton_available(q.device) and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return attention_importance(q, k, cu_seqlens, scale)
+        return attention_importance(q, k, cu_seqlens, scale, lse=lse)
+    if lse is not None:
+        return reference_colsums_from_lse(q, k, cu_seqlens, lse, scale).mean(dim=0).to(torch.float32)
     from harness.techniques.visionzip import attention_received
 
     return attention_received(q, k, cu_seqlens, scale).to(torch.float32)
@@ -297,5 +332,6 @@ def importance_min_bytes(n: int, heads: int, head_dim: int, itemsize: int) -> in
 
 __all__ = [
     "ImportanceConfig", "GPU_CONFIG", "INTERPRETER_CONFIG", "attention_lse", "attention_colsums",
-    "attention_importance", "compute_importance", "triton_available", "importance_flops", "importance_min_bytes",
+    "attention_importance", "compute_importance", "reference_colsums_from_lse", "triton_available",
+    "importance_flops", "importance_min_bytes",
 ]

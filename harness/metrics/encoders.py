@@ -37,11 +37,12 @@ Both take a hub name or a local path, load on first use (never at import or cons
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_CLIP_MODEL = "ViT-L-14"
@@ -67,7 +68,53 @@ def _load_image(image: Any):
     raise TypeError(f"an image must be a PIL image or a path, not {type(image).__name__}")
 
 
-class ClipScorer:
+class _PairScorer(ABC):
+    """What both CLIP scorers share: a model built once on first use (thread-safe), and cosines of
+    image/text pairs computed in batches. A subclass says how to build (``_build``) and how to encode one
+    batch (``_encode``: image and text features, row for row)."""
+
+    batch_size: int
+    device: str | None
+
+    def __init__(self, device: str | None, batch_size: int):
+        self.device, self.batch_size = device, batch_size
+        self._loaded: tuple[Any, Any, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            if self._loaded is None:
+                self.device = self.device or _default_device()
+                self._loaded = self._build()
+        return self._loaded
+
+    @abstractmethod
+    def _build(self) -> tuple[Any, Any, Any]:
+        """The loaded model and what encodes its inputs (called once, under the lock)."""
+
+    @abstractmethod
+    def _encode(self, loaded: tuple[Any, Any, Any], images: list[Any], texts: list[str]):
+        """Image and text features of one batch (PIL images, strings), row for row."""
+
+    def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
+        """cos(image_i, text_i) for each pair (images: PIL images or paths)."""
+        if len(images) != len(texts):
+            raise ValueError(f"{len(images)} images but {len(texts)} texts")
+        if not images:
+            return []
+        import torch
+
+        loaded = self._load()
+        out: list[float] = []
+        for i in range(0, len(images), self.batch_size):
+            batch = [_load_image(im) for im in images[i : i + self.batch_size]]
+            with torch.no_grad():
+                img, txt = self._encode(loaded, batch, [str(t) for t in texts[i : i + self.batch_size]])
+            out.extend(torch.nn.functional.cosine_similarity(img.float(), txt.float(), dim=-1).tolist())
+        return out
+
+
+class ClipScorer(_PairScorer):
     """Cosine similarity of images and texts under an open_clip model.
 
     ``model_name``/``pretrained`` are open_clip's: a tag (``'openai'``), a local checkpoint file, or
@@ -83,47 +130,29 @@ class ClipScorer:
         cache_dir: str | None = None,
         batch_size: int = 16,
     ):
-        self.model_name, self.pretrained = model_name, pretrained
-        self.device, self.cache_dir, self.batch_size = device, cache_dir, batch_size
-        self._loaded: tuple[Any, Callable, Callable] | None = None
-        self._lock = threading.Lock()
+        super().__init__(device, batch_size)
+        self.model_name, self.pretrained, self.cache_dir = model_name, pretrained, cache_dir
 
-    def _load(self):
-        with self._lock:
-            if self._loaded is None:
-                import open_clip
+    def _build(self):
+        import open_clip
 
-                self.device = self.device or _default_device()
-                tag = open_clip.get_pretrained_cfg(self.model_name, self.pretrained) if self.pretrained else {}
-                model, _, preprocess = open_clip.create_model_and_transforms(
-                    self.model_name, pretrained=self.pretrained, device=self.device, cache_dir=self.cache_dir,
-                    force_quick_gelu=bool(tag.get("quick_gelu", False)),
-                )
-                model.eval()
-                tokenizer = open_clip.get_tokenizer(self.model_name)
-                if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer):  # CLIP's BPE: tokenise as HF does
-                    tokenizer = reference_clip_tokenizer(tokenizer)
-                self._loaded = (model, preprocess, tokenizer)
-        return self._loaded
+        tag = open_clip.get_pretrained_cfg(self.model_name, self.pretrained) if self.pretrained else {}
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            self.model_name, pretrained=self.pretrained, device=self.device, cache_dir=self.cache_dir,
+            force_quick_gelu=bool(tag.get("quick_gelu", False)),
+        )
+        model.eval()
+        tokenizer = open_clip.get_tokenizer(self.model_name)
+        if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer):  # CLIP's BPE: tokenise as HF does
+            tokenizer = reference_clip_tokenizer(tokenizer)
+        return model, preprocess, tokenizer
 
-    def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
-        """cos(image_i, text_i) for each pair (images: PIL images or paths)."""
-        if len(images) != len(texts):
-            raise ValueError(f"{len(images)} images but {len(texts)} texts")
-        if not images:
-            return []
+    def _encode(self, loaded, images, texts):
         import torch
 
-        model, preprocess, tokenizer = self._load()
-        out: list[float] = []
-        for i in range(0, len(images), self.batch_size):
-            ims = torch.stack([preprocess(_load_image(im)) for im in images[i : i + self.batch_size]])
-            toks = tokenizer([str(t) for t in texts[i : i + self.batch_size]])
-            with torch.no_grad():
-                img = model.encode_image(ims.to(self.device)).float()
-                txt = model.encode_text(toks.to(self.device)).float()
-            out.extend(torch.nn.functional.cosine_similarity(img, txt, dim=-1).tolist())
-        return out
+        model, preprocess, tokenizer = loaded
+        ims = torch.stack([preprocess(im) for im in images])
+        return model.encode_image(ims.to(self.device)), model.encode_text(tokenizer(texts).to(self.device))
 
     def __repr__(self) -> str:
         return f"ClipScorer({self.model_name!r}, {self.pretrained!r}, device={self.device!r})"
@@ -165,7 +194,7 @@ def reference_clip_tokenizer(simple_tokenizer: Any) -> _ReferenceClipTokenizer:
     return _ReferenceClipTokenizer(hf, int(simple_tokenizer.context_length), int(simple_tokenizer.eot_token_id))
 
 
-class TransformersClipScorer:
+class TransformersClipScorer(_PairScorer):
     """Cosine similarity of images and texts under a transformers ``CLIPModel`` (a directory or hub id).
 
     The reference's stack (``CLIPModel`` + ``CLIPProcessor``): the checkpoint's own tokenizer (for CLIP,
@@ -174,44 +203,26 @@ class TransformersClipScorer:
     """
 
     def __init__(self, name_or_path: str, device: str | None = None, *, batch_size: int = 16):
-        self.name_or_path, self.device, self.batch_size = name_or_path, device, batch_size
-        self._loaded: tuple[Any, Any, Any] | None = None
-        self._lock = threading.Lock()
+        super().__init__(device, batch_size)
+        self.name_or_path = name_or_path
 
-    def _load(self):
-        with self._lock:
-            if self._loaded is None:
-                from transformers import AutoTokenizer, CLIPModel
-                from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    def _build(self):
+        from transformers import AutoTokenizer, CLIPModel
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-                self.device = self.device or _default_device()
-                model = CLIPModel.from_pretrained(self.name_or_path).to(self.device).eval()
-                self._loaded = (model, CLIPImageProcessorPil.from_pretrained(self.name_or_path),
-                                AutoTokenizer.from_pretrained(self.name_or_path))
-        return self._loaded
+        model = CLIPModel.from_pretrained(self.name_or_path).to(self.device).eval()
+        return (model, CLIPImageProcessorPil.from_pretrained(self.name_or_path),
+                AutoTokenizer.from_pretrained(self.name_or_path))
 
-    def cosines(self, images: Sequence[Any], texts: Sequence[str]) -> list[float]:
-        """cos(image_i, text_i) for each pair (images: PIL images or paths)."""
-        if len(images) != len(texts):
-            raise ValueError(f"{len(images)} images but {len(texts)} texts")
-        if not images:
-            return []
-        import torch
-
-        model, processor, tokenizer = self._load()
+    def _encode(self, loaded, images, texts):
+        model, processor, tokenizer = loaded
         limit = int(model.config.text_config.max_position_embeddings)
-        out: list[float] = []
-        for i in range(0, len(images), self.batch_size):
-            pixels = processor(images=[_load_image(im) for im in images[i : i + self.batch_size]],
-                               return_tensors="pt")["pixel_values"]
-            toks = tokenizer([str(t) for t in texts[i : i + self.batch_size]], padding=True, truncation=True,
-                             max_length=limit, return_tensors="pt")
-            with torch.no_grad():
-                img = _features(model.get_image_features(pixel_values=pixels.to(self.device)))
-                txt = _features(model.get_text_features(input_ids=toks["input_ids"].to(self.device),
-                                                        attention_mask=toks["attention_mask"].to(self.device)))
-            out.extend(torch.nn.functional.cosine_similarity(img.float(), txt.float(), dim=-1).tolist())
-        return out
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        toks = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
+        img = _features(model.get_image_features(pixel_values=pixels.to(self.device)))
+        txt = _features(model.get_text_features(input_ids=toks["input_ids"].to(self.device),
+                                                attention_mask=toks["attention_mask"].to(self.device)))
+        return img, txt
 
     def __repr__(self) -> str:
         return f"TransformersClipScorer({self.name_or_path!r}, device={self.device!r})"

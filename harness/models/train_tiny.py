@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-TASK_WEIGHTS = {"ocr": 0.34, "ocr_mix": 0.14, "mcq": 0.22, "mcq_mix": 0.10, "rag": 0.20}
+from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
+
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24}
 POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000}
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
@@ -346,33 +347,70 @@ def expert_usage(model, tokenizer, pool: dict[str, list[dict]], device, n: int =
     return usage
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with the ``--variant``'s defaults filled in for the recipe flags not given explicitly."""
+    from harness.models.train_recipes import VARIANTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="v1",
+                    help="training recipe (harness/models/train_recipes.py); v1 = the committed checkpoint's")
+    ap.add_argument("--generator", choices=("1", "2"), default=None, help="task-suite generator version")
+    ap.add_argument("--curriculum", type=float, default=None, help="fraction of steps on visual tasks only")
+    ap.add_argument("--expert-groups", type=int, default=None, help="grouped expert initialisation (0 = off)")
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--lr", type=float, default=2.5e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=float, default=1.0, help="scale of the training pool (1.0 = POOL)")
     ap.add_argument("--batch-scale", type=float, default=1.0)
-    ap.add_argument("--focus", type=float, default=0.1, help="weight of the attention-focus loss")
-    ap.add_argument("--aux", type=float, default=0.005, help="router load-balancing loss coefficient")
+    ap.add_argument("--focus", type=float, default=None, help="weight of the attention-focus loss (v1: 0.1)")
+    ap.add_argument("--aux", type=float, default=None, help="router load-balancing loss coefficient (v1: 0.005)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
                     help="fit --steps to this training time, measured on the first 30 steps (the steps done are "
                          "recorded: rerun with --steps N to reproduce)")
+    ap.add_argument("--refit", action="store_true",
+                    help="with --train-minutes: fit the step count again at step 150 (several runs share a GPU)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
     args = ap.parse_args(argv)
+    recipe = VARIANTS[args.variant]
+    for key in ("generator", "curriculum", "expert_groups", "focus", "aux"):
+        if getattr(args, key) is None:
+            setattr(args, key, recipe[key])
+    args.task_weights = dict(recipe["task_weights"])
+    return args
 
+
+def pool_counts(args: argparse.Namespace) -> dict[str, int]:
+    return {t: max(8, int(n * args.pool)) for t, n in POOL.items()}
+
+
+def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, dict]:
+    """(train pool, held-out pool) of the args' generator: a pure function of (generator, seed, pool, eval_n),
+    so parallel recipe runs can share one (``benchmarks/train_tiny_v2.py`` builds it once and forks)."""
+    from harness.datasets import synthetic_tasks as st
+
+    st.use_generator(args.generator)
+    pool = build_pool(tok_dir, config.image_token_id, pool_counts(args), "train", args.seed, args.workers, config)
+    held = build_pool(tok_dir, config.image_token_id, {t: args.eval_n for t in POOL}, "heldout", args.seed,
+                      args.workers)
+    return pool, held
+
+
+def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) -> int:
+    """Train one recipe and write its checkpoint; ``pools`` = (train, held-out) already built for these args."""
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from harness.datasets.synthetic_tasks import GENERATOR_VERSION
+    from harness.datasets import synthetic_tasks as st
     from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
+    from harness.models.train_recipes import group_experts, task_weights_at
     from harness.models.trained import TRAINED_SPEC, WEIGHTS_LABEL, sha256_file
 
     t_start = time.time()
@@ -393,12 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f} M on {device}", flush=True)
 
-    counts = {t: max(8, int(n * args.pool)) for t, n in POOL.items()}
+    counts = pool_counts(args)
+    st.use_generator(args.generator)
     t0 = time.time()
-    pool = build_pool(str(tok_dir), config.image_token_id, counts, "train", args.seed, args.workers, config)
-    held = build_pool(str(tok_dir), config.image_token_id, {t: args.eval_n for t in POOL}, "heldout", args.seed,
-                      args.workers)
+    pool, held = pools if pools is not None else build_pools(args, str(tok_dir), config)
     data_s = time.time() - t0
+    if args.expert_groups:  # after the forked data workers: a multi-threaded op before fork can deadlock them
+        print(f"grouped expert init: {group_experts(model, args.expert_groups, seed=args.seed)} tensors", flush=True)
     lens = {t: float(np.mean([len(e["ids"]) for e in v])) for t, v in pool.items()}
     print(f"data {data_s:.1f} s, mean lengths {lens}", flush=True)
 
@@ -431,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             print("position helpers left unwrapped", flush=True)
     probe = FocusProbe(model)
     rng = np.random.default_rng(args.seed)
-    tasks = list(TASK_WEIGHTS)
-    probs = np.asarray([TASK_WEIGHTS[t] for t in tasks])
-    probs = probs / probs.sum()
+    tasks = list(args.task_weights)
     log = open(out_dir / "train_log.jsonl", "w", encoding="utf-8")
     ema: dict[str, float] = {}
     t_train = time.time()
@@ -445,7 +482,13 @@ def main(argv: list[str] | None = None) -> int:
             per_step = (time.time() - t_train) / 30
             total["steps"] = min(args.steps, max(31, int(args.train_minutes * 60 / per_step)))
             print(f"{per_step * 1e3:.0f} ms/step -> {total['steps']} steps", flush=True)
-        task = tasks[rng.choice(len(tasks), p=probs)]
+        if step == 151 and args.train_minutes and args.refit:  # parallel runs: the first 30 steps were optimistic
+            per_step = (time.time() - t_train) / 150
+            total["steps"] = min(args.steps, max(151, int(args.train_minutes * 60 / per_step)))
+            print(f"refit: {per_step * 1e3:.0f} ms/step -> {total['steps']} steps", flush=True)
+        weights = task_weights_at(vars(args), step, total["steps"])
+        probs = np.asarray([weights[t] for t in tasks])
+        task = tasks[rng.choice(len(tasks), p=probs / probs.sum())]
         bs = max(2, int(BATCH[task] * args.batch_scale))
         idx = rng.choice(len(pool[task]), size=min(bs, len(pool[task])), replace=False)
         batch = collate([pool[task][i] for i in idx], tokenizer.pad_token_id, device)
@@ -493,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     marker = {
         "name": "tiny-qwen3-vl-moe-trained", "weights": WEIGHTS_LABEL,
         "meaning": "a machinery-level model trained on the project's synthetic task suite, not a real model's quality",
-        "generator_version": GENERATOR_VERSION,
-        "training": {**vars(args), "task_weights": TASK_WEIGHTS, "batch": BATCH, "pool": counts,
+        "generator_version": st.generator_version(),
+        "training": {**vars(args), "batch": BATCH, "pool": counts,
                      "content_range": CONTENT_RANGE, "steps_done": step, "stopped_early": stopped_early},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -8,13 +8,13 @@ really receive). A pass is labelled by the block input's sequence length (1 = de
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
+from routing_capture import capture
 
 from harness.engines.hf_sere import install_sere
-from harness.models.tiny import TinyModelSpec, ensure_tiny_model
+from harness.models.tiny import TinyModelSpec
 from harness.techniques.sere import expert_union, reroute
 from harness.techniques.sere_calibration import compute_similarity, find_moe_blocks
 
@@ -23,19 +23,11 @@ TOP_K = TinyModelSpec().num_experts_per_tok
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_parts):
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("tiny"))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    proc = AutoProcessor.from_pretrained(path)
-    proc.tokenizer.padding_side = "left"
+    model, proc, path, chat = tiny_parts.model, tiny_parts.proc, tiny_parts.path, tiny_parts.chat
     sims, _ = compute_similarity(model, proc.tokenizer, max_tokens=512)
-
-    def chat(parts):
-        return proc.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
-                                        tokenize=False)
 
     img_a = Image.new("RGB", (64, 48), (200, 30, 30))
     img_b = Image.linear_gradient("L").convert("RGB").resize((48, 64))
@@ -55,34 +47,6 @@ def generate(tiny, inputs):
         out = tiny["model"].generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False,
                                      pad_token_id=tiny["proc"].tokenizer.pad_token_id)
     return out[:, inputs["input_ids"].shape[1]:]
-
-
-@contextmanager
-def capture(model):
-    """{layer: [{"seq": S, "orig": ids, "orig_w": w, "used": ids, "used_w": w}, ...]} per MoE pass.
-
-    Must be entered before ``install_sere`` so the router hook runs before SERE's."""
-    log: dict[int, list[dict]] = {}
-    hooks = []
-    for ref in find_moe_blocks(model):
-        entries = log.setdefault(ref.layer, [])
-
-        def pre(module, args, entries=entries):
-            entries.append({"seq": args[0].shape[1], "batch": args[0].shape[0]})
-
-        def gate(module, args, out, entries=entries):
-            entries[-1]["orig"], entries[-1]["orig_w"] = out[2].clone(), out[1].clone()
-
-        def experts(module, args, entries=entries):
-            entries[-1]["used"], entries[-1]["used_w"] = args[1].clone(), args[2].clone()
-
-        hooks += [ref.block.register_forward_pre_hook(pre), ref.block.gate.register_forward_hook(gate),
-                  ref.block.experts.register_forward_pre_hook(experts)]
-    try:
-        yield log
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def decode_entries(log):

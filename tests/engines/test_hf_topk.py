@@ -7,16 +7,16 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from routing_capture import capture
 
 from harness.engines.hf_sere import install_sere
 from harness.engines.hf_topk import install_topk
-from harness.models.tiny import TinyModelSpec, ensure_tiny_model
+from harness.models.tiny import TinyModelSpec
 from harness.techniques.moe_topk import truncate_routing
 from harness.techniques.sere import expert_union
 from harness.techniques.sere_calibration import find_moe_blocks
@@ -27,18 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_parts):
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("tiny"))
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    proc = AutoProcessor.from_pretrained(path)
-    proc.tokenizer.padding_side = "left"
-
-    def chat(parts):
-        return proc.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
-                                        tokenize=False)
+    model, proc, path, chat = tiny_parts.model, tiny_parts.proc, tiny_parts.path, tiny_parts.chat
 
     texts = [chat([{"type": "text", "text": "What is the best food in the city park?"}]),
              chat([{"type": "image"}, {"type": "text", "text": "请描述这张图片"}]),
@@ -53,33 +45,6 @@ def generate(tiny):
         out = tiny["model"].generate(**tiny["batch"], max_new_tokens=MAX_NEW, do_sample=False,
                                      pad_token_id=tiny["proc"].tokenizer.pad_token_id)
     return out[:, tiny["batch"]["input_ids"].shape[1]:]
-
-
-@contextmanager
-def capture(model):
-    """Per layer and MoE pass: seq length, router logits/ids/weights, what the experts received.
-    Entered before the top-K hooks, so "orig" is the stock router output."""
-    log: dict[int, list[dict]] = {}
-    hooks = []
-    for ref in find_moe_blocks(model):
-        entries = log.setdefault(ref.layer, [])
-
-        def pre(module, args, entries=entries):
-            entries.append({"seq": args[0].shape[1]})
-
-        def gate(module, args, out, entries=entries):
-            entries[-1].update(logits=out[0].clone(), orig_w=out[1].clone(), orig=out[2].clone())
-
-        def experts(module, args, entries=entries):
-            entries[-1].update(used=args[1].clone(), used_w=args[2].clone())
-
-        hooks += [ref.block.register_forward_pre_hook(pre), ref.block.gate.register_forward_hook(gate),
-                  ref.block.experts.register_forward_pre_hook(experts)]
-    try:
-        yield log
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,23 @@ def test_vllm_refuses_min_per_image_zero():
 
     with pytest.raises(RuntimeError, match="at least one token"):
         VisionZipSettings.from_env({"HARNESS_VZ_KEEP": "0.5", "HARNESS_VZ_MIN_PER_IMAGE": "0"})
+
+
+def test_vllm_visionzip_scope_request_settings():
+    """scope=request (the default) resolves to the bundle architecture, contextual and min_per_image=0
+    included, and its environment round-trips to the same settings in vLLM's processes."""
+    from harness.engines.vllm.settings import VZ_ARCH, VZ_REQUEST_ARCH, VisionZipSettings
+
+    cfg = SimpleNamespace(keep=0.5, scope="request", contextual=0.2, layer=-1, min_per_image=0)
+    st = resolve_visionzip(cfg)
+    assert st.scope == "request" and st.arch == VZ_REQUEST_ARCH and st.contextual == 0.2
+    assert VisionZipSettings.from_env(st.env()) == st
+    assert st.total([10, 3]) == 7 and st.total([1, 1, 1]) == 2  # budget(0.5, 13) = 7 (half up), budget(0.5, 3)
+    per_image = resolve_visionzip(SimpleNamespace(**{**vars(cfg), "scope": "image", "contextual": 0.0,
+                                                     "min_per_image": 1}))
+    assert per_image.arch == VZ_ARCH and VisionZipSettings.from_env(per_image.env()) == per_image
+    assert per_image.total([10, 3]) == 5 + 2
+    with pytest.raises(NotImplementedError, match="contextual"):
+        resolve_visionzip(SimpleNamespace(**{**vars(cfg), "scope": "image", "min_per_image": 1}))
+    with pytest.raises(RuntimeError, match="contextual"):
+        VisionZipSettings.from_env({"HARNESS_VZ_KEEP": "0.5", "HARNESS_VZ_CONTEXTUAL": "0.2"})

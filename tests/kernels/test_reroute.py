@@ -28,24 +28,25 @@ def make_case(num_tokens, num_experts, k, seed, levels=4, dtype=torch.int64):
     return ids.to(DEVICE), sim.to(DEVICE), protected.to(DEVICE), row_mask.to(DEVICE)
 
 
-def run_poisoned(ids, sim, k_primary, rho, protected=None, row_mask=None):
+def run_poisoned(ids, sim, k_primary, rho, protected=None, row_mask=None, primary="auto"):
     out = torch.full_like(ids, POISON)
-    got = reroute_triton(ids, sim, k_primary, rho, protected, row_mask, out=out)
+    got = reroute_triton(ids, sim, k_primary, rho, protected, row_mask, out=out, primary=primary)
     assert got.data_ptr() == out.data_ptr()
     return got
 
 
+@pytest.mark.parametrize("primary", ["fused", "separate"])
 @pytest.mark.parametrize("use_row_mask", [False, True])
 @pytest.mark.parametrize("use_protected", [False, True])
 @pytest.mark.parametrize("k_primary", K_PRIMARY)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}".format(*s))
-def test_matches_reference(shape, k_primary, use_protected, use_row_mask):
+def test_matches_reference(shape, k_primary, use_protected, use_row_mask, primary):
     ids, sim, protected, row_mask = make_case(*shape, seed=sum(shape) + k_primary)
     protected = protected if use_protected else None
     row_mask = row_mask if use_row_mask else None
     for rho in RHOS:
         want = reroute(ids, sim, k_primary, rho, protected, row_mask)
-        got = run_poisoned(ids, sim, k_primary, rho, protected, row_mask)
+        got = run_poisoned(ids, sim, k_primary, rho, protected, row_mask, primary)
         assert got.dtype == ids.dtype
         assert torch.equal(got, want), f"rho={rho}\n{ids}\n{got}\n{want}"
 
@@ -163,8 +164,9 @@ def test_cuda_graph_replay():
         assert torch.equal(out, reroute(ids, sim, 2, 0.5, protected, row_mask))
 
 
+@pytest.mark.parametrize("primary", ["auto", "fused", "separate"])
 @pytest.mark.parametrize("use_row_mask", [False, True])
-def test_more_rows_than_one_primary_tile(use_row_mask):
+def test_more_rows_than_one_primary_tile(use_row_mask, primary):
     """T = 150 > 64 = BLOCK_N rows: the primary scan runs over three tiles. The only primary expert that
     attracts anything (expert 15) is named by rows past the first tile only, so a scan that stopped after
     one tile (or lost later tiles' bits) would move nothing; a masked-out row beyond the tile must not
@@ -186,7 +188,7 @@ def test_more_rows_than_one_primary_tile(use_row_mask):
         row_mask[3] = False
     ids, sim, row_mask = ids.to(DEVICE), sim.to(DEVICE), row_mask.to(DEVICE)
     mask = row_mask if use_row_mask else None
-    got = run_poisoned(ids, sim, 1, 0.5, None, mask)
+    got = run_poisoned(ids, sim, 1, 0.5, None, mask, primary)
     want = reroute(ids, sim, 1, 0.5, None, mask)
     assert torch.equal(got, want)
     assert torch.equal(reroute_op(ids, sim, 1, 0.5, None, mask), want)
@@ -194,3 +196,65 @@ def test_more_rows_than_one_primary_tile(use_row_mask):
     assert moved_to == ({15} if use_row_mask else {14})        # the attractor from the second / third tile
     if use_row_mask:
         assert torch.equal(got[~row_mask.cpu()], ids[~row_mask.cpu()])
+
+
+# ---- P built once per step (the primary pass): its words, several tiles per program, the program cap.
+
+
+@pytest.mark.parametrize("use_row_mask", [False, True])
+@pytest.mark.parametrize("shape", [(1, 16, 4), (65, 16, 8), (200, 100, 6), (150, 128, 8)],
+                         ids=lambda s: "T{}-E{}-k{}".format(*s))
+def test_primary_words_equal_the_reference_primary_set(shape, use_row_mask):
+    from harness.kernels.reroute import primary_words, words_to_mask
+    from harness.techniques.sere import primary_mask
+
+    ids, _, _, row_mask = make_case(*shape, seed=sum(shape))
+    mask = row_mask if use_row_mask else None
+    for kp in (1, 2):
+        want = primary_mask(ids, shape[1], kp, mask)
+        assert want.any()
+        assert torch.equal(words_to_mask(primary_words(ids, shape[1], kp, mask), shape[1]), want)
+
+
+def test_primary_pass_with_few_programs_and_many_tiles(monkeypatch):
+    """MAX_G capped at 2: 300 rows = 5 tiles over 2 programs (3 + 2 tiles), and the per-slot kernel
+    reduces fewer partials than its MAX_G tile holds. The attractors sit in the last tiles of each program."""
+    import harness.kernels.reroute as mod
+
+    monkeypatch.setattr(mod, "MAX_G", 2)
+    assert mod._primary_grid(300) == (2, 192)
+    t, e, k = 300, 16, 4
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.cat([torch.tensor([i % 2]), 4 + torch.randperm(10, generator=g)[:k - 1]])
+                       for i in range(t)])
+    ids[150, 0], ids[299, 0] = 14, 15                     # program 0's third tile, program 1's last tile
+    sim = torch.zeros(e, e).fill_diagonal_(1.0)
+    sim[:8, 14] = 0.9
+    sim[8:, 15] = 0.9
+    ids, sim = ids.to(DEVICE), sim.to(DEVICE)
+    want = reroute(ids, sim, 1, 0.5)
+    got = run_poisoned(ids, sim, 1, 0.5, primary="separate")
+    assert torch.equal(got, want)
+    assert set(got[:, 1:][got[:, 1:] != ids[:, 1:]].tolist()) == {14, 15}
+
+
+def test_primary_grid_caps_programs():
+    from harness.kernels.reroute import BLOCK_N, MAX_G, _primary_grid
+
+    for num_tokens in (1, 63, 64, 65, 4096, 4097, 16384, 100_000):
+        groups, rows = _primary_grid(num_tokens)
+        assert 1 <= groups <= MAX_G and rows % BLOCK_N == 0
+        assert (groups - 1) * rows < num_tokens <= groups * rows
+
+
+def test_no_masked_in_rows_moves_nothing_in_both_paths():
+    ids, sim, _, _ = make_case(150, 16, 8, seed=11)
+    none = torch.zeros(150, dtype=torch.bool, device=DEVICE)
+    for primary in ("fused", "separate"):
+        assert torch.equal(run_poisoned(ids, sim, 2, float("-inf"), row_mask=none, primary=primary), ids)
+
+
+def test_bad_primary_mode():
+    ids, sim, _, _ = make_case(2, 16, 4, seed=1)
+    with pytest.raises(ValueError, match="primary"):
+        reroute_triton(ids, sim, 1, 0.0, primary="twice")

@@ -87,6 +87,12 @@ def test_routing_statistics_from_the_worker(engine, requests_text_images):
         assert layer["tokens"] == sum(g.output_tokens - 1 for g in gens)
         assert layer["secondary_slots"] == layer["tokens"] * (4 - K)
         assert layer["protected"] == 3
+        assert layer["calls"] == st["steps"] and layer["rows"] == layer["tokens"]   # device counters
+    # the engagement canary agrees: every fed decode token was a decode row of every layer
+    verdict = st["engagement"]
+    assert verdict["ok"], verdict["reason"]
+    assert verdict["decode_tokens"] == sum(g.output_tokens - 1 for g in gens)
+    assert set(verdict["layers"]) == {str(layer) for layer in LAYERS}
 
 
 def test_sere_token_for_token_and_decode_rows_only(engine, hf_sere, hf_ref, requests_text_images, artifacts):
@@ -107,6 +113,7 @@ def test_sere_token_for_token_and_decode_rows_only(engine, hf_sere, hf_ref, requ
     calls = _trace(artifacts.trace)
     assert calls and all(c["mask"] for c in calls)
     assert not any(c["prefill_changed"] for c in calls)
+    assert engine.technique_stats()["sere"]["engagement"]["ok"]
     for layer in LAYERS:
         mine = [c for c in calls if c["layer"] == layer]
         decode = [c for c in mine if c["decode_rows"]]

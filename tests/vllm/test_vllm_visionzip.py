@@ -70,11 +70,13 @@ def test_describe(engine):
     assert info["keep"] == VZ.keep and info["scope"] == "image"
 
 
-@pytest.mark.parametrize("over, match", [({"scope": "request"}, "scope=image"),
-                                         ({"contextual": 0.1}, "contextual")])
+@pytest.mark.parametrize("over, match", [({"contextual": 0.1}, "contextual"), ({"min_per_image": 0}, "min_per_image")])
 def test_unsupported_settings_are_refused(over, match):
     from harness.engines.vllm.techniques import resolve_visionzip
 
     assert resolve_visionzip(SimpleNamespace(**{**vars(VZ), "keep": 1.0})) is None
     with pytest.raises(NotImplementedError, match=match):
         resolve_visionzip(SimpleNamespace(**{**vars(VZ), **over}))
+    # with one budget per request (the bundle item), both are supported
+    st = resolve_visionzip(SimpleNamespace(**{**vars(VZ), **over, "scope": "request"}))
+    assert st.scope == "request" and st.arch != resolve_visionzip(VZ).arch

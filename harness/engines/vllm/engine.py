@@ -122,6 +122,9 @@ class VLLMEngine(ServeMode, LoadMode):
         self._async = None
         self._loop: _LoopThread | None = None
         self._closed = False
+        # the SERE canary (harness.techniques.sere_graphs): decode tokens fed since the statistics were reset,
+        # and whether a failed request may have left decode rows counted without its tokens
+        self._decode_tokens, self._sere_partial = 0, False
         if self.endpoint is not None and not self.load_mode:
             raise ValueError(f"load.endpoint={self.endpoint!r} needs load.qps (the serve mode is a load test)")
         if remote:
@@ -190,12 +193,13 @@ class VLLMEngine(ServeMode, LoadMode):
             seed=self.seed,
         )
         if self.visionzip is not None:
-            from harness.engines.vllm.settings import VZ_ARCH
-
             # the plugin's Qwen3-VL-MoE subclass; multimodal pruning on = vLLM's runner recomputes mRoPE
             # positions from the kept tokens (the rate itself only concerns videos, which are refused)
-            args["hf_overrides"] = {"architectures": [VZ_ARCH]}
+            args["hf_overrides"] = {"architectures": [self.visionzip.arch]}
             args["video_pruning_rate"] = 0.5
+            if self.visionzip.scope == "request":
+                # the bundle folds a request's image items: the processor cache would hand some over as None
+                args["mm_processor_cache_gb"] = 0
         args.update(self.cpu_overrides)
         args.update(self.engine_kwargs)
         return args
@@ -232,9 +236,14 @@ class VLLMEngine(ServeMode, LoadMode):
             "transformers_version": package_version("transformers"),
         }
         if self.visionzip is not None:
-            info["visionzip"] = {"keep": self.visionzip.keep, "scope": "image", "contextual": 0.0,
-                                 "layer": self.visionzip.layer, "min_per_image": self.visionzip.min_per_image,
-                                 "where": "vllm plugin model subclass (fixed ratio per image)"}
+            vz = self.visionzip
+            info["visionzip"] = {"keep": vz.keep, "scope": vz.scope, "contextual": vz.contextual,
+                                 "layer": vz.layer, "min_per_image": vz.min_per_image,
+                                 "where": "vllm plugin model subclass (" + (
+                                     "one budget per request: the image span as one multimodal item)"
+                                     if vz.scope == "request" else "fixed ratio per image)"),
+                                 "importance_lse": "the scoring attention's own LSE (kernel pass 2 only), "
+                                                   "the kernel's LSE pass where no op returns it"}
         if self.sere is not None:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
@@ -286,6 +295,9 @@ class VLLMEngine(ServeMode, LoadMode):
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
+        # a running server may be shared: its counts can exceed this run's (serve_mode._attach_server)
+        self._decode_tokens = 0
+        self._sere_partial = self._server is not None and not self._server.started_here
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.engines.vllm.plugin import STATS_METHOD
@@ -314,12 +326,29 @@ class VLLMEngine(ServeMode, LoadMode):
                 continue
             try:
                 per_worker = self._worker_sere_stats(method=method)
-            except Exception as e:  # noqa: BLE001 - statistics never fail a run
+            except Exception as e:  # noqa: BLE001 - statistics never fail a run ... except SERE's canary below
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(None, f"{type(e).__name__}: {e}")
                 continue
             if per_worker:
                 out[name] = {**per_worker[0], "workers": len(per_worker)}
+                if name == "sere":
+                    out[name]["engagement"] = self._engagement(per_worker[0].get("per_layer"))
         return out
+
+    def _engagement(self, per_layer: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
+        """The SERE canary's verdict (``harness.techniques.sere_graphs.engagement``): every decode token this
+        engine fed since the last reset must have been a decode row of every MoE layer's routing function.
+        Each worker routes the whole batch (tensor parallelism included), so the first worker's counts tell."""
+        from harness.techniques.sere_graphs import engagement
+
+        if per_layer is None:
+            verdict = engagement([], self._decode_tokens)
+            if error and self._decode_tokens:
+                verdict.update(ok=False, reason=f"SERE statistics could not be read from the worker: {error}")
+            return verdict
+        return engagement(per_layer, self._decode_tokens, recomputed=self._sere_partial)
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
@@ -336,6 +365,7 @@ class VLLMEngine(ServeMode, LoadMode):
         try:
             return self._generate_batch(batch)
         except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
+            self._sere_partial = True  # its decode steps may have been counted without its tokens
             if len(batch) == 1:
                 return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
             return [g for r in batch for g in self.generate_batch([r])]
@@ -391,10 +421,12 @@ class VLLMEngine(ServeMode, LoadMode):
         if self.visionzip is None or not request.images:
             return None
         tokens = [self.image_tokens(img) for img in request.images]
-        kept = [self.visionzip.kept(n) for n in tokens]
-        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": sum(kept),
+        total = self.visionzip.total(tokens)
+        # scope=request: the split between images is decided in the worker (the total is fixed up front)
+        kept = [self.visionzip.kept(n) for n in tokens] if self.visionzip.scope == "image" else None
+        return {"visual_tokens_before": sum(tokens), "visual_tokens_after": total,
                 "tokens_per_image": tokens, "kept_per_image": kept,
-                "keep_rate": sum(kept) / sum(tokens) if sum(tokens) else None, "importance_ms": None}
+                "keep_rate": total / sum(tokens) if sum(tokens) else None, "importance_ms": None}
 
     def decode(self, ids: list[int]) -> str:
         """The answer text, decoded as the HF engine decodes it (all ids at once, special tokens dropped):
@@ -415,6 +447,7 @@ class VLLMEngine(ServeMode, LoadMode):
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             n = len(ids)
+            self._decode_tokens += max(n - 1, 0)  # tokens fed back: each a decode row (the SERE canary)
             m = out.metrics
             ttft = e2e = tpot = ttft_engine = queue = None
             if m is not None and getattr(m, "first_token_ts", 0):
@@ -437,6 +470,8 @@ class VLLMEngine(ServeMode, LoadMode):
                 e2e_ms=e2e,
                 extra={"batch_size": len(batch), "ttft_engine_ms": ttft_engine, "queue_ms": queue,
                        "finish_reason": comp.finish_reason, "token_ids": ids,
+                       # prompt tokens not computed here: prefix-cache hits, or KV loaded by a connector (P/D)
+                       "cached_prompt_tokens": getattr(out, "num_cached_tokens", None),
                        **({"visionzip": vz} if (vz := self.visionzip_stats(req)) else {})},
             ))
         return results

@@ -106,6 +106,7 @@ class LoadMode:
                 prompt_ids = list(out.prompt_token_ids)
             if out.finished:
                 final = comp
+        self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (engine._engagement)
         return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
                 "finish_reason": getattr(final, "finish_reason", None)}
 
@@ -155,7 +156,7 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
         try:
             await stream(i, "warmup")
         except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
-            pass
+            engine._sere_partial = True  # its decode rows may be counted without its tokens (SERE canary)
     offsets = arrival_offsets(n, qps, burstiness, seed)
 
     async def one(i: int, delay: float, start: float):
@@ -166,6 +167,7 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
             coro = stream(i, "load")
             r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
         except Exception as e:  # noqa: BLE001 - counted as failed
+            engine._sere_partial = True  # decode rows it had may be counted without its tokens
             return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
                               extra={"source_uid": src.uid, "sent_at_s": delay})
         chunks, ids = r["chunks"], r["ids"]

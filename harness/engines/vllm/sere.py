@@ -11,7 +11,9 @@ reference on CPU tensors; same ids) and ``row_mask`` = the step's decode rows
 primary set P (``harness.techniques.sere``). Weights are not changed (SERE's reference semantics). With
 ``moe.top_k`` too, the truncation (:func:`harness.engines.vllm.topk.apply_topk`) comes first.
 
-Statistics (``harness_sere_stats`` on the workers, ``summary.json`` ``sere``): :func:`sere_stats`.
+Statistics (``harness_sere_stats`` on the workers, ``summary.json`` ``sere``): :func:`sere_stats`, from
+device counters (``harness.techniques.sere_graphs.RoutingCounters``) that captured CUDA graphs advance on
+replay; ``calls``/``rows`` per layer feed the engine's engagement canary.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import os
 from typing import Any, Callable
 
 from harness.engines.vllm import routing as _routing
-from harness.engines.vllm.routing import LayerStats, Trace, layer_index, layer_stats_summary, stock_topk
+from harness.engines.vllm.routing import Trace, layer_index, stock_topk
 from harness.engines.vllm.settings import SereSettings
+from harness.techniques.sere_graphs import RoutingCounters, capturing, route
 
 
 def _reroute_fn() -> Callable:
@@ -40,7 +43,45 @@ def _reroute_fn() -> Callable:
     return op
 
 
-_STATS: dict[int, LayerStats] = {}
+_STATS: dict[int, RoutingCounters] = {}
+
+
+def counters_summary(stats: dict[int, RoutingCounters], reset: bool = False) -> dict[str, Any]:
+    """Per-layer and overall statistics from the device counters (one read per layer; ``reset`` zeroes them
+    in place afterwards). ``steps`` = routing calls that saw a decode row, ``tokens`` = decode rows: both
+    counted on the device, so steps replayed from a CUDA graph count like eager ones."""
+    per_layer, sums = [], dict.fromkeys(("calls", "before", "after", "primary", "moved", "secondary"), 0)
+    for layer in sorted(stats):
+        c = stats[layer].read()
+        calls = c["calls"]
+        per_layer.append({
+            "layer": layer, "steps": calls, "tokens": c["rows"], "calls": calls, "rows": c["rows"],
+            "expert_union_before": c["before"] / calls if calls else None,
+            "expert_union_after": c["after"] / calls if calls else None,
+            "primary_union": c["primary"] / calls if calls else None,
+            "moved_slots": c["moved"], "secondary_slots": c["secondary"],
+            "moved_fraction": c["moved"] / c["secondary"] if c["secondary"] else None,
+            "protected": stats[layer].protected,
+        })
+        for key in sums:
+            sums[key] += c[key]
+        if reset:
+            stats[layer].reset()
+    n_steps = max((p["steps"] for p in per_layer), default=0)
+    n_tokens = max((p["tokens"] for p in per_layer), default=0)
+    calls = sums["calls"]
+    mean = (lambda v: v / calls) if calls else (lambda v: None)
+    before, after = mean(sums["before"]), mean(sums["after"])
+    return {
+        "layers": len(per_layer), "steps": n_steps,
+        "tokens_per_step": n_tokens / n_steps if n_steps else None,
+        "expert_union_before": before, "expert_union_after": after,
+        "experts_saved": before - after if calls else None,
+        "primary_union": mean(sums["primary"]),
+        "moved_fraction": sums["moved"] / sums["secondary"] if sums["secondary"] else None,
+        "counters": "device",
+        "per_layer": per_layer,
+    }
 
 
 def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
@@ -49,7 +90,7 @@ def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
     from harness.engines.vllm.plugin import _STATE
 
     settings = _STATE.get("sere")
-    summary = layer_stats_summary(_STATS, reset)
+    summary = counters_summary(_STATS, reset)
     return {
         "k_primary": settings.k_primary if settings else None, "rho": settings.rho if settings else None,
         "mode": "decode", **summary, "pid": os.getpid(),
@@ -58,10 +99,15 @@ def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
 
 def make_routing_function(layer: int, similarity, k_primary: int, rho: float, protected=None,
                           trace: Trace | None = None, op: Callable | None = None,
-                          stats: LayerStats | None = None, truncate: Any = None,
+                          stats: RoutingCounters | None = None, truncate: Any = None,
                           truncate_stats: Any = None) -> Callable:
     """The ``custom_routing_function`` of one MoE layer (see the module doc). ``truncate``: a
-    ``harness.engines.vllm.settings.MoeSettings`` applied before re-routing (``moe.top_k`` with SERE)."""
+    ``harness.engines.vllm.settings.MoeSettings`` applied before re-routing (``moe.top_k`` with SERE).
+
+    Graph-safe by construction (``harness.techniques.sere_graphs``): it reads only the persistent
+    decode-row buffer, the per-device similarity/protection copies and the device counters, takes no
+    Python branch that depends on the step except the eager skip of a step without decode rows, and the
+    trace (which synchronises) is written only outside a capture."""
     import torch
 
     op = op or _reroute_fn()
@@ -83,23 +129,23 @@ def make_routing_function(layer: int, similarity, k_primary: int, rho: float, pr
 
             weights, ids, width = apply_topk(gating_output, weights, ids, renormalize, truncate.top_k,
                                              truncate.scope, truncate_stats)
-        mask = _routing.DECODE.rows(gating_output.device, gating_output.shape[0])
-        if mask is None or k_primary >= width:
+        if k_primary >= width:
             new = ids
         else:
             sim, prot = on(gating_output.device)
             head = ids[:, :width]
-            new_head = op(head.contiguous(), sim, k_primary, rho, prot, mask)
-            new = new_head if width == topk else torch.cat([new_head, ids[:, width:]], dim=1)
-            if stats is not None and _routing.DECODE.n_decode > 0 and not _routing.DECODE.dummy:
-                stats.add(head, new_head, mask, k_primary, _routing.DECODE.n_decode)
-        if trace is not None:
-            rows = mask.nonzero().reshape(-1).tolist() if mask is not None else []
+            new_head = route(head, sim, k_primary, rho, prot, _routing.DECODE.steps, stats, op)
+            if new_head is head:  # an eager step without decode rows: nothing launched
+                new = ids
+            else:
+                new = new_head if width == topk else torch.cat([new_head, ids[:, width:]], dim=1)
+        if trace is not None and not capturing():
+            mask = _routing.DECODE.rows(gating_output.device, gating_output.shape[0])
+            rows = mask.nonzero().reshape(-1).tolist()
             changed = (new != ids)
-            prefill_changed = bool(changed[~mask].any()) if mask is not None else bool(changed.any())
             trace.write({"pid": os.getpid(), "layer": layer, "rows": int(gating_output.shape[0]),
-                         "decode_rows": rows, "prefill_changed": prefill_changed,
-                         "moved": int(changed.sum()), "mask": mask is not None})
+                         "decode_rows": rows, "prefill_changed": bool(changed[~mask].any()),
+                         "moved": int(changed.sum()), "mask": True})
         return weights, new.to(torch.int32)
 
     routing.harness_layer = layer  # type: ignore[attr-defined]
@@ -132,7 +178,8 @@ class SereArtifacts:
         if num_experts is not None and tuple(sim.shape) != (num_experts, num_experts):
             raise RuntimeError(f"SERE: layer {layer} similarity is {tuple(sim.shape)}, the layer has "
                                f"{num_experts} experts")
-        stats = _STATS[layer] = LayerStats(layer, sim.shape[0], self.protected.get(layer))
+        prot = self.protected.get(layer)
+        stats = _STATS[layer] = RoutingCounters(layer, sim.shape[0], int(prot.sum()) if prot is not None else 0)
         from harness.engines.vllm.plugin import _STATE
 
         moe = _STATE.get("moe")  # moe.top_k as well: SERE re-routes the truncated routing (vllm.topk)

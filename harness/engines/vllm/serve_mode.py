@@ -148,6 +148,9 @@ class ServeMode:
             self.server_report, self.techniques_source = report, "unverified (server without the harness endpoint)"
             return
         self.sere, self.visionzip, self.moe = settings_from_report(state)
+        # other clients may share a running server: its statistics can count more decode rows than this run fed
+        # (the SERE canary then accepts more, never fewer — as after a preemption)
+        self._sere_partial = True
         bad = config_mismatches(sere_cfg, visionzip_cfg, moe_cfg, self.sere, self.visionzip, self.moe)
         if bad:
             raise ValueError(f"the server at {self.endpoint} runs other techniques than the config names ("
@@ -180,8 +183,10 @@ class ServeMode:
         payloads = [self._payload(r) for r in requests]
 
         async def main(session):
-            def stream(i: int, kind: str):
-                return stream_chat(session, url, payloads[i % len(payloads)])
+            async def stream(i: int, kind: str):
+                r = await stream_chat(session, url, payloads[i % len(payloads)])
+                self._decode_tokens += max(len(r["ids"]) - 1, 0)  # the SERE canary's count (engine._engagement)
+                return r
 
             return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT)
 

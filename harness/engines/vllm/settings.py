@@ -17,6 +17,10 @@ process. One module reads and writes them all, so the two sides cannot drift apa
 ``HARNESS_SERE_TRACE``      optional path: append one JSON line per routing call (tests)
 ``HARNESS_VZ_KEEP``         VisionZip keep < 1 = register the VisionZip Qwen3-VL-MoE architecture
 ``HARNESS_VZ_LAYER``        scoring vision block (default -1); ``HARNESS_VZ_MIN_PER_IMAGE`` (default 1)
+``HARNESS_VZ_SCOPE``        ``request`` (one budget per request: the bundle architecture,
+                            :mod:`harness.engines.vllm.visionzip_request`) | ``image`` (default when unset)
+``HARNESS_VZ_CONTEXTUAL``   contextual fraction of the kept budget (scope=request; default 0)
+``HARNESS_VZ_SPAN_TEXT``    text tokens between images a bundle may hold (profiling bound, default 512)
 ``HARNESS_MOE_TOP_K``       ``moe.top_k``: plain top-K truncation per layer (:mod:`harness.engines.vllm.topk`),
                             with ``HARNESS_MOE_SCOPE`` = ``decode`` (default) | ``all``; with SERE,
                             truncation first
@@ -38,8 +42,13 @@ SERE_ENV = (ENV_K, ENV_RHO, ENV_SIMILARITY, ENV_PROTECTION, ENV_PROTECT, ENV_TRA
 ENV_VZ_KEEP = "HARNESS_VZ_KEEP"
 ENV_VZ_LAYER = "HARNESS_VZ_LAYER"
 ENV_VZ_MIN = "HARNESS_VZ_MIN_PER_IMAGE"
-VZ_ENV = (ENV_VZ_KEEP, ENV_VZ_LAYER, ENV_VZ_MIN)
+ENV_VZ_SCOPE = "HARNESS_VZ_SCOPE"
+ENV_VZ_CONTEXTUAL = "HARNESS_VZ_CONTEXTUAL"
+ENV_VZ_SPAN_TEXT = "HARNESS_VZ_SPAN_TEXT"
+VZ_ENV = (ENV_VZ_KEEP, ENV_VZ_LAYER, ENV_VZ_MIN, ENV_VZ_SCOPE, ENV_VZ_CONTEXTUAL, ENV_VZ_SPAN_TEXT)
 VZ_ARCH = "HarnessVisionZipQwen3VLMoeForConditionalGeneration"
+VZ_REQUEST_ARCH = "HarnessVisionZipRequestQwen3VLMoeForConditionalGeneration"  # scope=request (the bundle)
+DEFAULT_SPAN_TEXT = 512
 ENV_MOE_TOP_K = "HARNESS_MOE_TOP_K"
 ENV_MOE_SCOPE = "HARNESS_MOE_SCOPE"
 MOE_ENV = (ENV_MOE_TOP_K, ENV_MOE_SCOPE)
@@ -115,11 +124,16 @@ class MoeSettings:
 
 @dataclass(frozen=True)
 class VisionZipSettings:
-    """VisionZip settings of this process (``scope="image"``, no contextual tokens), from the environment."""
+    """VisionZip settings of this process, from the environment. ``scope="image"``: a fixed ratio per
+    image (:mod:`harness.engines.vllm.visionzip`, no contextual tokens); ``scope="request"``: one budget
+    per request (:mod:`harness.engines.vllm.visionzip_request`, contextual tokens too)."""
 
     keep: float
     layer: int = -1
     min_per_image: int = 1
+    scope: str = "image"
+    contextual: float = 0.0
+    span_text: int = DEFAULT_SPAN_TEXT
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "VisionZipSettings | None":
@@ -127,14 +141,30 @@ class VisionZipSettings:
         keep = (env.get(ENV_VZ_KEEP) or "").strip()
         if not keep or float(keep) >= 1.0:
             return None
+        scope = (env.get(ENV_VZ_SCOPE) or "image").strip()
+        if scope not in ("image", "request"):
+            raise RuntimeError(f"{ENV_VZ_SCOPE}={scope!r}: expected image or request")
         min_per_image = int(env.get(ENV_VZ_MIN) or 1)
-        if min_per_image < 1:  # an empty placeholder run fails vLLM's placeholder validation
+        if min_per_image < (1 if scope == "image" else 0):  # an empty placeholder run fails vLLM's validation
             raise RuntimeError(f"{ENV_VZ_MIN}={min_per_image}: vLLM needs at least one token per image")
-        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1), min_per_image=min_per_image)
+        contextual = float(env.get(ENV_VZ_CONTEXTUAL) or 0.0)
+        if contextual > 0 and scope == "image":
+            raise RuntimeError(f"{ENV_VZ_CONTEXTUAL}={contextual}: contextual tokens need {ENV_VZ_SCOPE}=request")
+        return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1), min_per_image=min_per_image,
+                   scope=scope, contextual=contextual,
+                   span_text=int(env.get(ENV_VZ_SPAN_TEXT) or DEFAULT_SPAN_TEXT))
 
     def env(self) -> dict[str, str]:
-        return {ENV_VZ_KEEP: repr(float(self.keep)), ENV_VZ_LAYER: str(self.layer),
-                ENV_VZ_MIN: str(self.min_per_image)}
+        out = {ENV_VZ_KEEP: repr(float(self.keep)), ENV_VZ_LAYER: str(self.layer),
+               ENV_VZ_MIN: str(self.min_per_image), ENV_VZ_SCOPE: self.scope}
+        if self.scope == "request":
+            out.update({ENV_VZ_CONTEXTUAL: repr(float(self.contextual)), ENV_VZ_SPAN_TEXT: str(self.span_text)})
+        return out
+
+    @property
+    def arch(self) -> str:
+        """The architecture the engine selects (``hf_overrides``) and the plugin registers."""
+        return VZ_REQUEST_ARCH if self.scope == "request" else VZ_ARCH
 
     def kept(self, n: int) -> int:
         """Tokens an image of ``n`` LLM tokens keeps: ``select_tokens(..., scope="image")``'s count,
@@ -143,6 +173,13 @@ class VisionZipSettings:
 
         return min(n, max(min(self.min_per_image, n), budget(self.keep, n)))
 
+    def total(self, sizes) -> int:
+        """Visual tokens a request with images of ``sizes`` tokens keeps (``scope`` decides how)."""
+        if self.scope == "image":
+            return sum(self.kept(int(n)) for n in sizes)
+        from harness.techniques.visionzip_bundle import request_total
+
+        return request_total(sizes, self.keep, self.min_per_image)
 
 def describe_env(env: dict[str, str] | None = None) -> dict[str, dict | None]:
     """What these variables switch on, as plain dicts (None = off): how a process — the harness, or a

@@ -7,9 +7,10 @@ calibrated once with the HF model and cached by ``harness.techniques.sere_calibr
 export them to the plugin as ``HARNESS_SERE_*`` environment variables (:mod:`harness.engines.vllm.settings`)
 before vLLM starts — vLLM's processes are spawned and inherit them.
 
-**VisionZip** (``visionzip.keep < 1``): per-image fixed ratio only (``scope=image``, ``contextual=0``),
-through the plugin's Qwen3-VL-MoE subclass (``HARNESS_VZ_*`` variables, ``hf_overrides`` architecture,
-vLLM's multimodal-pruning path switched on); other settings raise ``NotImplementedError`` (docs/vllm.md).
+**VisionZip** (``visionzip.keep < 1``): one budget per request (``scope=request``, the default, contextual
+tokens included) or a fixed ratio per image (``scope=image``), through the plugin's Qwen3-VL-MoE subclass
+of that scope (``HARNESS_VZ_*`` variables, ``hf_overrides`` architecture, vLLM's multimodal-pruning path
+switched on); what is not implemented raises ``NotImplementedError`` (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
 
 
 def resolve_visionzip(vz_cfg: Any):
-    """``VisionZipSettings`` for ``visionzip`` (None when ``keep >= 1``). vLLM supports the per-image fixed
-    ratio only (``scope="image"``, ``contextual=0``): the number of placeholder tokens of an image must be
-    known when the prompt is processed, before the vision tower runs (docs/vllm.md: the request-wide budget)."""
+    """``VisionZipSettings`` for ``visionzip`` (None when ``keep >= 1``). ``scope=request`` (the default):
+    one budget per request through the bundle architecture, contextual tokens included; ``scope=image``: a
+    fixed ratio per image (each image's count is known when the prompt is processed), no contextual tokens,
+    at least one token per image (docs/vllm.md)."""
     keep = float(_get(vz_cfg, "keep", 1.0) or 1.0)
     if vz_cfg is None or keep >= 1.0:
         return None
@@ -97,20 +99,19 @@ def resolve_visionzip(vz_cfg: Any):
 
     scope = str(_get(vz_cfg, "scope", "request"))
     contextual = float(_get(vz_cfg, "contextual", 0.0) or 0.0)
-    if scope != "image":
+    min_per_image = int(_get(vz_cfg, "min_per_image", 1))
+    if scope not in ("request", "image"):
+        raise NotImplementedError(f"visionzip.scope={scope!r} in engine=vllm: expected request or image")
+    if scope == "image" and contextual > 0:
+        raise NotImplementedError("visionzip.contextual > 0 with visionzip.scope=image is not implemented in "
+                                  "engine=vllm; use scope=request (docs/vllm.md)")
+    if scope == "image" and min_per_image < 1:
         raise NotImplementedError(
-            f"visionzip.scope={scope!r} in engine=vllm: only scope=image (a fixed ratio per image) is "
-            "implemented; a request-wide budget decides each image's token count from the attention scores, "
-            "after the prompt's placeholders are fixed (docs/vllm.md)")
-    if contextual > 0:
-        raise NotImplementedError("visionzip.contextual > 0 is not implemented in engine=vllm (docs/vllm.md)")
-    if int(_get(vz_cfg, "min_per_image", 1)) < 1:
-        raise NotImplementedError(
-            f"visionzip.min_per_image={_get(vz_cfg, 'min_per_image')} in engine=vllm: an image pruned to 0 tokens "
-            "leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; use "
-            "visionzip.min_per_image >= 1 (or engine=hf, where an image may lose every token)")
-    return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)),
-                             min_per_image=int(_get(vz_cfg, "min_per_image", 1)))
+            f"visionzip.min_per_image={min_per_image} with visionzip.scope=image in engine=vllm: an image pruned "
+            "to 0 tokens leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; "
+            "use visionzip.min_per_image >= 1 or scope=request (one placeholder for all images)")
+    return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)), min_per_image=min_per_image,
+                             scope=scope, contextual=contextual)
 
 
 def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -> dict[str, str]:

@@ -21,9 +21,10 @@ def _visionzip_classes() -> dict[str, Any]:
 
     - Processor: each image's placeholder run is cut to ``kept(n)`` tokens when vLLM applies its prompt
       updates (so the scheduler, the KV cache and ``prompt_token_ids`` see the pruned length).
-    - Model: a forward hook on the scoring vision block's attention op (``blocks[layer].attn.attn``,
-      vLLM's ``MMEncoderAttention``) captures q and k *after* the rotary embedding (what the attention
-      consumes, as the HF side scores them); ``_postprocess_image_embeds_evs`` — the hook Qwen3-VL calls on
+    - Model: the scoring vision block's attention op (``blocks[layer].attn.attn``, vLLM's
+      ``MMEncoderAttention``) hands over q and k *after* the rotary embedding (what the attention consumes,
+      as the HF side scores them) and its own log-sum-exp (:mod:`harness.engines.vllm.lse_capture`: the
+      importance kernel then skips its LSE pass); ``_postprocess_image_embeds_evs`` — the hook Qwen3-VL calls on
       every image embedding — scores patches (``harness.kernels.importance.compute_importance``, column sums
       averaged over heads), merges them per LLM token (``merge_unit_scores``), selects per image
       (``select_tokens(scope="image")``), gathers the kept rows (main and deepstack channels are one row in
@@ -50,6 +51,7 @@ def _visionzip_classes() -> dict[str, Any]:
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.processing import PromptReplacement
 
+    from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
     from harness.techniques.visionzip import merge_unit_scores, select_tokens
 
@@ -87,23 +89,14 @@ def _visionzip_classes() -> dict[str, Any]:
                 raise ValueError(f"visionzip.layer={self._vz.layer} out of range for {len(blocks)} blocks")
             op = blocks[self._vz.layer].attn.attn
             self._vz_scale = float(getattr(op, "scale", 0.0) or 0.0) or None
-            op.register_forward_hook(self._vz_hook, with_kwargs=True)
-
-        def _vz_hook(self, module, args, kwargs, output):
-            names = ("query", "key", "value", "cu_seqlens")
-            got = {n: kwargs.get(n, args[i] if len(args) > i else None) for i, n in enumerate(names)}
-            self._vz_seen = {"q": got["query"], "k": got["key"], "cu": got["cu_seqlens"]}
+            # q, k, cu_seqlens and the attention's own LSE (harness.engines.vllm.lse_capture)
+            self._vz_capture = lse_capture.install(op)
 
         def _vz_select(self, grid_thw) -> list:
-            seen, self._vz_seen = self._vz_seen, {}
-            if not seen or seen.get("q") is None or seen.get("cu") is None:
-                raise RuntimeError("VisionZip: the scoring block's attention was not observed")
-            q, k = seen["q"], seen["k"]
-            if q.dim() == 4:  # [batch=1, seq, heads, head_dim]
-                q, k = q[0], k[0]
-            cu = seen["cu"]
-            cu = cu if isinstance(cu, torch.Tensor) else torch.as_tensor(cu)
-            scores = compute_importance(q.contiguous(), k.contiguous(), cu.to(q.device), scale=self._vz_scale)
+            seen = self._vz_capture.take()
+            q, k, cu = seen["q"], seen["k"], seen["cu"]
+            scores = compute_importance(q.contiguous(), k.contiguous(), cu.to(q.device), scale=self._vz_scale,
+                                        lse=seen.get("lse"))
             merge = int(self.visual.spatial_merge_size)
             unit = merge_unit_scores(scores.float(), grid_thw, merge)
             return select_tokens(unit, self._vz.keep, scope="image", min_per_image=self._vz.min_per_image)

@@ -1,0 +1,78 @@
+"""Training recipes of the embedded model: ``python -m harness.models.train_tiny --variant NAME``.
+
+Why named variants: the committed checkpoint (``v1``) must stay reproducible while new recipes are tried, and
+the GPU run trains several recipes side by side (``benchmarks/train_tiny_v2.py``) so one call can compare them.
+A variant is a set of defaults for train_tiny's flags; any flag given explicitly still wins.
+
+What v1 could not show (docs/embedded_model.md) and what each v2 ingredient is for:
+
+- **generator 2** (:mod:`harness.datasets.synthetic_tasks`): every glyph and every shape alone in its own
+  32 × 32 cell (one LLM visual token), 12 capitals + 10 digits, 3-4 characters per line: reading becomes a
+  per-token classification in order (v1: OCR accuracy 0), a shape question needs one token (v1: MCQ at
+  chance), and text images are 75-100 % content tokens against 6-33 % for shape images, so a request-wide
+  VisionZip budget has a reason to favour the text image (v1: the sign was reversed);
+- **lower load-balancing weight** (0.001, v1 0.005): v1's per-task expert usage stayed within 0.05-0.07 of the
+  slots — the balancing term won over specialisation;
+- **curriculum** (first ``curriculum`` fraction of the steps on the visual tasks only, more OCR overall): the
+  vision tower learns to read before the long RAG sequences dominate the gradient;
+- **grouped expert initialisation** (``expert_groups``): experts start as noisy copies inside groups, so the
+  trained model has *near-duplicate* experts — the redundancy SERE exploits in real MoEs (it re-routes a
+  secondary expert to a similar primary one; plain top-K truncation just drops it), which v1's independent
+  random experts lacked (SERE and plain top-K were indistinguishable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+V1_TASK_WEIGHTS = {"ocr": 0.34, "ocr_mix": 0.14, "mcq": 0.22, "mcq_mix": 0.10, "rag": 0.20}
+OCR_HEAVY_WEIGHTS = {"ocr": 0.40, "ocr_mix": 0.14, "mcq": 0.24, "mcq_mix": 0.08, "rag": 0.14}
+CURRICULUM_WEIGHTS = {"ocr": 0.45, "ocr_mix": 0.10, "mcq": 0.35, "mcq_mix": 0.10, "rag": 0.0}
+
+# defaults of train_tiny's flags per variant; v1 = the committed checkpoint's recipe
+VARIANTS: dict[str, dict[str, Any]] = {
+    "v1": {"generator": "1", "aux": 0.005, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
+           "expert_groups": 0},
+    "v2": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
+           "expert_groups": 0},
+    "v2-curriculum": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": OCR_HEAVY_WEIGHTS,
+                      "curriculum": 0.3, "expert_groups": 0},
+    "v2-group": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
+                 "expert_groups": 4},
+    "v2-all": {"generator": "2", "aux": 0.0005, "focus": 0.1, "task_weights": OCR_HEAVY_WEIGHTS,
+               "curriculum": 0.3, "expert_groups": 4},
+}
+GROUP_NOISE = 0.35  # share of an expert's initial weights that is its own (the rest: its group's seed expert)
+
+
+def task_weights_at(recipe: dict[str, Any], step: int, total: int) -> dict[str, float]:
+    """Task sampling weights at ``step`` of ``total``: the curriculum's visual-only mix first, then the recipe's."""
+    if recipe.get("curriculum", 0.0) > 0 and step <= recipe["curriculum"] * total:
+        return CURRICULUM_WEIGHTS
+    return recipe["task_weights"]
+
+
+def group_experts(model, groups: int, noise: float = GROUP_NOISE, seed: int = 0) -> int:
+    """Make each MoE layer's experts noisy copies of ``groups`` seed experts (expert e joins group
+    ``e // (E / groups)``): ``W_e = sqrt(1 − a²) · W_seed + a · W_e`` keeps the initial scale. Returns the number
+    of expert tensors changed. Only the experts' weights move; the router stays random, so tokens still pick
+    experts freely and the copies drift apart only as far as training pushes them."""
+    import torch
+
+    if groups <= 0:
+        return 0
+    changed = 0
+    n_experts = model.config.text_config.num_experts
+    if n_experts % groups:
+        raise ValueError(f"expert_groups={groups} must divide num_experts={n_experts}")
+    size = n_experts // groups
+    keep = (1 - noise ** 2) ** 0.5
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp.experts." not in name or p.dim() < 2 or p.shape[0] != n_experts:
+                continue
+            seeds = p[::size].repeat_interleave(size, dim=0)  # [E, ...]: each expert's group seed
+            member = torch.arange(n_experts, device=p.device) % size != 0  # the seed experts stay as drawn
+            p[member] = keep * seeds[member] + noise * p[member]
+            changed += 1
+    return changed

@@ -1,0 +1,28 @@
+"""What the HF routing tests (SERE, plain top-K) share: the tiny random model loaded once per module (the
+recorder of routing decisions is ``routing_capture.capture``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.models.tiny import TinyModelSpec, ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tmp_path_factory) -> SimpleNamespace:
+    """model (float32, eval), processor (left padding, as the engine batches), ``chat(parts)`` -> prompt text."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("tiny"))
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(path)
+    proc.tokenizer.padding_side = "left"
+
+    def chat(parts):
+        return proc.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                        tokenize=False)
+
+    return SimpleNamespace(model=model, proc=proc, path=path, chat=chat)

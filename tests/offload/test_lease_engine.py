@@ -1,0 +1,83 @@
+"""``offload.policy=lease`` in the HF engine generates exactly the resident model's greedy tokens (the embedded
+trained tiny model, capacity 5 of 16 experts per layer so evictions and pre-emptions happen), with each score
+source: recency (default, with gate prefetch), none (leases + grace only, no prefetch) and the stability
+predictor (an artifact of the right shape, read from offload.lease.predictor)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.engines.base import Request
+from harness.models.trained import trained_checkpoint
+
+PROMPTS = ["hello there", "旅游 美食 推荐", "describe the city at night", "1 2 3 4"]
+MAX_NEW = 10
+
+
+def offload_cfg(policy, capacity=5, threshold=0.5, **lease):
+    return {"policy": policy, "capacity": capacity, "capacity_gb": None, "gpu_budget_gb": None, "trace": None,
+            "record_trace": None, "warm_after_tokens": 4, "resident_summary": None, "params": {},
+            "threshold": threshold, "lease": lease}
+
+
+def run(offload=None):
+    from harness.config import EngineConfig, GenerationConfig
+    from harness.engines.hf import HFEngine
+
+    path, _ = trained_checkpoint()
+    engine = HFEngine(str(path), EngineConfig(device="cpu", dtype="float32", batch_size=2),
+                      GenerationConfig(max_new_tokens=MAX_NEW), sere_cfg=SimpleNamespace(k=None), offload_cfg=offload)
+    reqs = [Request(uid=str(i), content=[{"type": "text", "text": t}]) for i, t in enumerate(PROMPTS)]
+    try:
+        engine.warmup(reqs[:2])
+        gens = engine.generate(reqs)
+        stats = engine.technique_stats().get("offload")
+    finally:
+        engine.close()
+    assert all(g.error is None for g in gens), [g.error for g in gens]
+    return [g.text for g in gens], [g.output_tokens for g in gens], stats
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return run()
+
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory):
+    from harness.offload.predictor import save_predictor, train_predictor
+    from harness.offload.synthetic import SyntheticSpec, synthetic_trace
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(trained_checkpoint()[0]).text_config  # every text layer is a MoE layer
+    torch.set_num_threads(1)
+    tr = synthetic_trace(SyntheticSpec(num_layers=cfg.num_hidden_layers, num_experts=16, top_k=4,
+                                       hidden=cfg.hidden_size, requests=6, tokens=12))
+    model, report = train_predictor([tr], epochs=1)
+    return str(save_predictor(model, report, tmp_path_factory.mktemp("pred") / "p"))
+
+
+@pytest.mark.parametrize("variant", ["recency", "none", "predictor"])
+def test_lease_tokens_identical_to_resident(variant, resident, predictor):
+    lease = {"score": variant}
+    if variant == "none":
+        lease.update(prefetch="none", grace_ms=0.0, grace_tokens=1)
+    if variant == "predictor":
+        lease["predictor"] = predictor
+    texts, n, stats = run(offload_cfg("lease", threshold=0.3, **lease))
+    assert (texts, n) == resident[:2]
+    ps = stats["policy_stats"]
+    assert stats["policy"] == "lease" and stats["misses"] > 0 and stats["evictions"] > 0
+    assert ps["score"] == variant and ps["accesses"] > 0 and ps["threshold"] == 0.3
+    assert 0 <= ps["lease_hit_rate"] <= 1
+    evicted = ps["evict_free"] + ps["evict_grace"] + ps["preempted"] + ps["forced"] + ps["evict_untracked"]
+    assert evicted >= 1
+    if variant == "recency":
+        assert stats["prefetch_issued"] > 0
+    if variant == "none":
+        assert stats["prefetch_issued"] == 0 and ps["long"] == 0
+    if variant == "predictor":
+        assert ps["scored"] == ps["accesses"] and ps["mean_score"] is not None
