@@ -84,6 +84,10 @@ def config_mismatches(sere_cfg: Any, visionzip_cfg: Any, moe_cfg: Any, sere: Any
     if keep < 1 and vz is not None:
         cmp("visionzip.layer", int(_get(visionzip_cfg, "layer", -1)), vz.layer)
         cmp("visionzip.min_per_image", int(_get(visionzip_cfg, "min_per_image", 1)), vz.min_per_image)
+        for key in ("scope", "contextual"):  # the request-wide budget's settings, where the settings carry them
+            if hasattr(vz, key):
+                want = _get(visionzip_cfg, key, getattr(vz, key))
+                cmp(f"visionzip.{key}", type(getattr(vz, key))(want), getattr(vz, key))
     top_k = _get(moe_cfg, "top_k")
     cmp("moe.top_k", int(top_k) if top_k else None, moe.top_k if moe else None)
     if top_k and moe is not None:
