@@ -60,6 +60,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -144,15 +145,18 @@ def sere_op():
         from harness.kernels.reroute import reroute_op
 
         @torch.library.custom_op("harness_bench::sere_reroute", mutates_args=())
-        def _op(ids: torch.Tensor, similarity: torch.Tensor, k_primary: int, rho: float) -> torch.Tensor:
-            return reroute_op(ids, similarity, k_primary, rho)     # always a new tensor
+        def _op(ids: torch.Tensor, similarity: torch.Tensor, k_primary: int, rho: float,
+                protected: Optional[torch.Tensor] = None, row_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            return reroute_op(ids, similarity, k_primary, rho, protected, row_mask)     # always a new tensor
 
         @_op.register_fake
-        def _(ids, similarity, k_primary, rho):
+        def _(ids, similarity, k_primary, rho, protected=None, row_mask=None):
             return torch.empty_like(ids)
 
         _SERE_OP = _op
-    return lambda ids, sim, kp, rho, protected=None: _SERE_OP(ids, sim, kp, float(rho))
+    # hf_sere calls op(ids, similarity, k_primary, rho, protected, live_rows)
+    return lambda ids, sim, kp, rho, protected=None, row_mask=None: _SERE_OP(ids, sim, kp, float(rho), protected,
+                                                                             row_mask)
 
 
 class GateHookSere:

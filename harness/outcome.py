@@ -90,6 +90,7 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     if lat.get("partial"):
         out.append(f"latency partial: {_n(lat.get('n_measured'))} requests timed, {_n(lat.get('n_cached'))} "
                    "replayed from the generation cache (no timings)")
+    out.extend(latency_warnings(lat))
     for tech in ("sere", "moe"):
         block = summary.get(tech) or {}
         if block.get("partial"):
@@ -98,9 +99,60 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     return out
 
 
+LATENCY_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
+
+
+def latency_warnings(lat: Mapping[str, Any]) -> list[str]:
+    """The measurement protocol's caveats (harness/latency/): a spread too large for a comparison, timed batches
+    excluded or kept although they compiled, another job measuring on the same device."""
+    out: list[str] = []
+    max_cv = lat.get("max_cv")
+    noisy = [(LATENCY_NAMES.get(m, m), (lat.get(m) or {}).get("cv"), _n((lat.get(m) or {}).get("passes")))
+             for m in lat.get("noisy") or []]
+    noisy = [(name, cv, n) for name, cv, n in noisy if isinstance(cv, (int, float))]
+    if noisy and isinstance(max_cv, (int, float)):
+        out.append("latency spread too large: " + ", ".join(f"{name} {cv:.0%}" for name, cv, _ in noisy)
+                   + f" pass-to-pass coefficient of variation over {noisy[0][2]} passes (> latency.max_cv="
+                   f"{max_cv:g}): a difference smaller than that is noise")
+    protocol = lat.get("protocol") or {}
+    excluded, kept = _n(protocol.get("batches_excluded")), _n(protocol.get("batches_kept_dirty"))
+    if excluded:
+        out.append(f"latency: {excluded} timed batches compiled, captured a graph or ran an unwarmed shape even "
+                   f"after re-timing and were excluded ({_n(protocol.get('samples_excluded'))} request timings): "
+                   "see latency.protocol.events")
+    if kept:
+        out.append(f"latency: {kept} timed batches compiled, captured a graph or ran an unwarmed shape and were kept "
+                   "(latency.on_compile=keep): their timings include that cost")
+    device = protocol.get("device") or {}
+    if device.get("concurrent"):
+        out.append(f"another harness job was measuring on the same device ({device.get('key')}) during this run: its "
+                   "latency figures are disturbed (latency.sequential=true makes jobs take turns)")
+    return out
+
+
 def _fmt_ms(d: Any) -> str:
     p50 = d.get("p50") if isinstance(d, Mapping) else None
     return "n/a" if p50 is None else f"{p50:.1f} ms" if p50 < 100 else f"{p50:.0f} ms"
+
+
+def _spread(lat: Mapping[str, Any]) -> str:
+    """`` · 3 passes, TPOT mean 41.2 ms [40.1, 42.3] CV 2%`` when the run repeated its timings."""
+    if _n(lat.get("repeats")) <= 1:
+        return ""
+    block = lat.get("tpot_ms") or {}
+    if not isinstance(block.get("mean"), (int, float)):
+        block, name = lat.get("ttft_ms") or {}, "TTFT"
+    else:
+        name = "TPOT"
+    ci, cv = block.get("ci"), block.get("cv")
+    text = f" · {_n(lat.get('repeats'))} passes"
+    if isinstance(block.get("mean"), (int, float)):
+        text += f", {name} mean {block['mean']:.1f} ms"
+        if ci:
+            text += f" [{ci[0]:.1f}, {ci[1]:.1f}]"
+        if isinstance(cv, (int, float)):
+            text += f" CV {cv:.0%}"
+    return text
 
 
 def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> str:
@@ -122,7 +174,8 @@ def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> s
     lines.append(f"quality  {' · '.join(quality) or 'n/a'}  ({count})")
     lines.append(f"latency  TTFT p50 {_fmt_ms(lat.get('ttft_ms'))} · TPOT p50 {_fmt_ms(lat.get('tpot_ms'))} · "
                  f"E2E p50 {_fmt_ms(lat.get('e2e_ms'))}  ({_n(lat.get('n_measured'))} timed"
-                 + (f", {_n(lat.get('n_cached'))} replayed" if lat.get("n_cached") else "") + ")")
+                 + (f", {_n(lat.get('n_cached'))} replayed" if lat.get("n_cached") else "") + ")"
+                 + _spread(lat))
     for tech, keys in (("visionzip", ("keep_rate",)), ("sere", ("expert_union_before", "expert_union_after"))):
         block = summary.get(tech)
         if isinstance(block, Mapping) and any(block.get(k) is not None for k in keys):

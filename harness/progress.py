@@ -40,7 +40,7 @@ def _tqdm(**kw: Any):
 class RunProgress:
     """The overall bar of one run and its phase bars."""
 
-    PHASES = ("data", "model", "images", "cache", "warmup", "generate", "finish")
+    PHASES = ("data", "model", "images", "cache", "warmup", "generate", "repeats", "finish")  # repeats: latency.repeats > 1
 
     def __init__(self, title: str):
         self.base = int(os.environ.get(POSITION_ENV, "0"))

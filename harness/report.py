@@ -236,6 +236,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
         for p in ("p50", "p90", "p99", "mean"):
             row[f"{short}_{p}"] = _num(_get(lat, f"{short}_ms", p))
         row[f"{short}_n"] = _get(lat, f"{short}_ms", "n")
+    row.update(latency_protocol_columns(lat))
     row["e2e_p50"] = _num(_get(lat, "e2e_ms", "p50"))
     row["tokens_per_s"] = _num(lat.get("output_tokens_per_s"))
     row["latency_partial"] = bool(lat.get("partial"))
@@ -258,6 +259,34 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     row["dataset_variant"] = ""
     row["setup"] = ""
     return row
+
+
+def latency_protocol_columns(lat: Mapping[str, Any]) -> dict[str, Any]:
+    """The measurement protocol's columns (harness/latency/): per TTFT/TPOT the interval of the mean and the
+    pass-to-pass CV; repeats, noisy metrics, excluded batches, concurrent measurement. Runs written before the
+    protocol have none: their significance is unknown (n/a), never assumed."""
+    out: dict[str, Any] = {}
+    for short, _, _ in LATENCY_AXES:
+        ci = _get(lat, f"{short}_ms", "ci")
+        ok = isinstance(ci, Sequence) and len(ci) == 2 and all(_num(x) is not None for x in ci)
+        out[f"{short}_ci_lo"], out[f"{short}_ci_hi"] = (_num(ci[0]), _num(ci[1])) if ok else (None, None)
+        out[f"{short}_cv"] = _num(_get(lat, f"{short}_ms", "cv"))
+    protocol = lat.get("protocol") if isinstance(lat.get("protocol"), Mapping) else {}
+    noisy = lat.get("noisy") if isinstance(lat.get("noisy"), list) else []
+    out["latency_repeats"] = int(_num(lat.get("repeats")) or 1)
+    out["latency_noisy"] = ",".join(str(m).removesuffix("_ms") for m in noisy)
+    out["latency_excluded_batches"] = int(_num(protocol.get("batches_excluded")) or 0)
+    out["latency_concurrent"] = bool(_get(protocol, "device", "concurrent"))
+    return out
+
+
+def _interval(rows: Sequence[Mapping[str, Any]], short: str) -> tuple[float, float] | None:
+    """The interval of one run's mean, or the hull of several baseline runs' intervals (conservative); None when
+    any lacks one."""
+    cis = [(r.get(f"{short}_ci_lo"), r.get(f"{short}_ci_hi")) for r in rows]
+    if not cis or any(lo is None or hi is None for lo, hi in cis):
+        return None
+    return min(lo for lo, _ in cis), max(hi for _, hi in cis)
 
 
 def _label_setups(rows: list[dict[str, Any]]) -> None:
@@ -340,12 +369,20 @@ def _add_baseline_deltas(rows: list[dict[str, Any]]) -> None:
     for group in groups.values():
         base = [r for r in group if r["family"] == "baseline"]
         metrics = quality_metrics_for(group)
+        base_partial = {bool(x["latency_partial"]) for x in base}
         for r in group:
             r["baseline_runs"] = len(base)
+            # a partial (resumed) latency compared with a full one, or baselines that mix both: said in the cell
+            r["latency_mixed"] = bool(base) and r["family"] != "baseline" and (
+                len(base_partial) > 1 or base_partial != {bool(r["latency_partial"])})
             for short in ("ttft", "tpot"):
                 b = _mean(x[f"{short}_p50"] for x in base)
                 v = r[f"{short}_p50"]
                 r[f"{short}_speedup"] = b / v if b and v else None
+                # significant: the run's interval of the mean and the baseline's do not overlap (None: unknown)
+                mine, theirs = _interval([r], short), _interval(base, short)
+                r[f"{short}_significant"] = (None if r["family"] == "baseline" or mine is None or theirs is None
+                                             else mine[1] < theirs[0] or theirs[1] < mine[0])
             for m in metrics:
                 b = _mean(x[m] for x in base)
                 r[f"{m}_delta"] = r[m] - b if b is not None and r[m] is not None else None

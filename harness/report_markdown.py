@@ -15,6 +15,36 @@ def _md_escape(s: Any) -> str:
     return str(s).replace("|", "\\|")
 
 
+def _speedup(r: Mapping[str, Any], short: str) -> str:
+    """``1.43×``, ``1.02× n.s.`` (intervals overlap), ``+ partial/full`` when partial and full latency meet."""
+    from harness.report import _fmt
+
+    text = _fmt(r.get(f"{short}_speedup"), "{:.2f}×")
+    if r.get(f"{short}_speedup") is None:
+        return text
+    if r.get(f"{short}_significant") is False:
+        text += " n.s."
+    if r.get("latency_mixed"):
+        text += " partial/full"
+    return text
+
+
+def _mean_ci(r: Mapping[str, Any], short: str) -> str:
+    from harness.report import _fmt
+
+    mean, lo, hi = r.get(f"{short}_mean"), r.get(f"{short}_ci_lo"), r.get(f"{short}_ci_hi")
+    return _fmt(mean) + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "")
+
+
+def _passes(r: Mapping[str, Any]) -> str:
+    cvs = [r.get(f"{s}_cv") for s in ("ttft", "tpot") if r.get(f"{s}_cv") is not None]
+    text = f"{r.get('latency_repeats', 1)}" + (f" · {max(cvs):.0%}" if cvs else "")
+    flags = [f for f, on in (("noisy", r.get("latency_noisy")), ("concurrent", r.get("latency_concurrent")),
+                             (f"{r.get('latency_excluded_batches')} excl.", r.get("latency_excluded_batches")))
+             if on]
+    return text + (" " + " ".join(flags) if flags else "")
+
+
 def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: Sequence[Path], *, title: str,
              sources: Sequence[str], skipped: Sequence[tuple[Path, str]] = (),
              pending: Mapping[str, Any] | None = None) -> str:
@@ -48,6 +78,18 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
         lines += [f"> **⚠ latency partial in {n_partial} runs** (marked `partial`): some generations were "
                   "replayed from the generation cache, so TTFT/TPOT cover only the requests timed in that run "
                   "(`timed/n`).", ""]
+    n_noisy = sum(bool(r.get("latency_noisy")) for r in rows)
+    if n_noisy:
+        lines += [f"> **⚠ latency spread too large in {n_noisy} runs** (marked `noisy`): their pass-to-pass "
+                  "coefficient of variation exceeds `latency.max_cv`; a speed-up smaller than that spread is noise.", ""]
+    n_conc = sum(bool(r.get("latency_concurrent")) for r in rows)
+    if n_conc:
+        lines += [f"> **⚠ {n_conc} runs were timed while another harness job measured on the same device** (marked "
+                  "`concurrent`): their latency is disturbed; rerun with `latency.sequential=true`.", ""]
+    n_mixed = sum(bool(r.get("latency_mixed")) for r in rows)
+    if n_mixed:
+        lines += [f"> **⚠ {n_mixed} speed-ups compare a partial (resumed) latency with a full one** (marked "
+                  "`partial/full`): the two cover different requests.", ""]
     if not any(r["family"] == "baseline" for r in rows):
         lines += ["> No baseline run (VisionZip off and SERE off) among these: speed-ups and quality changes "
                   "are n/a. Run `sweeps/baseline.yaml` and give its directory too.", ""]
@@ -55,6 +97,10 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
     head += [f"{QUALITY[m][0].replace('RAG-IGBench ', '')}" for m in metrics]
     head += ["Δ quality", "TTFT p50 (ms)", "TTFT p90 (ms)", "TPOT p50 (ms)", "TPOT p90 (ms)", "TTFT ×", "TPOT ×",
              "timed/n", "engine", "weights", "scorers"]
+    with_ci = any(r.get("ttft_ci_lo") is not None or r.get("tpot_ci_lo") is not None for r in rows)
+    if with_ci:  # the measurement protocol's intervals (harness/latency/): placed after the speed-ups
+        at = head.index("timed/n")
+        head[at:at] = ["TTFT mean [CI] (ms)", "TPOT mean [CI] (ms)", "passes · CV"]
     lines += ["## Runs", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows, 1):
         prim = next((m for m in quality_metrics_for([r])), None)
@@ -74,14 +120,19 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
                  (_fmt(delta * QUALITY[prim][2], QUALITY[prim][3].replace("{:", "{:+")) if delta is not None
                   else "n/a"),
                  _fmt(r["ttft_p50"]), _fmt(r["ttft_p90"]), _fmt(r["tpot_p50"]), _fmt(r["tpot_p90"]),
-                 _fmt(r["ttft_speedup"], "{:.2f}×"), _fmt(r["tpot_speedup"], "{:.2f}×"), timed,
+                 _speedup(r, "ttft"), _speedup(r, "tpot"),
+                 *([_mean_ci(r, "ttft"), _mean_ci(r, "tpot"), _passes(r)] if with_ci else []), timed,
                  f"{r['engine']} {r['engine_version'] or ''} {r['dtype'] or ''} bs{r['batch_size']}".strip(),
                  "**RANDOM** (random-init)" if r["random_init"] else r["weights"],
                  f"**RANDOM** ({', '.join(r['random_scorers'])})" if r["random_scorers"] else "–"]
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     lines += ["", "Quality: the benchmark's own score over all samples (failed and unparsable answers count 0). "
               "Δ quality: against the mean of the baseline runs of the same setup (model, engine, device, dtype, "
-              "batch size, dataset selection, max_new_tokens), on the row's first quality column. TTFT × / TPOT ×: baseline p50 / run p50 (> 1 is faster).", ""]
+              "batch size, dataset selection, max_new_tokens), on the row's first quality column. TTFT × / TPOT ×: baseline p50 / run p50 (> 1 is faster); "
+              "**n.s.**: not significant, the run's and the baseline's intervals of the mean overlap (bootstrap, "
+              "resampling requests; several baselines: the hull of their intervals); no mark: significant, or "
+              "unknown for runs without intervals (written before latency.*). `partial/full`: one side's latency "
+              "covers only the requests timed after a resume (docs/latency.md).", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     fronts = []

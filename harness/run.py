@@ -86,6 +86,13 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
         path, info = trained_checkpoint()
         return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": info["sha256"][:12],
                            "weights": "trained-synthetic", "weights_meaning": info["meaning"]}
+    shapes = model_cfg.get("shapes") if hasattr(model_cfg, "get") else getattr(model_cfg, "shapes", None)
+    if shapes is not None and shapes.get("arch"):  # a real checkpoint's shapes, random weights built on the device
+        from harness.models.real_shapes import ARCHS, shapes_config
+
+        config = shapes_config(shapes.arch, shapes.num_layers, dict(shapes.text or {}), dict(shapes.vision or {}))
+        return f"shapes:{shapes.arch}", {"name": model_cfg.name, "path": None, "weights": "random-init",
+                                         "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
     if model_cfg.embedded:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
@@ -98,11 +105,15 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
     return model_cfg.path, {"name": model_cfg.name, "path": model_cfg.path, "weights": model_cfg.weights}
 
 
-def run_latency(records: list[dict[str, Any]], gen_s: float) -> dict[str, Any]:
+def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, latency_cfg: Any = None,
+                seed: int = 0) -> dict[str, Any]:
     """``summary.json`` ``latency`` over the requests generated and timed in this run (never the cache's).
 
     ``partial`` is true when some requests were replayed from the generation cache; ``n_measured`` counts the
-    timed requests, ``n_cached`` the replayed ones."""
+    timed requests, ``n_cached`` the replayed ones. With the measurement protocol's ``timer``
+    (:class:`harness.latency.runner.TimedBatches`) the TTFT/TPOT/ITL/E2E distributions cover every timed pass
+    minus the excluded batches, with their interval, spread and ``noisy`` flag (harness/latency/stats.py), and
+    ``protocol`` says how they were taken; counts and throughput stay those of the first pass."""
     from harness.metrics.latency import latency_summary
 
     measured = [r for r in records if not r.get("cached")]
@@ -110,6 +121,15 @@ def run_latency(records: list[dict[str, Any]], gen_s: float) -> dict[str, Any]:
     out = latency_summary(measured, duration_s=gen_s if measured else None)
     out.update({"partial": n_cached > 0, "n_measured": sum(1 for r in measured if not r.get("error")),
                 "n_cached": n_cached})
+    if timer is not None and timer.samples:
+        from harness.latency.stats import repeat_summary
+
+        stats = repeat_summary(timer.samples, confidence=float(getattr(latency_cfg, "confidence", 0.95)),
+                               n_resamples=int(getattr(latency_cfg, "bootstrap_resamples", 2000)),
+                               max_cv=getattr(latency_cfg, "max_cv", None), seed=seed)
+        out.update(stats)
+        out.update({"repeats": timer.repeats, "max_cv": getattr(latency_cfg, "max_cv", None),
+                    "noisy": [m for m, block in stats.items() if block["noisy"]], "protocol": timer.protocol_block()})
     return out
 
 
@@ -192,8 +212,13 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
         live = _start_wandb(cfg, config, run_dir, state)
         progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
+        from harness.latency.device_lock import DeviceLock, device_key
+
+        device_lock = DeviceLock(device_key(str(cfg.engine.device)), sequential=bool(cfg.latency.sequential),
+                                 timeout_s=cfg.latency.lock_timeout_s)  # latency.sequential: jobs take turns
         try:
-            summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live)
+            with device_lock:
+                summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live, device_lock)
         except BaseException:
             if live is not None:
                 live.fail()
@@ -222,7 +247,7 @@ def mark_partial(technique_stats: dict[str, Any], n_generated: int, n_replayed: 
 
 
 def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any,
-         state: dict[str, Any], live: Any = None) -> dict[str, Any]:
+         state: dict[str, Any], live: Any = None, device_lock: Any = None) -> dict[str, Any]:
     """The run proper, phase by phase (``progress`` shows them): data → model → images → cache → warmup →
     generate → finish."""
     from omegaconf import OmegaConf
@@ -245,10 +270,13 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
-        validate_model(cfg, model_path)  # values the checkpoint's config.json decides, before weights load
+        # values the checkpoint's config.json decides, before weights load (a shapes model: its config dict)
+        validate_model(cfg, model_path, model_info.pop("config", None))
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})
+        if model_path.startswith("shapes:"):  # harness/models/real_shapes.py: built by the HF engine
+            extra.update(shapes_cfg=cfg.model.shapes, seed=cfg.model.seed)
         if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
             extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":
@@ -299,6 +327,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             "error_kind": ("data" if sample.error_reason or sample.error else "engine") if error else None,
             "error_reason": sample.error_reason if error else None,
             "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
+            "timing": gen.extra.get("timing") if gen else None,  # latency protocol: re-timed / excluded, and why
             "visionzip": gen.extra.get("visionzip") if gen else None,
             "meta": sample.meta,
         }
@@ -322,6 +351,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             values["batch/size"] = len(chunk)
         live.log(values)
 
+    pass1_stats = None  # technique statistics of the first (scored) pass, taken before any repeat
     try:
         runnable: list[tuple[Any, Request]] = []
         with progress.phase("images", total=len(samples)) as bar:
@@ -356,11 +386,21 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                          len(samples), cache.path)
         live_progress([])
         bs = max(1, cfg.engine.batch_size)
-        with progress.phase("warmup", total=cfg.engine.warmup if runnable else 0, unit="batch") as bar:
-            if runnable and hasattr(engine, "warmup"):
-                for _ in range(cfg.engine.warmup):  # a full first batch, so batch-size-dependent set-up is paid
-                    engine.warmup([r for _, r in runnable[:bs]])
-                    bar.update(1)
+        # the measurement protocol (harness/latency/, latency.*): warm-up per shape, verified timed batches, repeats
+        from harness.latency.runner import TimedBatches
+        from harness.latency.shapes import technique_state
+
+        timer = TimedBatches(engine, cfg.latency, technique_state(cfg), warmup_rounds=cfg.engine.warmup)
+        load_mode = cfg.load.qps is not None
+        batches = [runnable[i : i + bs] for i in range(0, len(runnable), bs)]
+        with progress.phase("warmup", unit="batch") as bar:
+            # load mode: its first batch's requests only (vLLM streams one); otherwise one batch per shape key
+            warm = [[r for _, r in b] for b in (batches[:1] if load_mode else batches)]
+            chosen = [0][:len(warm)] if load_mode and cfg.engine.warmup > 0 and hasattr(engine, "warmup") \
+                else timer.plan(warm)
+            bar.total = len(chosen) * max(0, cfg.engine.warmup)
+            bar.refresh()
+            timer.warm_up(warm, chosen, bar)
         gen0 = time.perf_counter()
         load_info = None
         with progress.phase("generate", total=len(runnable)) as bar:
@@ -374,9 +414,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                 bar.update(len(runnable))
                 live_progress(gens)
                 runnable = []
-            for i in range(0, len(runnable), bs):
-                chunk = runnable[i : i + bs]
-                gens = engine.generate_batch([r for _, r in chunk])
+            for bi, chunk in enumerate(batches if runnable else []):
+                gens = timer.time_batch([r for _, r in chunk], 0, bi)  # re-timed when it compiled (latency.on_compile)
                 for (sample, _), gen in zip(chunk, gens):
                     if cache is not None and not gen.error:
                         cache.put(keys[sample.uid], gen)
@@ -384,12 +423,27 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                 bar.update(len(chunk))
                 live_progress(gens)
         gen_s = load_info["duration_s"] if load_info else time.perf_counter() - gen0
+        pass1_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}  # the scored pass's
+        timed = batches if runnable else []
+        if cfg.latency.repeats > 1 and timed:
+            with progress.phase("repeats", total=(cfg.latency.repeats - 1) * len(runnable)) as bar:
+                for p in range(1, cfg.latency.repeats):  # timings only: answers and scores are the first pass's
+                    bar.set_postfix_str(f"pass {p + 1}/{cfg.latency.repeats}")
+                    for bi, chunk in enumerate(timed):
+                        timer.time_batch([r for _, r in chunk], p, bi)
+                        bar.update(len(chunk))
+        else:
+            progress.skip("repeats")
+        if device_lock is not None:
+            device_lock.end_of_measurement()
     finally:
         samples_log.close()
         if cache is not None:
             cache.close()
         engine_info = engine.describe()
-        technique_stats = mark_partial(engine.technique_stats() if hasattr(engine, "technique_stats") else {},
+        if pass1_stats is None:  # generation did not finish: what the engine gathered so far
+            pass1_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
+        technique_stats = mark_partial(pass1_stats,
                                        sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
                                        sum(1 for r in records if r["cached"]))
         engine.close()
@@ -403,7 +457,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                     "attempt": state["attempt"]},
             "config": config,
             "metrics": aggregate(records),
-            "latency": run_latency(records, gen_s),
+            "latency": run_latency(records, gen_s, timer, cfg.latency, cfg.seed),
             **technique_stats,
         }
         summary["run"]["scoring"] = scorer.describe()  # which encoders scored, and whether their weights are random
@@ -413,6 +467,12 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             summary["cache"] = cache.stats()
         if load_info is not None:
             summary["load"] = load_info
+        if device_lock is not None:
+            summary["latency"].setdefault("protocol", {})["device"] = device_lock.info()
+        if timer.samples:  # every timing taken, one line per request and pass (excluded ones flagged)
+            with open(run_dir / "timings.jsonl", "w", encoding="utf-8") as f:
+                for sample in timer.samples:
+                    f.write(json.dumps(sample) + "\n")
         summary["run"]["phase_s"] = dict(progress.times)  # seconds per phase (not "finish", still running)
         summary["warnings"] = run_warnings(summary)  # what a reader must know (random weights, unparsable, …)
         for warning in summary["warnings"]:  # INFO: the console shows them once, in the end-of-run summary

@@ -153,6 +153,10 @@ class Scorer:
             pred = None if error else extract(answer, ref["options"], self.mcq_extraction)
             return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
                     "group": ref.get("group"), "category": ref.get("category"), "error": error}
+        if sample.task == "no_reference":  # dataset=synthetic_load: nothing to compare with, null (not 0)
+            from harness.datasets.synthetic_load import REASON
+
+            return {"score": None, "reason": REASON, "error": error}
         raise KeyError(f"no scorer for task {sample.task!r}")
 
 
@@ -169,6 +173,10 @@ def _aggregate_task(task: str, scores: list[dict[str, Any]]) -> dict[str, Any]:
         from harness.metrics.mcq import circular_accuracy
 
         return circular_accuracy(scores)
+    if task == "no_reference":
+        from harness.datasets.synthetic_load import REASON
+
+        return {"quality": None, "quality_reason": REASON, "errors": sum(1 for s in scores if s.get("error"))}
     raise KeyError(f"no aggregation for task {task!r}")
 
 

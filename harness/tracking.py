@@ -130,7 +130,7 @@ class LiveRun:
                          "sere/union_after_by_layer": wandb.plot.bar(layers, "layer", "expert_union_after",
                                                                      title="Distinct experts per decode step (SERE)")})
             artifact = wandb.Artifact(name=f"results-{run.id}", type="results")
-            for fname in ("summary.json", "samples.jsonl", "config.yaml"):
+            for fname in ("summary.json", "samples.jsonl", "config.yaml", "timings.jsonl"):  # timings: latency.*
                 if (run_dir / fname).exists():
                     artifact.add_file(str(run_dir / fname))
             run.log_artifact(artifact)

@@ -235,6 +235,22 @@ RULES: tuple[Rule, ...] = (
     Rule("cache.path", NONEMPTY),
     Rule("cache.read", one_of("resume", "always", "never")),
     Rule("seed", at_least(0)),
+    # --- real-shape models, synthetic load, decode path, device_map (issue 17; docs/real_shapes.md) ---
+    Rule("model.shapes.arch", optional(one_of("qwen3_30b_a3b", "qwen3_vl_30b_a3b"), "load model.path")),
+    Rule("model.shapes.num_layers", optional(at_least(1), "the checkpoint's")),
+    Rule("dataset.n_images", at_least(0)),
+    Rule("dataset.image_width", at_least(1)),
+    Rule("dataset.image_height", at_least(1)),
+    Rule("dataset.prompt_tokens", at_least(1)),
+    Rule("dataset.output_tokens", at_least(1)),
+    Rule("dataset.num_requests", at_least(1)),
+    Rule("engine.decode_path", one_of("auto", "compiled", "graph", "eager")),
+    Rule("engine.compile_mode", one_of("default", "max-autotune-no-cudagraphs",
+                                       note="CUDA graphs are the engine's own, around the compiled regions")),
+    Rule("engine.compile_backend", one_of("inductor", "aot_eager")),
+    Rule("engine.device_map", optional(pattern(r"auto|balanced|balanced_low_0|sequential|cpu|cuda(:\d+)?",
+                                               "auto, balanced, balanced_low_0, sequential, cpu, cuda or cuda:N"),
+                                       "everything on engine.device")),
     *OFFLOAD_RULES,
 )
 
@@ -267,6 +283,14 @@ def _random_scorers(cfg: Any) -> list[str]:
 TECHNIQUE_ENGINES = ("hf", "vllm")
 
 
+def _shapes(cfg: Any) -> bool:
+    return _select(cfg, "model.shapes.arch", None) is not None
+
+
+def _text_only_shapes(cfg: Any) -> bool:
+    return _select(cfg, "model.shapes.arch", None) == "qwen3_30b_a3b"
+
+
 def _technique_engine(cfg: Any) -> bool:
     return cfg.engine.name in TECHNIQUE_ENGINES
 
@@ -280,8 +304,26 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("moe.top_k", lambda cfg: _moe_top_k(cfg) is not None, _technique_engine,
               lambda cfg: f"null with engine={cfg.engine.name} (moe.top_k is implemented in "
               f"{', '.join(TECHNIQUE_ENGINES)})"),
-    CrossRule("model.path", lambda cfg: not cfg.model.embedded, lambda cfg: bool(cfg.model.path),
-              "a checkpoint directory or hub id (required unless model.embedded=true)"),
+    CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
+              "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
+    # --- real-shape models and synthetic load (issue 17) ---
+    CrossRule("model.shapes.arch", _shapes, lambda cfg: cfg.engine.name == "hf",
+              "null with an engine other than hf (shapes models are built by the HF engine)"),
+    CrossRule("model.weights", _shapes, lambda cfg: cfg.model.weights == "random-init",
+              "random-init with model.shapes.arch set (its weights are random)"),
+    CrossRule("engine.device_map", lambda cfg: _shapes(cfg) and _select(cfg, "engine.device_map", None) is not None,
+              lambda cfg: False, "null with model.shapes.arch (a shapes model is built on engine.device)"),
+    CrossRule("dataset.name", lambda cfg: cfg.dataset.name == "synthetic_load", lambda cfg: cfg.engine.name == "hf",
+              "not synthetic_load with an engine other than hf (its token-id prompts need the HF tokenizer-free path)"),
+    CrossRule("dataset.n_images", lambda cfg: cfg.dataset.name == "synthetic_load" and _text_only_shapes(cfg),
+              lambda cfg: cfg.dataset.n_images == 0, "0 with a text-only model (model.shapes.arch=qwen3_30b_a3b)"),
+    CrossRule("generation.ignore_eos", lambda cfg: cfg.dataset.name == "synthetic_load",
+              lambda cfg: bool(_select(cfg, "generation.ignore_eos", False)),
+              "true with dataset=synthetic_load (add generation=synthetic_load: a fixed output length)"),
+    CrossRule("generation.max_new_tokens", lambda cfg: cfg.dataset.name == "synthetic_load",
+              lambda cfg: cfg.generation.max_new_tokens == cfg.dataset.output_tokens,
+              lambda cfg: f"dataset.output_tokens={cfg.dataset.output_tokens} with dataset=synthetic_load (add "
+              "generation=synthetic_load, or set dataset.output_tokens instead)"),
     CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,
               "null with engine=hf (load mode needs engine=vllm)"),
     CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
@@ -374,6 +416,27 @@ NORMALIZE: tuple[Normalize, ...] = (
               "sere.k=0 is SERE off (the reference's identity): recorded as sere.k=null"),
 )
 
+
+
+# ---- latency measurement protocol (harness/latency/, docs/latency.md): its own rows, appended to the tables
+LATENCY_RULES: tuple[Rule, ...] = (
+    Rule("latency.repeats", at_least(1, "timed passes; answers from the first")),
+    Rule("latency.warmup", one_of("per_shape", "first_batch")),
+    Rule("latency.bucket", optional(at_least(1, "tokens"), "powers of two")),
+    Rule("latency.on_compile", one_of("retime", "exclude", "keep")),
+    Rule("latency.max_retime", at_least(0)),
+    Rule("latency.max_cv", optional(number(0, lo_open=True), "never flag")),
+    Rule("latency.confidence", number(0, 1, lo_open=True, hi_open=True)),
+    Rule("latency.bootstrap_resamples", at_least(100)),
+    Rule("latency.lock_timeout_s", optional(number(0, lo_open=True), "wait")),
+)
+LATENCY_CROSS_RULES: tuple[CrossRule, ...] = (
+    CrossRule("latency.repeats", lambda cfg: cfg.load.qps is not None and _select(cfg, "latency.repeats", 1) != 1,
+              lambda cfg: False, "1 with load.qps (load mode times one stream of load.num_requests: raise that "
+              "instead)"),
+)
+RULES = RULES + LATENCY_RULES
+CROSS_RULES = CROSS_RULES + LATENCY_CROSS_RULES
 
 # ---------------------------------------------------------------------------------- values of the model
 

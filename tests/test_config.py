@@ -167,6 +167,8 @@ LEASE_CASES: list[tuple[tuple[str, ...], str | None]] = [
 ]
 # (overrides, the key a refusal must name, or None = accepted). Model-decided values are checked against the
 # embedded model's config.json: 16 experts per layer, 4 per token, 4 vision blocks.
+SHP, SHPVL, LOAD = "model=qwen3_30b_a3b_shapes", "model=qwen3_vl_30b_a3b_shapes", "dataset=synthetic_load"
+
 CASES: list[tuple[tuple[str, ...], str | None]] = [
     # VisionZip
     (("visionzip.keep=1.5",), "visionzip.keep"),
@@ -282,6 +284,47 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((QWEN, "model.path=null"), "model.path"),
     (("scoring.rouge_variant=bogus",), "scoring.rouge_variant"),
     (("scoring.clip_model=transformers:openai/clip-vit-large-patch14",), None),
+    # latency measurement protocol (harness/latency/, docs/latency.md)
+    (("latency.repeats=0",), "latency.repeats"),
+    (("latency.repeats=5",), None),
+    (("latency.warmup=all",), "latency.warmup"),
+    (("latency.warmup=first_batch",), None),
+    (("latency.bucket=0",), "latency.bucket"),
+    (("latency.bucket=64",), None),
+    (("latency.on_compile=ignore",), "latency.on_compile"),
+    (("latency.on_compile=exclude",), None),
+    (("latency.max_retime=-1",), "latency.max_retime"),
+    (("latency.max_cv=0",), "latency.max_cv"),
+    (("latency.max_cv=null",), None),
+    (("latency.confidence=1",), "latency.confidence"),
+    (("latency.bootstrap_resamples=10",), "latency.bootstrap_resamples"),
+    (("latency.lock_timeout_s=0",), "latency.lock_timeout_s"),
+    (("latency.sequential=true",), None),
+    ((VLLM, "load.qps=4", "latency.repeats=3"), "latency.repeats"),  # load mode: one stream
+    # real-shape models, synthetic load, decode path, device_map (issue 17; docs/real_shapes.md)
+    ((SHP, LOAD), None),
+    ((SHPVL, LOAD, "dataset.n_images=30", "sere.k=2", "engine.batch_size=16"), None),
+    ((SHP, LOAD, "dataset.n_images=-1"), "dataset.n_images"),
+    ((SHP, LOAD, "dataset.n_images=2"), "dataset.n_images"),  # a text-only model
+    ((SHP, LOAD, "dataset.prompt_tokens=0"), "dataset.prompt_tokens"),
+    ((SHP, LOAD, "dataset.output_tokens=0"), "generation.max_new_tokens"),  # = ${dataset.output_tokens}, checked first
+    ((SHP, LOAD, "dataset.image_width=0"), "dataset.image_width"),
+    ((SHP, LOAD, "dataset.num_requests=0"), "dataset.num_requests"),
+    ((SHP, LOAD, "generation.max_new_tokens=7"), "generation.max_new_tokens"),
+    ((SHP, LOAD, "generation.ignore_eos=false"), "generation.ignore_eos"),
+    ((LOAD,), "generation.ignore_eos"),  # another model: generation=synthetic_load is needed
+    ((LOAD, "generation=synthetic_load"), None),
+    ((SHP, LOAD, "model.shapes.arch=qwen3_moe"), "model.shapes.arch"),
+    ((SHP, LOAD, "model.shapes.num_layers=0"), "model.shapes.num_layers"),
+    ((SHP, LOAD, "model.weights=real"), "model.weights"),
+    ((SHP, LOAD, "engine=vllm"), "model.shapes.arch"),
+    ((SHP, LOAD, "engine.device_map=auto"), "engine.device_map"),
+    (("engine.decode_path=fast",), "engine.decode_path"),
+    (("engine.decode_path=compiled",), None),
+    (("engine.compile_mode=reduce-overhead",), "engine.compile_mode"),
+    (("engine.compile_backend=eager",), "engine.compile_backend"),
+    (("engine.device_map=everywhere",), "engine.device_map"),
+    (("engine.device_map=auto",), None),
     # offload (issue 15; harness/offload, docs/offload.md)
     *OFFLOAD_CASES,
     *LEASE_CASES,

@@ -22,6 +22,7 @@ LOADERS: dict[str, str] = {
     "ocrbench": "harness.datasets.ocrbench:load",
     "ccbench": "harness.datasets.ccbench:load",
     "ocr_cc_mix": "harness.datasets.mix:load",
+    "synthetic_load": "harness.datasets.synthetic_load:load",  # latency only: exact shapes, no reference
 }
 
 

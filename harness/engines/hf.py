@@ -59,20 +59,53 @@ def resolve_experts_implementation(name: str | None, device: str) -> str | None:
     return name
 
 
-class _StepClock:
-    """A ``StoppingCriteria`` that only records when each generation step finished."""
+DECODE_PATHS = ("auto", "compiled", "graph", "eager")
+#: what ``engine.decode_path=auto`` picks on CUDA (with ``engine.cuda_graphs``): the compiled regions inside the
+#: manual graph (hf_compile). Measured against ``graph`` by benchmarks/run_path_table.sh: results/benchmarks/run_path.md.
+AUTO_CUDA_PATH = "compiled"
 
-    def __init__(self, device: str):
+
+def resolve_decode_path(requested: str, device: str, cuda_graphs: bool, split_reason: str | None = None,
+                        ) -> tuple[str, str | None]:
+    """(path, why it differs from the request or None). ``auto``: ``AUTO_CUDA_PATH`` on CUDA when
+    ``engine.cuda_graphs`` is on, else ``eager`` (``model.generate``). A model split over devices by
+    ``engine.device_map`` (``split_reason``) can only decode eagerly: a static graph cannot span accelerate's
+    device hops."""
+    if requested not in DECODE_PATHS:
+        raise ValueError(f"engine.decode_path={requested!r}: expected one of {', '.join(DECODE_PATHS)}")
+    path = requested
+    if requested == "auto":
+        path = AUTO_CUDA_PATH if device.startswith("cuda") and cuda_graphs else "eager"
+    if path != "eager" and split_reason:
+        return "eager", split_reason
+    return path, None
+
+
+def split_reason(model) -> str | None:
+    """Why ``model`` (placed by accelerate) cannot run the static decoder: its parameters sit on several devices."""
+    placement = getattr(model, "hf_device_map", None) or {}
+    devices = {str(d) for d in placement.values()}
+    if len(devices) > 1 or devices & {"disk"}:
+        return f"engine.device_map placed the model on {sorted(devices)}: decoding eagerly (model.generate)"
+    return None
+
+
+class _StepClock:
+    """A ``StoppingCriteria`` that only records when each generation step finished (``now``: the engine's
+    clock, injectable so tests can script the timings)."""
+
+    def __init__(self, device: str, now=time.perf_counter):
         import torch
 
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        self.now = now
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
         self.sync()
-        self.times.append(time.perf_counter())
+        self.times.append(self.now())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -92,7 +125,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
-                 moe_cfg: Any = None, offload_cfg: Any = None):
+                 moe_cfg: Any = None, offload_cfg: Any = None, shapes_cfg: Any = None, seed: int = 0):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -103,29 +136,54 @@ class HFEngine:
         self.gen_cfg = generation_cfg
         self.device = resolve_device(engine_cfg.device)
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self.processor.tokenizer.padding_side = "left"
-        kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
         self.experts_impl = resolve_experts_implementation(engine_cfg.experts_implementation, self.device)
-        if self.experts_impl:
-            kwargs["experts_implementation"] = self.experts_impl
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            model_path, trust_remote_code=trust_remote_code, **kwargs
-        ).to(self.device).eval()
+        self.shapes_info = None
+        self.device_map = getattr(engine_cfg, "device_map", None)
+        if shapes_cfg is not None and getattr(shapes_cfg, "arch", None):  # random weights, built on the device
+            from harness.models.real_shapes import shapes_model_for_engine
+
+            self.model, self.processor, self.shapes_info = shapes_model_for_engine(
+                shapes_cfg, self.device, self.dtype, self.experts_impl, seed=seed,
+                attn_implementation=engine_cfg.attn_implementation)
+        else:
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.processor.tokenizer.padding_side = "left"
+            kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
+            if self.experts_impl:
+                kwargs["experts_implementation"] = self.experts_impl
+            if self.device_map:  # accelerate places the weights (docs/real_shapes.md): no .to(device) after it
+                kwargs["device_map"] = self.device_map
+                max_memory = dict(getattr(engine_cfg, "max_memory", None) or {})
+                if max_memory:
+                    kwargs["max_memory"] = {int(k) if str(k).isdigit() else str(k): str(v)
+                                            for k, v in max_memory.items()}
+                self.model = AutoModelForImageTextToText.from_pretrained(
+                    model_path, trust_remote_code=trust_remote_code, **kwargs).eval()
+            else:
+                self.model = AutoModelForImageTextToText.from_pretrained(
+                    model_path, trust_remote_code=trust_remote_code, **kwargs
+                ).to(self.device).eval()
+        self.tokenizer_free = bool(getattr(self.processor, "tokenizer_free", False))
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        # generation.ignore_eos: every request decodes max_new_tokens tokens (synthetic load: TPOT over a known count)
+        self.ignore_eos = bool(getattr(generation_cfg, "ignore_eos", False))
+        self.stop_ids = set() if self.ignore_eos else self.eos_ids
         self.pad_id = self.processor.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = next(iter(self.eos_ids))
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
-        # engine.cuda_graphs (CUDA only): static KV cache + CUDA-graph-replayed decode step (hf_graphs)
+        # engine.decode_path (engine.cuda_graphs on CUDA): compiled regions + manual CUDA graph (hf_compile),
+        # the manual graph of the eager step (hf_graphs), or model.generate
         self.cuda_graphs = bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
+        self.decode_path_requested = str(getattr(engine_cfg, "decode_path", "auto") or "auto")
+        self.decode_path, self.decode_path_reason = resolve_decode_path(
+            self.decode_path_requested, self.device, bool(getattr(engine_cfg, "cuda_graphs", False)),
+            split_reason(self.model))
+        self.compile_info: dict[str, Any] | None = None
         self._graph_decoder = None
-        if self.cuda_graphs:
-            from harness.engines.hf_graphs import StaticGreedyDecoder
-
-            self._graph_decoder = StaticGreedyDecoder(self.model, self.eos_ids, self.pad_id)
+        self._make_decoder()
         self._torch = torch
         self.vz_cfg = visionzip_cfg if visionzip_cfg is not None and visionzip_cfg.keep < 1.0 else None
         if self.vz_cfg is not None:
@@ -144,16 +202,43 @@ class HFEngine:
         if moe is not None:  # moe.top_k: plain top-K truncation (hf_topk); before SERE, which re-routes its output
             from harness.engines.hf_topk import install_topk
 
-            self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.eos_ids))
+            self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.stop_ids))
         if sere_artifacts is not None:
             from harness.engines.hf_sere import install_sere
 
             similarity, protected = sere_artifacts
             self.sere = install_sere(self.model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
-                                     eos_token_ids=sorted(self.eos_ids))
+                                     eos_token_ids=sorted(self.stop_ids))
         self.offload = None
         if offload_cfg is not None and offload_cfg.get("policy") is not None:
             self._install_offload(offload_cfg)
+
+    def _make_decoder(self) -> None:
+        """The static decoder of ``self.decode_path`` (None for eager); compiled: the regions wrapped first."""
+        self._graph_decoder = None
+        if self.decode_path == "eager":
+            return
+        from harness.engines.hf_graphs import StaticGreedyDecoder
+
+        self._graph_decoder = StaticGreedyDecoder(self.model, self.stop_ids, self.pad_id)
+        if self.decode_path == "compiled":
+            from harness.engines.hf_compile import compile_regions, decoding
+
+            self.compile_info = dict(compile_regions(self.model, getattr(self.cfg, "compile_mode", "default"),
+                                                     getattr(self.cfg, "compile_backend", "inductor")))
+            self._graph_decoder.step_context = decoding
+
+    def _fall_back_to_graph(self, exc: BaseException) -> None:
+        """A compiled path that failed at its first decode step: the manual graph of the eager step instead."""
+        from harness.engines.hf_compile import uncompile
+
+        uncompile(self.model)
+        self.decode_path = "graph"
+        self.decode_path_reason = f"compiled path failed ({type(exc).__name__}: {str(exc)[:300]}): fell back to graph"
+        import logging
+
+        logging.getLogger(__name__).warning("%s", self.decode_path_reason)
+        self._make_decoder()
 
     def _install_offload(self, offload_cfg: Any) -> None:
         """Expert offload (harness/offload, docs/offload.md), installed last: SERE's calibration ran on the
@@ -166,6 +251,7 @@ class HFEngine:
         self.experts_impl = NAME
         self.cuda_graphs = False
         self._graph_decoder = None
+        self.decode_path, self.decode_path_reason = "eager", "expert offload: the host decides per layer (no graph)"
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -181,16 +267,62 @@ class HFEngine:
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,
+            "decode_path_requested": self.decode_path_requested,
+            "decode_path": self.decode_path,
+            "decode_path_reason": self.decode_path_reason,
+            "compile": self._compile_block(),
+            "device_map": self.device_map,
+            "placement": sorted({str(p.device) for p in self.model.parameters()}) if self.model is not None else None,
+            "ignore_eos": self.ignore_eos,
+            "tokenizer_free": self.tokenizer_free,
+            **({"shapes": {k: v for k, v in self.shapes_info.items() if k != "config"}} if self.shapes_info else {}),
             **({"offload": self.offload.policy.name} if self.offload is not None else {}),
         }
 
-    def warmup(self, batch: list[Request]) -> None:
-        """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT."""
-        self._generate_batch(batch, max_new_tokens=2)
+    def _compile_block(self) -> dict[str, Any] | None:
+        if self.decode_path != "compiled" or self.compile_info is None:
+            return None
+        from harness.engines.hf_compile import dynamo_counters
+
+        return {**self.compile_info, **dynamo_counters()}
+
+    def warmup(self, batch: list[Request]) -> list[Generation]:
+        """One short untimed generation: first-call allocations and lazy initialisation stay out of TTFT (and,
+        on the compiled path, the compilation of the decode regions; a failure there falls back to ``graph``).
+        Returns its generations: the latency protocol (harness/latency/) reads the shape it ran."""
+        try:
+            gens = self._generate_batch(batch, max_new_tokens=2)
+        except Exception as exc:  # noqa: BLE001 - only the compiled path has a fallback
+            if self.decode_path != "compiled":
+                raise
+            self._fall_back_to_graph(exc)
+            gens = self._generate_batch(batch, max_new_tokens=2)
         for handle in (self.sere, self.moe, self.offload):
             if handle is not None:
                 handle.reset_stats()
         self._decode_tokens, self._sere_partial = 0, False
+        return gens
+
+    # -- latency protocol hooks (harness/latency/runner.py) ---------------------------------------------
+    clock = staticmethod(time.perf_counter)  # every timestamp of a generation (tests script it)
+
+    def prompt_length(self, batch: list[Request]) -> int:
+        """The padded prompt length (tokens, images expanded, before VisionZip) the processor gives ``batch``:
+        the warm-up planner's shape key."""
+        from harness.engines.hf_direct import build_inputs, has_direct_parts
+
+        if self.tokenizer_free or has_direct_parts(batch):  # the same ids the timed batch will get, on the host
+            inputs = build_inputs(batch, self.model.config, self.processor.tokenizer, self.pad_id, "cpu", self.dtype)
+        else:
+            inputs = self.processor(text=[self._prompt(r) for r in batch],
+                                    images=[img for r in batch for img in r.images] or None, return_tensors="pt",
+                                    padding=True)
+        return int(inputs["input_ids"].shape[1])
+
+    def compile_counters(self) -> dict[str, int]:
+        """Counts a timed batch must not move: CUDA graphs captured by the static decoder (the compiled path's
+        recompilations show in torch.compile's own counters, which the latency protocol reads as well)."""
+        return {"cuda_graph_captures": int(getattr(self._graph_decoder, "captures", 0) or 0)}
 
     def technique_stats(self) -> dict[str, Any]:
         """Statistics of the installed techniques, for ``summary.json`` (``sere``, ``moe``)."""
@@ -241,6 +373,12 @@ class HFEngine:
             self._torch.cuda.empty_cache()
 
     # -- internals --------------------------------------------------------------------------------
+    def _input_device(self) -> str:
+        """Where the inputs go: ``engine.device``, or the embedding's device under ``engine.device_map``."""
+        if self.device_map:
+            return str(self.model.get_input_embeddings().weight.device)
+        return self.device
+
     def _prompt(self, request: Request) -> str:
         parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
                  for p in request.content]
@@ -250,13 +388,19 @@ class HFEngine:
 
     def _generate_batch(self, batch: list[Request], max_new_tokens: int) -> list[Generation]:
         torch = self._torch
-        clock = _StepClock(self.device)
+        clock = _StepClock(self.device, self.clock)
         clock.sync()
-        t0 = time.perf_counter()
-        texts = [self._prompt(r) for r in batch]
-        images = [img for r in batch for img in r.images]
-        inputs = self.processor(text=texts, images=images or None, return_tensors="pt", padding=True)
-        inputs = inputs.to(self.device)
+        t0 = self.clock()
+        from harness.engines.hf_direct import build_inputs, has_direct_parts
+
+        if self.tokenizer_free or has_direct_parts(batch):  # hf_direct: ids and patches without a processor
+            inputs = build_inputs(batch, self.model.config, self.processor.tokenizer, self.pad_id, self._input_device(),
+                                  self.dtype)
+        else:
+            texts = [self._prompt(r) for r in batch]
+            images = [img for r in batch for img in r.images]
+            inputs = self.processor(text=texts, images=images or None, return_tensors="pt", padding=True)
+            inputs = inputs.to(self._input_device())
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         vz_ctx = None
@@ -271,13 +415,21 @@ class HFEngine:
                                                            reserve_new_tokens=self.gen_cfg.max_new_tokens)
                     new_tokens, clock.times = decoded.tokens, decoded.times
                 else:
-                    out = self.model.generate(
-                        **inputs,
-                        max_new_tokens=max_new_tokens,
-                        do_sample=False,
-                        stopping_criteria=[clock],
-                        pad_token_id=self.pad_id,
-                    )
+                    if self.ignore_eos:  # no stop id: generate runs max_new_tokens steps (the clock never stops)
+                        import copy
+
+                        gen_cfg = copy.deepcopy(self.model.generation_config)
+                        gen_cfg.eos_token_id = None
+                        gen_cfg.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
+                        out = self.model.generate(**inputs, generation_config=gen_cfg, stopping_criteria=[clock])
+                    else:
+                        out = self.model.generate(
+                            **inputs,
+                            max_new_tokens=max_new_tokens,
+                            do_sample=False,
+                            stopping_criteria=[clock],
+                            pad_token_id=self.pad_id,
+                        )
                     new_tokens = out[:, inputs["input_ids"].shape[1]:].tolist()
         mask = inputs["attention_mask"]
         if self.offload is not None and clock.times:
@@ -285,7 +437,7 @@ class HFEngine:
         results = []
         for row, req in enumerate(batch):
             ids = new_tokens[row]
-            n = next((j + 1 for j, t in enumerate(ids) if t in self.eos_ids), len(ids))
+            n = next((j + 1 for j, t in enumerate(ids) if t in self.stop_ids), len(ids))
             ids = ids[:n]
             self._decode_tokens += max(n - 1, 0)  # tokens fed back: every one a re-routed decode row
             ttft = (clock.times[0] - t0) * 1e3 if clock.times else None

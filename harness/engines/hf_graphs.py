@@ -62,6 +62,7 @@ as a real replay never runs Python.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -292,6 +293,9 @@ class StaticGreedyDecoder:
         self.eos_ids = sorted({int(e) for e in eos_ids})
         self.pad_id = int(pad_id)
         self.use_graphs = use_graphs
+        # a context around every decode step (warm-up, capture, eager loop): hf_compile.decoding turns the
+        # compiled regions on for the fixed-shape decode steps only (the prefill stays eager)
+        self.step_context = contextlib.nullcontext
         self.warmup_steps = max(1, int(warmup_steps))
         self.cache_bucket = max(1, int(cache_bucket))
         self.max_states = max(1, int(max_states))
@@ -405,6 +409,10 @@ class StaticGreedyDecoder:
 
     def _step(self, st: _State) -> None:
         """One decode step: fixed shapes, no host synchronisation (what the graph captures)."""
+        with self.step_context():
+            self._step_body(st)
+
+    def _step_body(self, st: _State) -> None:
         logits = self.model(input_ids=st.ids, attention_mask=st.mask, position_ids=st.pos, use_cache=True,
                             **{self._cache_kw: st.cache}, **self._logits_kw).logits[:, -1]
         nxt = logits.argmax(-1)

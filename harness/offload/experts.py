@@ -163,9 +163,11 @@ class OffloadRuntime:
         if budget_gb is None:
             return {"gpu_budget_gb": None, "memory_fraction": None, "enforced": False,
                     "reason": "offload.gpu_budget_gb is null"}
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        # the allocator's setter wants an index: "cuda" alone (the engine's usual device) is refused
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
         frac = min(1.0, float(budget_gb) * 1e9 / total)
-        torch.cuda.set_per_process_memory_fraction(frac, self.device)
+        torch.cuda.set_per_process_memory_fraction(frac, index)
         return {"gpu_budget_gb": float(budget_gb), "memory_fraction": frac, "enforced": True,
                 "device_total_bytes": total}
 
@@ -279,7 +281,8 @@ class OffloadRuntime:
         if self.store is not None:
             self.store.unpin()
         if self.budget.get("enforced"):  # the fraction is process-wide: the next engine must not inherit it
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def _text_model(model: torch.nn.Module, first_block: torch.nn.Module) -> torch.nn.Module:

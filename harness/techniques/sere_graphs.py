@@ -89,6 +89,9 @@ class StepRows:
         device = torch.device(device)
         buf = self.buffers.get(device)
         if buf is None or buf.numel() < rows:
+            if capturing():
+                raise RuntimeError("SERE: the decode-row buffer would be allocated during a graph capture (a "
+                                   "replay would read a buffer no step writes); allocate it before capturing")
             if buf is not None and self.frozen:
                 raise RuntimeError(f"SERE: a step of {rows} rows exceeds the decode-row buffer ({buf.numel()}) "
                                    "after graphs were captured; raise its capacity (max_num_batched_tokens)")
@@ -140,6 +143,9 @@ class RoutingCounters:
         device = torch.device(device)
         acc = self.acc.get(device)
         if acc is None:
+            if capturing():
+                raise RuntimeError("SERE: routing counters would be allocated during a graph capture (replays "
+                                   "would count into a temporary); call the routing function eagerly first")
             with torch.inference_mode(False):
                 acc = self.acc[device] = torch.zeros(len(COUNTERS), dtype=torch.long, device=device)
         return acc
@@ -186,9 +192,13 @@ def route(ids: torch.Tensor, similarity: torch.Tensor, k_primary: int, rho: floa
     would add zeros). While capturing/compiling the op always runs: the graph reads the mask on replay."""
     if k_primary >= ids.shape[1]:
         return ids
+    # persistent state first, also on skipped eager steps: the first (eager, e.g. profile) call allocates it,
+    # so a later capture records these tensors (allocating them while capturing raises)
+    mask = rows.rows(ids.device, ids.shape[0])
+    if counters is not None:
+        counters.counter(ids.device)
     if not capturing() and rows.active == 0:   # this order: a tracer never reads (and guards on) ``active``
         return ids
-    mask = rows.rows(ids.device, ids.shape[0])
     ids = ids.contiguous()
     new = op(ids, similarity, k_primary, rho, protected, mask)
     if counters is not None:

@@ -117,12 +117,13 @@ def _sim(e=16, seed=0):
     return torch.rand(e, e, generator=torch.Generator().manual_seed(seed))
 
 
-class _FakeDecode:
-    def __init__(self, mask):
-        self.mask = mask
-
-    def rows(self, device, n):
-        return None if self.mask is None else self.mask[:n]
+def _published(mask):
+    """A DecodeRows whose buffer holds ``mask`` (as the runner wrapper writes it); None = nothing published
+    yet (a fresh buffer: every row False)."""
+    rows = routing.DecodeRows()
+    if mask is not None:
+        rows.steps.write(torch.device("cpu"), mask)
+    return rows
 
 
 @pytest.mark.parametrize("mask", [None, "all", "some", "none"])
@@ -133,7 +134,7 @@ def test_routing_function_reroutes_decode_rows_only(monkeypatch, tmp_path, mask)
     masks = {None: None, "all": torch.ones(t, dtype=torch.bool), "none": torch.zeros(t, dtype=torch.bool),
              "some": torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.bool)}
     row_mask = masks[mask]
-    monkeypatch.setattr(routing, "DECODE", _FakeDecode(row_mask))
+    monkeypatch.setattr(routing, "DECODE", _published(row_mask))
     sim, prot = _sim(), torch.zeros(e, dtype=torch.bool)
     prot[[3, 7]] = True
     trace = routing.Trace(str(tmp_path / "trace.jsonl"))
@@ -142,7 +143,7 @@ def test_routing_function_reroutes_decode_rows_only(monkeypatch, tmp_path, mask)
     w0, ids0 = routing.stock_topk(logits, k, True)
     assert ids.dtype == torch.int32 and torch.equal(w, w0)
     if row_mask is None:
-        assert torch.equal(ids.long(), ids0)  # no step information: never re-routed
+        assert torch.equal(ids.long(), ids0)  # no step information: every row False, never re-routed
     else:
         assert torch.equal(ids.long(), reroute(ids0, sim, 2, 0.3, prot, row_mask))
         assert torch.equal(ids[~row_mask].long(), ids0[~row_mask])

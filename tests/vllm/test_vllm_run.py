@@ -91,6 +91,9 @@ def test_sere_through_the_run(runs, tmp_path):
     stats = summary["sere"]
     assert stats["steps"] > 0 and stats["moved_fraction"] > 0
     assert stats["expert_union_after"] <= stats["expert_union_before"]
+    # the canary: every decode token of the run was a decode row of every layer's routing function
+    assert stats["engagement"]["ok"] and stats["engagement"]["decode_tokens"] == sum(
+        max((r["output_tokens"] or 0) - 1, 0) for r in sere.values() if not r["cached"]), stats["engagement"]
 
 
 def test_load_mode_through_the_run(tmp_path):

@@ -94,7 +94,7 @@ def test_settings_round_trip_and_register_with_sere(tmp_path):
     sim = save_similarity(tmp_path / "sim.safetensors", {i: torch.eye(16) for i in range(3)}, {})
     code = ("from harness.engines.vllm import plugin as p\np.register()\ns = p.state()\n"
             "assert s['moe'].top_k == 2 and s['sere'].k_primary == 1, s\n"
-            "assert type(s['routing']).__name__ == '_SereArtifacts'\nprint('ok')\n")
+            "assert type(s['routing']).__name__ == 'SereArtifacts'\nprint('ok')\n")
     env = {**os.environ, "HARNESS_MOE_TOP_K": "2", "HARNESS_SERE_K": "1", "HARNESS_SERE_SIMILARITY": str(sim)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

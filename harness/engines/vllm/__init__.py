@@ -12,6 +12,7 @@ Nothing here imports vLLM at import time (the main venv has no vLLM); each modul
 ``techniques``   run config → plugin settings (SERE artifacts, VisionZip, ``moe.top_k``) and their env
 ``engine``       ``VLLMEngine``: offline generation through ``vllm.LLM``
 ``load``         load mode in process (``AsyncLLM``) at ``vllm bench serve``'s arrival times
+``disagg``       prefill/decode disaggregation through a KV connector, compared with the colocated run
 ================ ==========================================================================================
 
 docs/vllm.md describes the whole.

@@ -144,8 +144,10 @@ class VLLMEngine(ServeMode, LoadMode):
     def _export_env(self) -> None:
         from harness.engines.vllm.settings import ALL_ENV
 
+        from harness.engines.vllm.techniques import V1_RUNNER_ENV
+
         wanted = plugin_env(self.sere, self.visionzip, self.moe)
-        for key in ALL_ENV:
+        for key in (*ALL_ENV, V1_RUNNER_ENV) if V1_RUNNER_ENV in wanted else ALL_ENV:
             if key not in self._env_saved:
                 self._env_saved[key] = os.environ.get(key)
             if key in wanted:
@@ -281,16 +283,20 @@ class VLLMEngine(ServeMode, LoadMode):
                                                  else img for img in request.images]}
         return out
 
-    def warmup(self, batch: list[Request]) -> None:
+    def warmup(self, batch: list[Request]) -> list[Generation] | None:
         """One short untimed generation (first-call allocations, lazy initialisation); SERE statistics
-        restart after it."""
+        restart after it. Offline, returns the warm-up's generations (uid, prompt and output token counts):
+        the latency protocol (harness/latency/) reads the shape it ran."""
+        gens = None
         if self._server is not None:
             self._serve_warmup(batch[0])
         elif self.load_mode:
             self._loop.run(self._stream_one(self.prompt(batch[0]), self.sampling_params(2),
                                             f"warmup-{time.monotonic_ns()}"))
         else:
-            self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            outs = self._llm.generate([self.prompt(r) for r in batch], self.sampling_params(2), use_tqdm=False)
+            gens = [Generation(uid=r.uid, prompt_tokens=len(o.prompt_token_ids or []),
+                               output_tokens=len(o.outputs[0].token_ids)) for r, o in zip(batch, outs, strict=True)]
         if self.sere is not None:
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
@@ -298,6 +304,7 @@ class VLLMEngine(ServeMode, LoadMode):
         # a running server may be shared: its counts can exceed this run's (serve_mode._attach_server)
         self._decode_tokens = 0
         self._sere_partial = self._server is not None and not self._server.started_here
+        return gens
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.engines.vllm.plugin import STATS_METHOD

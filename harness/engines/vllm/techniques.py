@@ -15,6 +15,8 @@ switched on); what is not implemented raises ``NotImplementedError`` (docs/vllm.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,9 @@ def resolve_visionzip(vz_cfg: Any):
                              scope=scope, contextual=contextual)
 
 
+V1_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
 def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -> dict[str, str]:
     """The ``HARNESS_*`` variables that make the plugin install these techniques (and none other): what the
     offline engine exports in its own process and what ``vllm serve`` gets in its environment."""
@@ -122,4 +127,9 @@ def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -
         wanted.update(visionzip.env())
     if moe is not None:
         wanted.update(moe.env())
+    if (sere is not None or moe is not None) and os.environ.get(V1_RUNNER_ENV) is None:
+        # the plugin publishes decode rows from the V1 GPU model runner (vllm.v1.worker.gpu_model_runner);
+        # vLLM 0.32 picks Model Runner V2 by default wherever Triton is installed (GPUs), where no decode row
+        # would be published and the SERE canary would fail the run: ask for V1 unless the user chose
+        wanted[V1_RUNNER_ENV] = "0"
     return wanted

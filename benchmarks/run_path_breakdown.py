@@ -1,0 +1,190 @@
+"""Per-step time breakdown (MoE / attention / other) of a decode step at Qwen3-30B-A3B shapes, by ablation.
+
+    python benchmarks/run_path_breakdown.py                 # H200: B = 1, 16, 64; graph and compiled steps
+    python benchmarks/run_path_breakdown.py --smoke         # CPU: tiny shapes, same code path (no graphs)
+
+Why ablation: kernels inside a CUDA graph cannot be timed one by one without the profiler's own overhead, so each
+decode step (the engine's two CUDA paths: the manual graph of the eager step, and the compiled regions of
+``harness.engines.hf_compile`` inside the same manual graph) is captured four times — full, MoE blocks stubbed
+(``mlp`` returns zeros), attention stubbed (``self_attn`` returns zeros), both stubbed — and each graph's replay is
+timed with CUDA events (median of ``--steps``). MoE ≈ full − no-MoE, attention ≈ full − no-attention, other =
+both stubbed (embedding, norms, residual adds, lm_head, argmax). The parts need not add up exactly to the full step
+(kernels overlap and caches warm differently); the sum is printed beside it.
+
+Model: ``harness.models.real_shapes`` (``model=qwen3_30b_a3b_shapes``: random-init, built on the GPU), fused MoE
+kernel, sdpa, bf16, prompt 64 tokens in a StaticCache of 128 (``bench_decode_step.Decoder``). Writes
+``results/benchmarks/run_path_breakdown.json`` after every variant; a time budget skips what is left.
+Imports torch, triton, transformers and harness modules only (no Hydra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ABLATIONS = ("full", "no_moe", "no_attn", "none")
+
+
+def stub(model, what: set[str]) -> list:
+    """Replace the forwards named in ``what`` (``moe``, ``attn``) by zeros; returns the undo list."""
+    undo = []
+    for layer in model.model.layers:
+        if "moe" in what:
+            mlp = layer.mlp
+            undo.append((mlp, mlp.__dict__.get("forward")))
+            mlp.forward = lambda hidden_states, *a, **k: torch.zeros_like(hidden_states)
+        if "attn" in what:
+            attn = layer.self_attn
+            undo.append((attn, attn.__dict__.get("forward")))
+            attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
+    return undo
+
+
+def unstub(undo: list) -> None:
+    for module, forward in reversed(undo):
+        if forward is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = forward
+
+
+def timed_graph(step, steps: int, cuda: bool) -> dict:
+    """Capture ``step`` in a CUDA graph (after 2 eager warm-up steps on a side stream) and time its replays."""
+    if not cuda:
+        step()
+        t = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            t.append((time.perf_counter() - t0) * 1e3)
+        return {"ms": statistics.median(t), "steps": steps}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    t = sorted(a.elapsed_time(b) for a, b in ev)
+    del g
+    return {"ms": statistics.median(t), "p10_ms": t[len(t) // 10], "p90_ms": t[min(len(t) - 1, 9 * len(t) // 10)],
+            "steps": steps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--paths", default="graph,compiled")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: use --smoke for the CPU code path")
+        return 0
+    from bench_decode_step import Decoder
+    from harness.engines import hf_experts
+    from harness.engines.hf_compile import compile_regions, decoding, dynamo_counters
+    from harness.envinfo import collect_environment
+    from harness.models.real_shapes import build_shapes_model, shapes_config
+
+    hf_experts.register()
+    device = "cuda" if cuda else "cpu"
+    text = None if cuda else dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48,
+                                  vocab_size=2048)
+    config = shapes_config("qwen3_30b_a3b", None if cuda else 2, text)
+    out = args.out or (ROOT / "results" / "benchmarks" / ("run_path_breakdown_smoke.json" if args.smoke
+                                                          else "run_path_breakdown.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = build_shapes_model(config, device, torch.bfloat16 if cuda else torch.float32, "harness_fused_moe")
+    result = {"benchmark": "run_path_breakdown", "environment": collect_environment(device),
+              "config": {"shapes": "qwen3_30b_a3b" + ("" if cuda else " (tiny smoke)"), "weights": "random-init",
+                         "experts_implementation": "harness_fused_moe", "dtype": "bfloat16" if cuda else "float32",
+                         "prompt": 64, "max_cache_len": 128, "steps": args.steps,
+                         "method": "ablation: CUDA-graph replay of the step with MoE / attention stubbed to zeros"},
+              "build_s": round(time.perf_counter() - t0, 2), "rows": []}
+    compiled = False
+    for path in [p for p in args.paths.split(",") if p]:
+        if path == "compiled" and not compiled:
+            result["compile"] = dict(compile_regions(model))
+            compiled = True
+        for b in [int(x) for x in args.batches.split(",") if x]:
+            try:
+                dec = Decoder(model, b, int(config["vocab_size"]), device, seed=b)
+            except Exception as exc:  # noqa: BLE001
+                result["rows"].append({"path": path, "B": b, "error": f"prefill: {type(exc).__name__}: {exc}"[:300]})
+                continue
+            row = {"path": path, "B": b}
+            result["rows"].append(row)
+            for abl in ABLATIONS:
+                if time.perf_counter() - t0 > args.budget_s:
+                    row[abl] = {"skipped": "time budget"}
+                    continue
+                undo = stub(model, {"full": set(), "no_moe": {"moe"}, "no_attn": {"attn"}, "none": {"moe", "attn"}}[abl])
+                try:
+                    def step():
+                        if path == "compiled":
+                            with decoding():
+                                dec.step()
+                        else:
+                            dec.step()
+                    with torch.inference_mode():
+                        dec.rewind()
+                        tc = time.perf_counter()
+                        row[abl] = timed_graph(step, args.steps, cuda)
+                        row[abl]["wall_incl_capture_s"] = round(time.perf_counter() - tc, 2)
+                except Exception as exc:  # noqa: BLE001 - one variant must not lose the rest
+                    row[abl] = {"error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc(limit=4)}
+                finally:
+                    unstub(undo)
+            ms = {a: row[a].get("ms") for a in ABLATIONS if isinstance(row.get(a), dict)}
+            if all(ms.get(a) is not None for a in ABLATIONS):
+                row["moe_ms"] = ms["full"] - ms["no_moe"]
+                row["attention_ms"] = ms["full"] - ms["no_attn"]
+                row["other_ms"] = ms["none"]
+                row["parts_sum_ms"] = row["moe_ms"] + row["attention_ms"] + row["other_ms"]
+            print(f"{path:<9} B={b:<3} " + " ".join(f"{a}={ms.get(a) or float('nan'):.2f}" for a in ABLATIONS)
+                  + (f" | moe {row['moe_ms']:.2f} attn {row['attention_ms']:.2f} other {row['other_ms']:.2f}"
+                     if "moe_ms" in row else ""), flush=True)
+            del dec
+            if cuda:
+                torch.cuda.empty_cache()
+            result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            if compiled:
+                result["compile"].update(dynamo_counters())
+            out.write_text(json.dumps(result, indent=2, default=str))
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ.get("HARNESS_CACHE", "/tmp")) / "inductor"))
+    sys.exit(main())
