@@ -31,6 +31,11 @@ eps = {ep.name: ep.value for ep in m.entry_points(group="vllm.general_plugins")}
 if eps.get("moe_vlm_harness") != "harness.engines.vllm.plugin:register":
     sys.exit("vllm.general_plugins entry point moe_vlm_harness missing: pyproject.toml must declare "
              '[project.entry-points."vllm.general_plugins"] moe_vlm_harness = "harness.engines.vllm.plugin:register"')
+eps = {ep.name: ep.value for ep in m.entry_points(group="vllm.endpoint_plugins")}
+if eps.get("moe_vlm_harness_endpoint") != "harness.engines.vllm.endpoint:HarnessEndpoint":
+    sys.exit("vllm.endpoint_plugins entry point moe_vlm_harness_endpoint missing (the vllm serve tests need it): "
+             'pyproject.toml must declare [project.entry-points."vllm.endpoint_plugins"] '
+             'moe_vlm_harness_endpoint = "harness.engines.vllm.endpoint:HarnessEndpoint"')
 for bad in ("torchvision", "torchaudio", "torchcodec"):
     if importlib.util.find_spec(bad) is not None:
         sys.exit(f"{bad} is installed in the vLLM venv: it breaks transformers beside torch 2.13.0+cpu")

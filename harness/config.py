@@ -115,6 +115,11 @@ class LoadConfig:
     burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
     warmup: int = 2  # requests sent and discarded before measuring
     seed: int = 0
+    # --- vllm serve load mode (harness/engines/vllm/serve_mode.py, docs/vllm.md) ---
+    # null = AsyncLLM in process; "auto" = the harness starts `vllm serve` with the run's techniques;
+    # "http://host:port" = a running server (its techniques, reported by the harness endpoint plugin)
+    endpoint: Optional[str] = None
+    server_timeout_s: float = 900.0  # auto: how long to wait for the server's /health
 
 
 @dataclass
@@ -198,6 +203,9 @@ class OpenCompassConfig:
     max_num_workers: int = 1  # OpenCompass --max-num-workers (parallel tasks)
     debug: bool = False  # OpenCompass --debug: tasks in the runner's own process (no subprocess per task)
     timeout_s: Optional[int] = None  # kill OpenCompass after this many seconds (None = no limit)
+    # engine=vllm (harness/opencompass/vllm_route.py): the vLLM venv's python that runs `vllm serve`;
+    # None = $HARNESS_VLLM_PYTHON, else .venv-vllm/bin/python of this checkout
+    vllm_python: Optional[str] = None
 
 
 @dataclass

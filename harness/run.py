@@ -281,6 +281,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             extra["offload_cfg"] = cfg.offload  # expert offload (harness/offload; docs/offload.md)
         if cfg.engine.name == "vllm":
             extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
+            if cfg.load.get("endpoint") is not None:  # vllm serve: its log goes to the run directory
+                extra["run_dir"] = str(run_dir)
         try:
             engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
                                  trust_remote_code=cfg.model.trust_remote_code, **extra)

@@ -203,6 +203,9 @@ RULES: tuple[Rule, ...] = (
     Rule("load.burstiness", number(0, lo_open=True, note="1 = Poisson")),
     Rule("load.warmup", at_least(0)),
     Rule("load.seed", at_least(0)),
+    Rule("load.endpoint", optional(pattern(r"auto|https?://\S+", "auto or an http(s)://host:port URL"),
+                                   "AsyncLLM in process")),
+    Rule("load.server_timeout_s", number(0, lo_open=True)),
     # VisionZip
     Rule("visionzip.keep", number(0, 1, lo_open=True, note="1.0 = off")),
     Rule("visionzip.contextual", number(0, 1)),
@@ -323,6 +326,9 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "generation=synthetic_load, or set dataset.output_tokens instead)"),
     CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,
               "null with engine=hf (load mode needs engine=vllm)"),
+    CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
+              lambda cfg: _vllm(cfg) and cfg.load.qps is not None,
+              "null unless engine=vllm and load.qps is set (the vllm serve mode is a load test)"),
     # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
     # fixed ratio keeps its two limits
     CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",

@@ -257,6 +257,13 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((VLLM, "load.qps=4", "load.burstiness=0"), "load.burstiness"),
     ((VLLM, "load.qps=4", "load.num_requests=0"), "load.num_requests"),
     ((VLLM, "load.warmup=-1"), "load.warmup"),
+    # vllm serve load mode (load.endpoint)
+    ((VLLM, "load.qps=4", "load.endpoint=auto"), None),
+    ((VLLM, "load.qps=4", "load.endpoint=http://127.0.0.1:8000"), None),
+    ((VLLM, "load.qps=4", "load.endpoint=localhost:8000"), "load.endpoint"),
+    ((VLLM, "load.endpoint=auto"), "load.endpoint"),  # the serve mode is a load test
+    (("load.endpoint=auto",), "load.endpoint"),  # engine=hf
+    ((VLLM, "load.qps=4", "load.endpoint=auto", "load.server_timeout_s=0"), "load.server_timeout_s"),
     # VisionZip in vLLM
     ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
     ((VLLM, VZ, "visionzip.contextual=0.2"), None),

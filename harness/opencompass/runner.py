@@ -23,13 +23,13 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_engine(cfg: Any) -> None:
-    """Only the HF route exists so far (the vLLM route, ``vllm serve`` + ``OpenAISDK``, does not)."""
+    """The HF route (the project's model class) and the vLLM route (``vllm serve`` + ``OpenAISDK``,
+    :mod:`harness.opencompass.vllm_route`)."""
     from harness.run import TechniqueNotAvailable
 
-    if cfg.engine.name != "hf":
+    if cfg.engine.name not in ("hf", "vllm"):
         raise TechniqueNotAvailable(
-            f"engine={cfg.engine.name}: python -m harness.opencompass runs the HF engine only so far "
-            "(the vllm serve route is not built yet). Use engine=hf.")
+            f"engine={cfg.engine.name}: python -m harness.opencompass runs engine=hf or engine=vllm")
     if cfg.visionzip.keep < 1.0:
         raise TechniqueNotAvailable("visionzip.keep < 1: the OpenCompass suites are text-only, VisionZip would "
                                     "have nothing to prune. Use visionzip.keep=1.0.")
@@ -134,20 +134,34 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
     model_path, model_info = resolve_model(cfg.model)
     validate_model(cfg, model_path)  # values the checkpoint decides (sere.k, moe.top_k vs its top-k)
-    config_path = write_config(cfg, run_dir, model_path, model_info["name"])
-    oc_dir = config_path.parent
-    trace_path = oc_dir / "harness_trace.jsonl"
-    for old in [trace_path, *oc_dir.glob(f"{trace_path.stem}.stats.*.json")]:  # a rerun in the same directory
-        old.unlink(missing_ok=True)
-    datasets, top_level = preflight(config_path, cfg)
-    work_dir = oc_dir / "work"
-    wall_s = launch(config_path, work_dir, cfg, oc_dir / "opencompass.log")
+    server = None
+    if cfg.engine.name == "vllm":  # vllm serve with the run's techniques; OpenCompass's OpenAISDK points at it
+        from harness.opencompass import vllm_route
+
+        server = vllm_route.start_server(cfg, model_path, model_info["name"], run_dir / "opencompass")
+    try:
+        model = vllm_route.model_entry(cfg, server, model_path, model_info["name"]) if server else None
+        config_path = write_config(cfg, run_dir, model_path, model_info["name"], model=model)
+        oc_dir = config_path.parent
+        trace_path = oc_dir / "harness_trace.jsonl"
+        for old in [trace_path, *oc_dir.glob(f"{trace_path.stem}.stats.*.json")]:  # a rerun in the same directory
+            old.unlink(missing_ok=True)
+        datasets, top_level = preflight(config_path, cfg)
+        work_dir = oc_dir / "work"
+        wall_s = launch(config_path, work_dir, cfg, oc_dir / "opencompass.log")
+        if server is not None:  # before it stops: its latency histograms and the techniques' statistics
+            server_latency, server_stats = vllm_route.server_latency(server), vllm_route.server_stats(server)
+    finally:
+        if server is not None:
+            server.stop()  # its log stays: <run_dir>/opencompass/vllm_serve.log
 
     model_abbr = cfg.opencompass.model_abbr or model_info["name"]
     metrics, out_dir = read_results(work_dir, model_abbr, top_level)
     records, stats = read_trace(trace_path)
     crosscheck = custom_mcq_crosscheck(out_dir, model_abbr, datasets)
     engine_info = stats.pop("engine", {"engine": "hf"})
+    if server is not None:
+        engine_info, stats = vllm_route.engine_block(server), server_stats
     summary = {
         "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
                 "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
@@ -160,8 +174,8 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
                                 "engine_errors": sum(1 for r in records if r.get("error"))}},
         "config": config,
         "metrics": {"opencompass": metrics},
-        "latency": {**latency_summary(records), "n_measured": sum(1 for r in records if not r.get("error")),
-                    "n_cached": 0, "partial": False},
+        "latency": ({**latency_summary(records), "n_measured": sum(1 for r in records if not r.get("error")),
+                     "n_cached": 0, "partial": False} if server is None else server_latency),
         **stats,
     }
     if crosscheck:

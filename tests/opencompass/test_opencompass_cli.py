@@ -23,6 +23,7 @@ def test_invalid_setting_refused_before_opencompass_starts(tmp_path):
     assert not (tmp_path / "r" / "opencompass").exists()
 
 
-def test_vllm_engine_refused(tmp_path):
-    proc = _run(["engine=vllm", f"hydra.run.dir={tmp_path / 'v'}"], tmp_path)
-    assert proc.returncode == 2 and "HF engine only" in proc.stderr
+def test_vllm_route_needs_the_vllm_venv(tmp_path):
+    proc = _run(["engine=vllm", f"opencompass.vllm_python={tmp_path / 'no-python'}", f"hydra.run.dir={tmp_path / 'v'}"],
+                tmp_path)
+    assert proc.returncode == 2 and "no-python does not exist" in proc.stderr, proc.stderr[-2000:]

@@ -59,6 +59,10 @@ def test_plugin_entry_point_is_declared():
     assert eps.get("moe_vlm_harness") == "harness.engines.vllm.plugin:register", (
         "pyproject.toml must declare [project.entry-points.\"vllm.general_plugins\"] "
         "moe_vlm_harness = \"harness.engines.vllm.plugin:register\" (and the package be reinstalled)")
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.endpoint_plugins")}
+    assert eps.get("moe_vlm_harness_endpoint") == "harness.engines.vllm.endpoint:HarnessEndpoint", (
+        "pyproject.toml must declare [project.entry-points.\"vllm.endpoint_plugins\"] (vllm serve's "
+        "/harness/techniques; and the package be reinstalled)")
 
 
 # ---------------------------------------------------------------------------------------- settings

@@ -27,7 +27,8 @@ timestamps. Only same-clock differences are taken:
 ``extra`` carries ``ttft_engine_ms`` (arrival → first token), ``queue_ms`` (``scheduled_ts −
 queued_ts``), ``batch_size`` and ``finish_reason``.
 
-**Load mode** (``load.qps`` set): :mod:`harness.engines.vllm.load` (``AsyncLLM`` in this process).
+**Load mode** (``load.qps`` set): :mod:`harness.engines.vllm.load` (``AsyncLLM`` in this process), or with
+``load.endpoint`` set :mod:`harness.engines.vllm.serve_mode` (``vllm serve``, started here or running).
 **SERE / VisionZip / moe.top_k**: resolved by :mod:`harness.engines.vllm.techniques`, exported to the plugin
 (:mod:`harness.engines.vllm.plugin`) as ``HARNESS_*`` environment variables before the engine starts, removed
 again on :meth:`VLLMEngine.close`.
@@ -45,6 +46,7 @@ from typing import Any
 
 from harness.engines.base import Generation, Request
 from harness.engines.vllm.load import LoadMode, _LoopThread
+from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
 from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
 
@@ -71,8 +73,8 @@ def resolve_vllm_dtype(dtype: str, device: str) -> str:
     return _DTYPES[dtype]
 
 
-class VLLMEngine(LoadMode):
-    """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` for load tests). See the module doc."""
+class VLLMEngine(ServeMode, LoadMode):
+    """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` or ``vllm serve`` for load tests). See the module doc."""
 
     name = "vllm"
 
@@ -80,13 +82,15 @@ class VLLMEngine(LoadMode):
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None, *,
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
                  sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
-                 moe_cfg: Any = None):
+                 moe_cfg: Any = None, run_dir: str | None = None):
         from harness import compat
         from harness.techniques.moe_topk import moe_settings
 
         moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before anything loads
         compat.install()
-        self.visionzip = resolve_visionzip(visionzip_cfg)
+        self.load_cfg = load_cfg
+        remote = self.endpoint not in (None, "auto")  # a running server: its techniques (serve_mode)
+        self.visionzip = None if remote else resolve_visionzip(visionzip_cfg)
         from transformers import AutoProcessor
 
         self.model_path = str(model_path)
@@ -97,7 +101,6 @@ class VLLMEngine(LoadMode):
         self.device = vllm_device()
         self.dtype = resolve_vllm_dtype(str(_get(engine_cfg, "dtype", "auto")), self.device)
         self.max_images = int(max_images_per_prompt or _get(engine_cfg, "limit_images", None) or 64)
-        self.load_cfg = load_cfg
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
         self.processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
@@ -108,10 +111,10 @@ class VLLMEngine(LoadMode):
 
         hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
-        self.sere = resolve_sere(sere_cfg, self.model_path, model_id)
+        self.sere = None if remote else resolve_sere(sere_cfg, self.model_path, model_id)
         from harness.engines.vllm.settings import MoeSettings
 
-        self.moe = MoeSettings(*moe) if moe is not None else None  # exported as HARNESS_MOE_* (vllm.topk)
+        self.moe = MoeSettings(*moe) if moe is not None and not remote else None  # HARNESS_MOE_* (vllm.topk)
         if self.sere is not None and sere_trace:
             self.sere.trace_path = sere_trace
         self._env_saved: dict[str, str | None] = {}
@@ -122,7 +125,13 @@ class VLLMEngine(LoadMode):
         # the SERE canary (harness.techniques.sere_graphs): decode tokens fed since the statistics were reset,
         # and whether a failed request may have left decode rows counted without its tokens
         self._decode_tokens, self._sere_partial = 0, False
-        if self.load_mode:
+        if self.endpoint is not None and not self.load_mode:
+            raise ValueError(f"load.endpoint={self.endpoint!r} needs load.qps (the serve mode is a load test)")
+        if remote:
+            self._attach_server(sere_cfg, visionzip_cfg, moe_cfg)
+        elif self.endpoint == "auto":
+            self._start_server(run_dir)
+        elif self.load_mode:
             self._start_async()
         else:
             self._start_llm()
@@ -244,6 +253,15 @@ class VLLMEngine(LoadMode):
         if self.moe is not None:
             info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope,
                            "where": "vllm plugin custom_routing_function (zero-weight padded slots)"}
+        if self._server is not None:  # load.endpoint: the serve mode (serve_mode.py)
+            report = self.server_report or {}
+            info.update(mode="serve", server=self._server.describe(), techniques_source=self.techniques_source,
+                        server_report=report)
+            if not self._server.started_here:  # a running server: what it runs, not this process's config
+                info.update(engine_version=report.get("vllm_version"), device=report.get("device"),
+                            device_name=None, dtype=report.get("dtype"), max_model_len=report.get("max_model_len"),
+                            gpu_memory_utilization=None, enforce_eager=None, tensor_parallel_size=None,
+                            cpu_overrides=None)
         return info
 
     def sampling_params(self, max_tokens: int | None = None, **kwargs: Any):
@@ -270,7 +288,9 @@ class VLLMEngine(LoadMode):
         restart after it. Offline, returns the warm-up's generations (uid, prompt and output token counts):
         the latency protocol (harness/latency/) reads the shape it ran."""
         gens = None
-        if self.load_mode:
+        if self._server is not None:
+            self._serve_warmup(batch[0])
+        elif self.load_mode:
             self._loop.run(self._stream_one(self.prompt(batch[0]), self.sampling_params(2),
                                             f"warmup-{time.monotonic_ns()}"))
         else:
@@ -281,13 +301,17 @@ class VLLMEngine(LoadMode):
             self._worker_sere_stats(reset=True)
         if self.moe is not None:
             self._worker_sere_stats(reset=True, method="harness_moe_stats")
-        self._decode_tokens, self._sere_partial = 0, False
+        # a running server may be shared: its counts can exceed this run's (serve_mode._attach_server)
+        self._decode_tokens = 0
+        self._sere_partial = self._server is not None and not self._server.started_here
         return gens
 
     def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
         from harness.engines.vllm.plugin import STATS_METHOD
 
         method = method or STATS_METHOD
+        if self._server is not None:
+            return self._server_stats(reset, "sere" if method == STATS_METHOD else "moe")
         if self._llm is not None:
             return self._llm.collective_rpc(method, kwargs={"reset": reset})
         if self._async is not None:
@@ -372,6 +396,8 @@ class VLLMEngine(LoadMode):
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        if self._server is not None:
+            self._server.stop()  # only a server the harness started; its log stays in the run directory
         self._restore_env()
         import gc
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from harness.engines.base import Generation, Request
 from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
@@ -119,65 +119,83 @@ class LoadMode:
         load_cfg = load_cfg if load_cfg is not None else self.load_cfg
         if self._async is None:
             raise RuntimeError("load mode needs the engine built with load.qps set")
-        if not requests:
-            raise ValueError("run_load: no requests")
-        qps = float(_get(load_cfg, "qps"))
-        if qps <= 0:
-            raise ValueError(f"load.qps must be > 0, got {qps}")
-        burstiness = float(_get(load_cfg, "burstiness", 1.0))
-        n = int(_get(load_cfg, "num_requests") or len(requests))
-        n_warm = int(_get(load_cfg, "warmup", 0) or 0)
-        seed = int(_get(load_cfg, "seed", 0) or 0)
-        return self._loop.run(self._run_load(requests, qps, burstiness, n, n_warm, seed, timeout_s))
-
-    async def _run_load(self, requests, qps, burstiness, n, n_warm, seed, timeout_s):
+        settings = load_settings(load_cfg, requests)
         params = self.sampling_params()
         prompts = [self.prompt(r) for r in requests]
-        for i in range(n_warm):  # one by one, discarded
-            try:
-                await self._stream_one(prompts[i % len(prompts)], params, f"warmup-{i}-{time.monotonic_ns()}")
-            except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
-                self._sere_partial = True
-        offsets = arrival_offsets(n, qps, burstiness, seed)
         tag = time.monotonic_ns()
 
-        async def one(i: int, delay: float, start: float):
-            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-            src = requests[i % len(requests)]
-            uid = src.uid if n <= len(requests) else f"{src.uid}#{i // len(requests)}"
-            try:
-                coro = self._stream_one(prompts[i % len(prompts)], params, f"load-{tag}-{i}")
-                r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
-            except Exception as e:  # noqa: BLE001 - counted as failed
-                self._sere_partial = True  # decode rows it had may be counted without its tokens
-                return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
-                                  extra={"source_uid": src.uid, "sent_at_s": delay})
-            chunks, ids = r["chunks"], r["ids"]
-            if not chunks:
-                return Generation(uid=uid, error="no output token", extra={"source_uid": src.uid})
-            ttft = (chunks[0] - r["sent"]) * 1e3
-            e2e = (chunks[-1] - r["sent"]) * 1e3
-            ntok = len(ids)
-            return Generation(
-                uid=uid, text=self.decode(ids), prompt_tokens=len(r["prompt_ids"]),
-                visual_tokens=self._count_visual(r["prompt_ids"]), output_tokens=ntok,
-                ttft_ms=ttft, e2e_ms=e2e, tpot_ms=(e2e - ttft) / (ntok - 1) if ntok > 1 else None,
-                extra={"itl_ms": [(b - a) * 1e3 for a, b in zip(chunks[:-1], chunks[1:])],
-                       "sent_at_s": r["sent"] - start, "source_uid": src.uid,
-                       "finish_reason": r["finish_reason"], "chunks": len(chunks), "token_ids": ids,
-                       **({"visionzip": vz} if (vz := self.visionzip_stats(src)) else {})},
-            )
+        def stream(i: int, kind: str):
+            return self._stream_one(prompts[i % len(prompts)], params, f"{kind}-{tag}-{i}")
 
-        start = time.perf_counter()
-        gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
-        duration = time.perf_counter() - start
-        sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
-        completed = sum(1 for g in gens if not g.error)
-        info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
-                "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
-                "scheduled_last_send_s": float(offsets[-1]),
-                # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
-                "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
-                "request_throughput": completed / duration if duration > 0 else None,
-                "completed": completed}
-        return list(gens), info
+        return self._loop.run(drive_load(self, requests, stream, *settings, timeout_s=timeout_s,
+                                         client="AsyncLLM in process"))
+
+
+def load_settings(load_cfg: Any, requests: list) -> tuple[float, float, int, int, int]:
+    """(qps, burstiness, num_requests, warmup, seed) of ``load``; ``num_requests`` null = one pass."""
+    if not requests:
+        raise ValueError("run_load: no requests")
+    qps = float(_get(load_cfg, "qps"))
+    if qps <= 0:
+        raise ValueError(f"load.qps must be > 0, got {qps}")
+    return (qps, float(_get(load_cfg, "burstiness", 1.0)), int(_get(load_cfg, "num_requests") or len(requests)),
+            int(_get(load_cfg, "warmup", 0) or 0), int(_get(load_cfg, "seed", 0) or 0))
+
+
+async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int, str], Awaitable[dict]],
+                     qps: float, burstiness: float, n: int, n_warm: int, seed: int, *,
+                     timeout_s: float | None = None, client: str = "") -> tuple[list[Generation], dict[str, Any]]:
+    """The load test proper, for any client: ``load.warmup`` requests one by one (discarded), then ``n`` sent
+    at :func:`arrival_offsets`, request ``i`` being ``requests[i % len]``. ``stream(i, kind)`` sends it and
+    returns ``{"sent", "chunks" (perf_counter of each streamed chunk), "ids", "prompt_ids", "finish_reason"}``
+    and optionally ``"output_tokens"`` (the server's count, as ``vllm bench serve`` takes it from ``usage``);
+    the metrics are ``vllm bench serve``'s: TTFT = first chunk − send, ITL = gaps between chunks, E2E =
+    last chunk − send, TPOT = (E2E − TTFT)/(output tokens − 1). ``engine`` decodes the ids and counts visual
+    tokens (``decode``, ``_count_visual``, ``visionzip_stats``)."""
+    for i in range(n_warm):  # one by one, discarded
+        try:
+            await stream(i, "warmup")
+        except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
+            engine._sere_partial = True  # its decode rows may be counted without its tokens (SERE canary)
+    offsets = arrival_offsets(n, qps, burstiness, seed)
+
+    async def one(i: int, delay: float, start: float):
+        await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+        src = requests[i % len(requests)]
+        uid = src.uid if n <= len(requests) else f"{src.uid}#{i // len(requests)}"
+        try:
+            coro = stream(i, "load")
+            r = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        except Exception as e:  # noqa: BLE001 - counted as failed
+            engine._sere_partial = True  # decode rows it had may be counted without its tokens
+            return Generation(uid=uid, error=f"{type(e).__name__}: {e}",
+                              extra={"source_uid": src.uid, "sent_at_s": delay})
+        chunks, ids = r["chunks"], r["ids"]
+        if not chunks:
+            return Generation(uid=uid, error="no output token", extra={"source_uid": src.uid})
+        ttft = (chunks[0] - r["sent"]) * 1e3
+        e2e = (chunks[-1] - r["sent"]) * 1e3
+        ntok = int(r.get("output_tokens") or len(ids))
+        return Generation(
+            uid=uid, text=engine.decode(ids), prompt_tokens=len(r["prompt_ids"]),
+            visual_tokens=engine._count_visual(r["prompt_ids"]), output_tokens=ntok,
+            ttft_ms=ttft, e2e_ms=e2e, tpot_ms=(e2e - ttft) / (ntok - 1) if ntok > 1 else None,
+            extra={"itl_ms": [(b - a) * 1e3 for a, b in zip(chunks[:-1], chunks[1:])],
+                   "sent_at_s": r["sent"] - start, "source_uid": src.uid,
+                   "finish_reason": r["finish_reason"], "chunks": len(chunks), "token_ids": ids,
+                   **({"visionzip": vz} if (vz := engine.visionzip_stats(src)) else {})},
+        )
+
+    start = time.perf_counter()
+    gens = await asyncio.gather(*(one(i, float(offsets[i]), start) for i in range(n)))
+    duration = time.perf_counter() - start
+    sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
+    completed = sum(1 for g in gens if not g.error)
+    info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
+            "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
+            "scheduled_last_send_s": float(offsets[-1]),
+            # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
+            "achieved_qps": n / max(sent) if sent and max(sent) > 0 else None,
+            "request_throughput": completed / duration if duration > 0 else None,
+            "completed": completed, **({"client": client} if client else {})}
+    return list(gens), info

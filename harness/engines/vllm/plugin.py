@@ -138,6 +138,30 @@ def _patch_cpu_runner_pruning_flag() -> None:
 
 
 STATS_METHOD = "harness_sere_stats"
+STATE_METHOD = "harness_plugin_state"
+
+
+def worker_state(worker: Any = None) -> dict[str, Any]:
+    """What the plugin installed in this process (``harness_plugin_state`` on the workers): the settings it
+    runs with and whether the routing wrappers are in place — how a server proves its techniques
+    (``harness.engines.vllm.endpoint``)."""
+    from dataclasses import asdict
+
+    return {"pid": os.getpid(), "registered": bool(_STATE["registered"]),
+            **{name: asdict(_STATE[name]) if _STATE.get(name) is not None else None
+               for name in ("sere", "visionzip", "moe")},
+            "factory_patched": bool(_STATE["factory_patched"]), "runner_patched": bool(_STATE["runner_patched"])}
+
+
+def _patch_worker_state_method() -> None:
+    """``collective_rpc("harness_plugin_state")`` on every worker (always installed, also with nothing on)."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except Exception:  # noqa: BLE001 - a vLLM without this worker base: no state report, nothing else lost
+        logger.exception("harness plugin: cannot add %s to vLLM's workers", STATE_METHOD)
+        return
+    if not hasattr(WorkerBase, STATE_METHOD):
+        setattr(WorkerBase, STATE_METHOD, lambda self: worker_state(self))
 
 
 def _patch_worker_stats_method() -> None:
@@ -168,6 +192,7 @@ def register() -> None:
                 compat.install()
             except Exception:  # noqa: BLE001 - a failed shim shows up later as transformers' own error
                 logger.exception("harness.compat.install failed")
+            _patch_worker_state_method()
         vz = VisionZipSettings.from_env()
         if vz is not None and vz.arch not in _STATE.setdefault("visionzip_archs", set()):
             from vllm import ModelRegistry

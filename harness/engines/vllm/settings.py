@@ -180,3 +180,14 @@ class VisionZipSettings:
         from harness.techniques.visionzip_bundle import request_total
 
         return request_total(sizes, self.keep, self.min_per_image)
+
+def describe_env(env: dict[str, str] | None = None) -> dict[str, dict | None]:
+    """What these variables switch on, as plain dicts (None = off): how a process — the harness, or a
+    ``vllm serve`` reporting through ``harness.engines.vllm.endpoint`` — states its techniques."""
+    from dataclasses import asdict
+
+    out: dict[str, dict | None] = {}
+    for name, cls in (("sere", SereSettings), ("visionzip", VisionZipSettings), ("moe", MoeSettings)):
+        got = cls.from_env(env)
+        out[name] = asdict(got) if got is not None else None
+    return out

