@@ -16,6 +16,8 @@ what is allowed:
    experts, experts per token), checked right after the checkpoint's ``config.json`` is read, before weights load.
 
 A rule whose key does not exist in the config is inert (``moe.top_k`` is checked once a ``moe`` group exists).
+The vocabulary (checks, rules, the refusal) is in validate_checks.py; the offload and latency groups' rows in
+validate_offload.py and validate_latency.py, appended to the tables here.
 Only the standard library and omegaconf are imported at module level.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -34,133 +35,12 @@ from typing import Any
 
 from harness.datasets import LOADERS  # light registries (names → "module:attr"), nothing heavy imported
 from harness.engines import ENGINES
-
-_MISSING = object()
-
-
-class ConfigError(ValueError):
-    """A config value is refused (``python -m harness`` prints the one-line message and exits with code 2)."""
-
-
-# ------------------------------------------------------------------------------------------------ checks
-
-
-@dataclass(frozen=True)
-class Check:
-    """A predicate on one value and the sentence saying what is allowed."""
-
-    ok: Callable[[Any], bool]
-    allowed: str | Callable[[], str]  # or computed when a value is refused (registries may grow at run time)
-
-    def text(self) -> str:
-        return self.allowed() if callable(self.allowed) else self.allowed
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
-
-
-def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False,
-           integer: bool = False, note: str = "") -> Check:
-    """A number in the interval (bounds None = unbounded; ``lo_open``/``hi_open`` exclude the bound)."""
-
-    def ok(v: Any) -> bool:
-        if not _is_num(v) or (integer and not isinstance(v, int)):
-            return False
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            return False
-        return not (hi is not None and (v >= hi if hi_open else v > hi))
-
-    kind = "an integer" if integer else "a number"
-    if lo is not None and hi is not None:
-        text = f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-    elif lo is not None:
-        text = f"{kind} {'>' if lo_open else '>='} {lo:g}"
-    elif hi is not None:
-        text = f"{kind} {'<' if hi_open else '<='} {hi:g}"
-    else:
-        text = kind
-    return Check(ok, text + (f" ({note})" if note else ""))
-
-
-def at_least(n: int, note: str = "") -> Check:
-    return number(n, integer=True, note=note)
-
-
-def one_of(*choices: Any, note: str = "") -> Check:
-    return Check(lambda v: v in choices, "one of " + ", ".join(map(str, choices)) + (f" ({note})" if note else ""))
-
-
-def optional(check: Check, means: str = "") -> Check:
-    """``null`` or what ``check`` allows."""
-    return Check(lambda v: v is None or check.ok(v), lambda: f"null{f' ({means})' if means else ''} or {check.text()}")
-
-
-def registered(registry: dict[str, str]) -> Check:
-    """A name of a registry (engines, dataset loaders), read when checked: tests and plugins add entries."""
-    return Check(lambda v: v in registry, lambda: "one of " + ", ".join(registry))
-
-
-def pattern(regex: str, allowed: str) -> Check:
-    return Check(lambda v: isinstance(v, str) and re.fullmatch(regex, v) is not None, allowed)
-
-
-NONEMPTY = Check(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
-BOOL = Check(lambda v: isinstance(v, bool), "true or false")
-
-
-def existing_file(v: Any) -> bool:
-    return isinstance(v, str) and Path(v).expanduser().is_file()
-
-
-# ------------------------------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``key`` must satisfy ``check`` (when ``when(cfg)`` holds). Inert when the key is absent."""
-
-    key: str
-    check: Check
-    when: Callable[[Any], bool] | None = None
-
-
-def _vz_on(cfg: Any) -> bool:
-    return _is_num(cfg.visionzip.keep) and cfg.visionzip.keep < 1.0
-
-
-def _sere_on(cfg: Any) -> bool:
-    return cfg.sere.k is not None
-
-
-def _vllm(cfg: Any) -> bool:
-    return cfg.engine.name == "vllm"
-
-
-# ------------------------------------------------------------------------------ offload (issue 15)
-from harness.offload.policy import KNOWN_POLICIES, POLICY_MODULES  # noqa: E402 - stdlib-only module
-
-
-def _offload_on(cfg: Any) -> bool:
-    return _select(cfg, "offload.policy", None) is not None
-
-
-def _offload_caches(cfg: Any) -> bool:
-    """A policy that keeps a cache of ``capacity`` slots (every one but ``none``)."""
-    return _offload_on(cfg) and cfg.offload.policy != "none"
-
-
-OFFLOAD_RULES: tuple[Rule, ...] = (
-    Rule("offload.policy", optional(one_of(*KNOWN_POLICIES), "off")),
-    Rule("offload.capacity", optional(at_least(1, "experts per MoE layer; at most the model's experts"))),
-    Rule("offload.capacity_gb", optional(number(0, lo_open=True, note="the whole cache"))),
-    Rule("offload.gpu_budget_gb", optional(number(0, lo_open=True), "not enforced")),
-    Rule("offload.warm_after_tokens", at_least(0)),
-    Rule("offload.trace", optional(Check(existing_file, "an existing routing trace file (NAME.pt)"))),
-    Rule("offload.resident_summary", optional(Check(existing_file, "an existing summary.json of a policy=none run"))),
-)
-
-
+from harness.validate_checks import (NONEMPTY, _MISSING, Check, ConfigError, CrossRule, Rule, _select, _sere_on,
+                                     _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern,
+                                     registered)
+from harness.validate_latency import LATENCY_CROSS_RULES, LATENCY_RULES
+from harness.validate_offload import (LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES,
+                                      PREFETCH_RULES, _offload_caches)
 
 #: Rules on one key each. Enumerations follow the code that reads the key (the registries of engines and
 #: loaders, the experts registry of harness.engines.hf, the VisionZip scopes); ranges follow what the code
@@ -255,16 +135,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class CrossRule:
-    """``key`` is refused when ``applies(cfg)`` holds and ``ok(cfg)`` does not; ``allowed`` says why."""
-
-    key: str
-    applies: Callable[[Any], bool]
-    ok: Callable[[Any], bool]
-    allowed: str | Callable[[Any], str]  # or a function of the config, to name the offending values
-
-
 def _clip_needs_open_clip(cfg: Any) -> bool:
     from harness.scoring import clip_backend
 
@@ -349,67 +219,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
 )
 
 
-OFFLOAD_CROSS_RULES = (
-    CrossRule("offload.policy", _offload_on, lambda cfg: cfg.engine.name == "hf",
-              lambda cfg: f"null with engine={cfg.engine.name} (expert offload is implemented in the HF engine)"),
-    CrossRule("offload.policy", _offload_on,
-              lambda cfg: importlib.util.find_spec(POLICY_MODULES[cfg.offload.policy]) is not None,
-              lambda cfg: f"a policy whose module is installed ({POLICY_MODULES[cfg.offload.policy]} is missing)"),
-    CrossRule("offload.capacity", _offload_caches,
-              lambda cfg: (cfg.offload.capacity is None) != (cfg.offload.capacity_gb is None),
-              lambda cfg: f"exactly one of offload.capacity / offload.capacity_gb with offload.policy="
-              f"{cfg.offload.policy} (got capacity={cfg.offload.capacity}, capacity_gb={cfg.offload.capacity_gb})"),
-    CrossRule("offload.trace", lambda cfg: _offload_on(cfg) and cfg.offload.policy == "oracle",
-              lambda cfg: cfg.offload.trace is not None,
-              "a routing trace of the same requests with offload.policy=oracle (record one with "
-              "offload.policy=none offload.record_trace=PATH)"),
-)
-CROSS_RULES = CROSS_RULES + OFFLOAD_CROSS_RULES
 
-
-# ------------------------------------------------------------------- offload.lease (issue 15, lease policy)
-from harness.offload.lease import GRACE_MODES, PREFETCH, SCORES  # noqa: E402 - no torch at import time
-
-
-def _lease_on(cfg: Any) -> bool:
-    return _offload_on(cfg) and cfg.offload.policy == "lease"
-
-
-LEASE_RULES: tuple[Rule, ...] = (
-    Rule("offload.threshold", number(0, 1, note="stability score at or above which a lease is long")),
-    Rule("offload.lease.length", at_least(1, "tokens")),
-    Rule("offload.lease.long_length", at_least(1, "tokens")),
-    Rule("offload.lease.grace_ms", number(0, note="ms")),
-    Rule("offload.lease.grace_tokens", at_least(0, "decode tokens")),
-    Rule("offload.lease.grace_mode", one_of(*GRACE_MODES)),
-    Rule("offload.lease.preemptible", BOOL),
-    Rule("offload.lease.score", one_of(*SCORES)),
-    Rule("offload.lease.predictor", optional(Check(existing_file, "an existing stability predictor artifact "
-                                                                  "(NAME.pt)"))),
-    Rule("offload.lease.prefetch", one_of(*PREFETCH)),
-)
-LEASE_CROSS_RULES = (
-    CrossRule("offload.lease.long_length", _lease_on,
-              lambda cfg: cfg.offload.lease.long_length >= cfg.offload.lease.length,
-              lambda cfg: f"at least offload.lease.length={cfg.offload.lease.length}"),
-    CrossRule("offload.lease.predictor", lambda cfg: _lease_on(cfg) and cfg.offload.lease.score == "predictor",
-              lambda cfg: cfg.offload.lease.predictor is not None,
-              "a stability predictor artifact with offload.lease.score=predictor (train one with "
-              "python -m harness.offload.predictor train TRACE --out PATH)"),
-)
-RULES = RULES + LEASE_RULES
-CROSS_RULES = CROSS_RULES + LEASE_CROSS_RULES
-
-# ------------------------------------------------------------- offload.prefetch (issue 15, offload-prefetch)
-from harness.offload.prefetch import STREAMS  # noqa: E402 - stdlib-only module
-
-PREFETCH_RULES: tuple[Rule, ...] = (
-    Rule("offload.prefetch.max_per_layer", at_least(0, "experts per target layer per pass; 0 = no limit")),
-    Rule("offload.prefetch.max_inflight", at_least(0, "prefetch copies in flight; 0 = no limit")),
-    Rule("offload.prefetch.protect_tokens", at_least(0, "decode tokens; 0 = no protection")),
-    Rule("offload.prefetch.stream", one_of(*STREAMS)),
-)
-RULES = RULES + PREFETCH_RULES
 
 
 @dataclass(frozen=True)
@@ -429,25 +239,11 @@ NORMALIZE: tuple[Normalize, ...] = (
 
 
 
-# ---- latency measurement protocol (harness/latency/, docs/latency.md): its own rows, appended to the tables
-LATENCY_RULES: tuple[Rule, ...] = (
-    Rule("latency.repeats", at_least(1, "timed passes; answers from the first")),
-    Rule("latency.warmup", one_of("per_shape", "first_batch")),
-    Rule("latency.bucket", optional(at_least(1, "tokens"), "powers of two")),
-    Rule("latency.on_compile", one_of("retime", "exclude", "keep")),
-    Rule("latency.max_retime", at_least(0)),
-    Rule("latency.max_cv", optional(number(0, lo_open=True), "never flag")),
-    Rule("latency.confidence", number(0, 1, lo_open=True, hi_open=True)),
-    Rule("latency.bootstrap_resamples", at_least(100)),
-    Rule("latency.lock_timeout_s", optional(number(0, lo_open=True), "wait")),
-)
-LATENCY_CROSS_RULES: tuple[CrossRule, ...] = (
-    CrossRule("latency.repeats", lambda cfg: cfg.load.qps is not None and _select(cfg, "latency.repeats", 1) != 1,
-              lambda cfg: False, "1 with load.qps (load mode times one stream of load.num_requests: raise that "
-              "instead)"),
-)
-RULES = RULES + LATENCY_RULES
-CROSS_RULES = CROSS_RULES + LATENCY_CROSS_RULES
+
+#: The feature blocks, appended in this order (the first refusal a config meets is the one reported).
+RULES = RULES + LEASE_RULES + PREFETCH_RULES + LATENCY_RULES
+CROSS_RULES = CROSS_RULES + OFFLOAD_CROSS_RULES + LEASE_CROSS_RULES + LATENCY_CROSS_RULES
+
 
 # ---------------------------------------------------------------------------------- values of the model
 
@@ -528,12 +324,6 @@ def read_model_config(model_path: str) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------------------------- passes
-
-
-def _select(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
 
 
 def refusal(key: str, value: Any, allowed: str) -> ConfigError:
