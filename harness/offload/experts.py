@@ -275,7 +275,8 @@ class OffloadRuntime:
         out["policy_stats"] = self.policy.stats()
         if self.recorder is not None and self.recorder.rows:
             out["trace_written"] = str(self.recorder.save(self.cfg.get("record_trace"),
-                                                          {"policy": self.policy.name}))
+                                                          {"policy": self.policy.name,
+                                                           "num_experts": self.geometry.num_experts}))
         return out
 
     def remove(self) -> None:

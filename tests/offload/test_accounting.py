@@ -165,13 +165,14 @@ def test_simulate_trace_regroups_ids_and_embeddings():
     from harness.offload.policies import LRUPolicy
     from harness.offload.policy import register_policy
     from harness.offload.simulate import simulate_trace
-    from harness.offload.trace_io import MiniTrace
+    from harness.offload.trace import RoutingTrace
 
     # 3 requests (lengths 2, 1, 2), 1 layer, top-1; embeddings = [request, step] so the regrouping is visible
     request = torch.tensor([0, 0, 1, 2, 2])
     step = torch.tensor([0, 1, 0, 0, 1])
     ids = torch.tensor([0, 1, 2, 0, 3]).reshape(5, 1, 1)
-    trace = MiniTrace(ids, request, step, torch.stack([request, step], 1).float(), num_experts=4)
+    trace = RoutingTrace(ids, torch.zeros(ids.shape), torch.stack([request, step], 1).float(), request, step,
+                         torch.arange(1), {"num_experts": 4})
     seen = []
 
     @register_policy("probe-trace-embeds")
