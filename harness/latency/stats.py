@@ -22,15 +22,11 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from harness.metrics.latency import _finite  # one rule for what counts as a timing
+
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
-def _finite(x: Any) -> float | None:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def sample_values(sample: Mapping[str, Any], metric: str) -> list[float]:

@@ -4,14 +4,9 @@ streaming) happen; the device cache is exercised with CPU tensors (same tables, 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import engine_run
 import pytest
 
-from harness.engines.base import Request
-from harness.models.trained import trained_checkpoint
-
-PROMPTS = ["hello there", "旅游 美食 推荐", "describe the city at night", "1 2 3 4"]
 MAX_NEW = 12
 
 
@@ -21,25 +16,11 @@ def offload_cfg(policy, capacity=5, **kw):
 
 
 def make_engine(offload=None, batch_size=2):
-    from harness.config import EngineConfig, GenerationConfig
-    from harness.engines.hf import HFEngine
-
-    path, _ = trained_checkpoint()
-    cfg = EngineConfig(device="cpu", dtype="float32", batch_size=batch_size)
-    return HFEngine(str(path), cfg, GenerationConfig(max_new_tokens=MAX_NEW), sere_cfg=SimpleNamespace(k=None),
-                    offload_cfg=offload)
+    return engine_run.make_engine(offload, batch_size, MAX_NEW)
 
 
 def run(engine):
-    reqs = [Request(uid=str(i), content=[{"type": "text", "text": t}]) for i, t in enumerate(PROMPTS)]
-    try:
-        engine.warmup(reqs[:2])
-        gens = engine.generate(reqs)
-        stats = engine.technique_stats().get("offload")
-    finally:
-        engine.close()
-    assert all(g.error is None for g in gens), [g.error for g in gens]
-    return [g.text for g in gens], [g.output_tokens for g in gens], stats
+    return engine_run.run(engine)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,12 @@ predictor (an artifact of the right shape, read from offload.lease.predictor).""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import engine_run
 import pytest
 import torch
 
-from harness.engines.base import Request
 from harness.models.trained import trained_checkpoint
 
-PROMPTS = ["hello there", "旅游 美食 推荐", "describe the city at night", "1 2 3 4"]
 MAX_NEW = 10
 
 
@@ -24,21 +21,7 @@ def offload_cfg(policy, capacity=5, threshold=0.5, **lease):
 
 
 def run(offload=None):
-    from harness.config import EngineConfig, GenerationConfig
-    from harness.engines.hf import HFEngine
-
-    path, _ = trained_checkpoint()
-    engine = HFEngine(str(path), EngineConfig(device="cpu", dtype="float32", batch_size=2),
-                      GenerationConfig(max_new_tokens=MAX_NEW), sere_cfg=SimpleNamespace(k=None), offload_cfg=offload)
-    reqs = [Request(uid=str(i), content=[{"type": "text", "text": t}]) for i, t in enumerate(PROMPTS)]
-    try:
-        engine.warmup(reqs[:2])
-        gens = engine.generate(reqs)
-        stats = engine.technique_stats().get("offload")
-    finally:
-        engine.close()
-    assert all(g.error is None for g in gens), [g.error for g in gens]
-    return [g.text for g in gens], [g.output_tokens for g in gens], stats
+    return engine_run.run(engine_run.make_engine(offload, 2, MAX_NEW))
 
 
 @pytest.fixture(scope="module")
