@@ -91,6 +91,9 @@ class EngineConfig:
     # compiled = static cache + inductor-compiled layer regions + the manual CUDA graph; graph = the manual CUDA
     # graph of the eager step (hf_graphs.py); eager = model.generate. Recorded in summary.json run.decode_path.
     decode_path: str = "auto"
+    # static decoder states (batch size x cache-length bucket) kept on the device, each with its KV cache and CUDA
+    # graph (hf_graphs.MAX_STATES); a workload cycling through more shapes recaptures a graph per batch
+    graph_states: int = 3
     compile_mode: str = "default"  # inductor mode of the compiled regions (default | max-autotune-no-cudagraphs)
     compile_backend: str = "inductor"  # inductor | aot_eager (tests on CPU without a compiler)
     # accelerate placement for checkpoints larger than one GPU (docs/real_shapes.md); None = all on engine.device

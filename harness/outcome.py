@@ -123,6 +123,11 @@ def latency_warnings(lat: Mapping[str, Any]) -> list[str]:
     if kept:
         out.append(f"latency: {kept} timed batches compiled, captured a graph or ran an unwarmed shape and were kept "
                    "(latency.on_compile=keep): their timings include that cost")
+    states, needed = protocol.get("graph_states"), protocol.get("shapes_needing_states")
+    if isinstance(states, int) and isinstance(needed, int) and needed > states:
+        out.append(f"latency: the run's batches have {needed} (batch size, prompt length) shapes but the HF decoder "
+                   f"keeps {states} captured graphs (engine.graph_states): graphs are evicted and recaptured in "
+                   f"turn, so warm-up cannot cover them; raise engine.graph_states to {needed} if memory allows")
     device = protocol.get("device") or {}
     if device.get("concurrent"):
         out.append(f"another harness job was measuring on the same device ({device.get('key')}) during this run: its "

@@ -65,6 +65,7 @@ RULES: tuple[Rule, ...] = (
     Rule("engine.dtype", one_of("auto", "float32", "bfloat16", "float16")),
     Rule("engine.batch_size", at_least(1)),
     Rule("engine.warmup", at_least(0)),
+    Rule("engine.graph_states", at_least(1, "static decoder states kept captured")),
     Rule("engine.attn_implementation",
          Check(lambda v: v in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
                or (isinstance(v, str) and "/" in v),

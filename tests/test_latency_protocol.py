@@ -101,6 +101,26 @@ def test_per_shape_warmup_covers_every_timed_shape_and_timed_batches_are_clean()
     assert {(s["batch_size"], s["prompt_bucket"]) for s in block["shapes_warmed"]} == {(2, 128), (2, 512)}
 
 
+def test_more_shapes_than_captured_decoder_states_is_warned():
+    """Found on the H200: the HF static decoder keeps engine.graph_states graphs; a run cycling through more
+    (batch, prompt bucket) shapes recaptures one per batch, which warm-up cannot prevent: the summary says so."""
+    from harness.outcome import latency_warnings
+
+    engine = FakeEngine(LENGTHS)
+    engine.graph_states = lambda: 1  # HF on CUDA reports its decoder's capacity; other engines have no such method
+    timer = TimedBatches(engine, Cfg(), "baseline")
+    timer.warm_up(BATCHES)
+    for i, b in enumerate(BATCHES):
+        timer.time_batch(b, 0, i)
+    block = timer.protocol_block()
+    assert block["graph_states"] == 1 and block["shapes_needing_states"] == 2
+    (warning,) = [w for w in latency_warnings({"protocol": block}) if "graph_states" in w]
+    assert "2 (batch size, prompt length) shapes" in warning and "keeps 1 captured graphs" in warning
+    engine.graph_states = lambda: 2  # enough states: no warning
+    assert not [w for w in latency_warnings({"protocol": timer.protocol_block()}) if "graph_states" in w]
+    assert "graph_states" not in TimedBatches(FakeEngine(LENGTHS), Cfg(), "baseline").protocol_block()
+
+
 def test_first_batch_warmup_misses_a_shape_which_is_detected_and_retimed():
     engine = FakeEngine(LENGTHS)
     timer = TimedBatches(engine, Cfg(warmup="first_batch"), "baseline")

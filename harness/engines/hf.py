@@ -220,7 +220,8 @@ class HFEngine:
             return
         from harness.engines.hf_graphs import StaticGreedyDecoder
 
-        self._graph_decoder = StaticGreedyDecoder(self.model, self.stop_ids, self.pad_id)
+        self._graph_decoder = StaticGreedyDecoder(self.model, self.stop_ids, self.pad_id,
+                                                  max_states=int(getattr(self.cfg, "graph_states", 3)))
         if self.decode_path == "compiled":
             from harness.engines.hf_compile import compile_regions, decoding
 
@@ -318,6 +319,13 @@ class HFEngine:
                                     images=[img for r in batch for img in r.images] or None, return_tensors="pt",
                                     padding=True)
         return int(inputs["input_ids"].shape[1])
+
+    def graph_states(self) -> int | None:
+        """How many (batch, cache length) decoder states, each with its CUDA graph, stay captured (None: this
+        engine decodes without graphs here). The latency protocol warns when a run needs more."""
+        if self._graph_decoder is None or not self.device.startswith("cuda"):
+            return None
+        return self._graph_decoder.max_states
 
     def compile_counters(self) -> dict[str, int]:
         """Counts a timed batch must not move: CUDA graphs captured by the static decoder (the compiled path's

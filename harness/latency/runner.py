@@ -163,4 +163,16 @@ class TimedBatches:
             "batches_kept_dirty": sum(1 for e in self.events if e["action"] == "kept"),
             "samples_excluded": len(excluded),
             "events": self.events,
+            **self._graph_states(),
         }
+
+    def _graph_states(self) -> dict[str, Any]:
+        """Decoder states the run's shapes need against what the engine keeps captured (``graph_states()``, HF on
+        CUDA): with more (batch, prompt bucket) pairs than states, the static decoder evicts and recaptures
+        graphs in turn, so every timed batch captures whatever the warm-up did (found on the H200)."""
+        capacity = getattr(self.engine, "graph_states", None)
+        capacity = capacity() if callable(capacity) else None
+        if capacity is None:
+            return {}
+        needed = len({(k[0], k[1]) for k in self.seen if k is not None})
+        return {"graph_states": int(capacity), "shapes_needing_states": needed}
