@@ -52,7 +52,9 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
             continue
         n_requests += 1
         tokens_in += sum(v["tokens_per_image"])
-        kept += v["visual_tokens_after"]
+        # engines record the request's total; a block with only the per-image split (written before the total
+        # was recorded) sums it
+        kept += v["visual_tokens_after"] if "visual_tokens_after" in v else sum(v["kept_per_image"])
         if v.get("kept_per_image") is None:  # vLLM scope=request: the split between images stays in the worker
             continue
         sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
