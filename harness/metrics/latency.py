@@ -85,13 +85,14 @@ def latency_summary(records: Iterable[Mapping[str, Any]], duration_s: float | No
         else:
             tpots.append(value)
     itls = [x for r in ok for x in (r.get("itl_ms") or [])]
-    total_tokens = sum(_finite(r.get("output_tokens")) or 0.0 for r in ok)
-    sum_e2e_s = sum(_finite(r.get("e2e_ms")) or 0.0 for r in ok) / 1000.0
+    # finite inputs can still sum past the float range: such a total (or rate) is reported as unknown, not raised
+    total_tokens = _finite(sum(_finite(r.get("output_tokens")) or 0.0 for r in ok))
+    sum_e2e_s = _finite(sum(_finite(r.get("e2e_ms")) or 0.0 for r in ok) / 1000.0)
     duration = _finite(duration_s)
-    if ok and duration is not None and duration > 0:
-        throughput, basis = total_tokens / duration, "duration"
-    elif ok and sum_e2e_s > 0:
-        throughput, basis = total_tokens / sum_e2e_s, "sum_e2e"
+    if ok and total_tokens is not None and duration is not None and duration > 0:
+        throughput, basis = _finite(total_tokens / duration), "duration"
+    elif ok and total_tokens is not None and sum_e2e_s is not None and sum_e2e_s > 0:
+        throughput, basis = _finite(total_tokens / sum_e2e_s), "sum_e2e"
     else:
         throughput, basis = None, None
     return {
@@ -101,7 +102,7 @@ def latency_summary(records: Iterable[Mapping[str, Any]], duration_s: float | No
         "e2e_ms": summarize(r.get("e2e_ms") for r in ok),
         "output_tokens_per_s": throughput,
         "output_tokens_per_s_basis": basis,
-        "total_output_tokens": int(total_tokens),
+        "total_output_tokens": int(total_tokens) if total_tokens is not None else None,
         "n_requests": len(rows),
         "completed": len(ok),
         "failed": len(rows) - len(ok),
