@@ -9,6 +9,7 @@ comparable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -58,3 +59,18 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the model and its memory."""
         ...
+
+
+def generate_splitting(batch: list[Request], run: Callable[[list[Request]], list[Generation]],
+                       on_failure: Callable[[], None] | None = None) -> list[Generation]:
+    """``run(batch)``; when it raises, every request again on its own, so one bad request costs only itself (its
+    :class:`Generation` carries the error) — an engine failure is recorded per request, never fatal.
+    ``on_failure`` is called for every batch that failed (engines mark their technique statistics partial)."""
+    try:
+        return run(batch)
+    except Exception as e:  # noqa: BLE001 - recorded per request
+        if on_failure is not None:
+            on_failure()
+        if len(batch) == 1:
+            return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
+        return [g for r in batch for g in generate_splitting([r], run, on_failure)]

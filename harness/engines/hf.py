@@ -21,7 +21,7 @@ import contextlib
 import time
 from typing import Any
 
-from harness.engines.base import Generation, Request
+from harness.engines.base import Generation, Request, generate_splitting
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -361,13 +361,11 @@ class HFEngine:
         return out
 
     def generate_batch(self, batch: list[Request]) -> list[Generation]:
-        try:
-            return self._generate_batch(batch, self.gen_cfg.max_new_tokens)
-        except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
-            self._sere_partial = True  # its decode steps may have been counted without its tokens
-            if len(batch) == 1:
-                return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
-            return [g for r in batch for g in self.generate_batch([r])]
+        return generate_splitting(batch, lambda b: self._generate_batch(b, self.gen_cfg.max_new_tokens),
+                                  self._mark_sere_partial)
+
+    def _mark_sere_partial(self) -> None:
+        self._sere_partial = True  # a failed batch's decode steps may have been counted without its tokens
 
     def close(self) -> None:
         for name in ("sere", "moe", "offload"):  # SERE first: the reverse of installation

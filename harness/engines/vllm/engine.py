@@ -44,7 +44,7 @@ import os
 import time
 from typing import Any
 
-from harness.engines.base import Generation, Request
+from harness.engines.base import Generation, Request, generate_splitting
 from harness.engines.vllm.load import LoadMode, _LoopThread
 from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
@@ -369,13 +369,10 @@ class VLLMEngine(ServeMode, LoadMode):
         request by request, so one bad request costs only itself."""
         if self.load_mode:
             raise RuntimeError("this engine was built for load mode (load.qps set): call run_load()")
-        try:
-            return self._generate_batch(batch)
-        except Exception as e:  # noqa: BLE001 - an engine failure is recorded per request, never fatal
-            self._sere_partial = True  # its decode steps may have been counted without its tokens
-            if len(batch) == 1:
-                return [Generation(uid=batch[0].uid, error=f"{type(e).__name__}: {e}")]
-            return [g for r in batch for g in self.generate_batch([r])]
+        return generate_splitting(batch, self._generate_batch, self._mark_sere_partial)
+
+    def _mark_sere_partial(self) -> None:
+        self._sere_partial = True  # a failed batch's decode steps may have been counted without its tokens
 
     def close(self) -> None:
         if self._closed:
