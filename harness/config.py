@@ -80,6 +80,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA, float32 on CPU; or float32 | bfloat16 | float16
     batch_size: int = 4
     attn_implementation: str = "sdpa"
+    # HF: decode steps' attention (one query per row) through the project's Triton kernel
+    # (harness/engines/hf_attention_decode.py): auto = on CUDA when attn_implementation is sdpa; triton | sdpa
+    decode_attention: str = "auto"
     # transformers experts registry: "auto" = the project's fused Triton MoE kernel on CUDA
     # ("harness_fused_moe"), transformers' default elsewhere; or grouped_mm | batched_mm | eager | ...
     experts_implementation: Optional[str] = "auto"

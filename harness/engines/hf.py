@@ -164,6 +164,8 @@ class HFEngine:
                     model_path, trust_remote_code=trust_remote_code, **kwargs
                 ).to(self.device).eval()
         self.tokenizer_free = bool(getattr(self.processor, "tokenizer_free", False))
+        # engine.decode_attention: decode steps' attention through the Triton kernel (hf_attention_decode)
+        self.decode_attention, self.decode_attention_reason = self._install_decode_attention(engine_cfg)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -254,6 +256,14 @@ class HFEngine:
         self._graph_decoder = None
         self.decode_path, self.decode_path_reason = "eager", "expert offload: the host decides per layer (no graph)"
 
+    def _install_decode_attention(self, engine_cfg: Any) -> tuple[str, str | None]:
+        from harness.engines import hf_attention_decode as decode_attn
+
+        if not decode_attn.resolve(getattr(engine_cfg, "decode_attention", "auto"), self.device):
+            return "sdpa", None
+        why_not = decode_attn.install(self.model)
+        return ("sdpa", why_not) if why_not else ("triton", None)
+
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         from harness.envinfo import device_name, package_version
@@ -265,6 +275,8 @@ class HFEngine:
             "device_name": device_name(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attn_implementation": self.cfg.attn_implementation,
+            "decode_attention": self.decode_attention,
+            "decode_attention_reason": self.decode_attention_reason,
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,
