@@ -94,12 +94,73 @@ def timed_graph(step, steps: int, cuda: bool) -> dict:
             "steps": steps}
 
 
+FAMILIES = (("moe", ("_gate_up", "_down_kernel", "_align", "_combine", "small", "sort", "radix")),
+            ("attention", ("_attn_kernel", "_combine_kernel", "flash", "fmha", "efficient", "attention", "softmax")),
+            ("gemm", ("gemm", "gemv", "sm90", "sm80", "cutlass", "nvjet", "cublas", "splitk")),
+            ("copy", ("copy", "index", "cat", "elementwise", "fill")),
+            ("triton_fused", ("triton_",)))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def profile_steps(dec, compiled: bool, decoding, cuda: bool, steps: int = 5) -> dict:
+    """GPU time per kernel and per family in eager steps (kernel durations; the graph removes launch gaps, not
+    kernel time): the difference between the kernel sum and the graph replay is idle time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        if compiled:
+            with decoding():
+                dec.step()
+        else:
+            dec.step()
+
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    for ev in prof.events():
+        dev_us = getattr(ev, "device_time", None) if cuda else None
+        if cuda and (ev.device_type != torch.autograd.DeviceType.CUDA or not dev_us):
+            continue
+        if not cuda and ev.name.startswith("aten::") is False:
+            continue
+        k = kernels.setdefault(ev.name, [0, 0.0])
+        k[0] += 1
+        k[1] += dev_us if cuda else ev.cpu_time
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    fams: dict[str, float] = {}
+    for name, (_, us) in top:
+        fams[family(name)] = fams.get(family(name), 0.0) + us / steps
+    return {"steps": steps, "kernel_us_per_step": sum(us for _, (_, us) in top) / steps,
+            "kernels_per_step": sum(n for _, (n, _) in top) / steps,
+            "families_us_per_step": {k: round(v, 1) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": name[:120], "family": family(name), "calls_per_step": n / steps,
+                     "us_per_step": round(us / steps, 1)} for name, (n, us) in top[:30]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--paths", default="graph,compiled")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--attention", default="sdpa,triton",
+                    help="decode attention variants: sdpa (transformers) and/or triton (engine.decode_attention)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile eager steps (torch.profiler): GPU time per kernel family per step")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -131,17 +192,24 @@ def main() -> int:
                          "method": "ablation: CUDA-graph replay of the step with MoE / attention stubbed to zeros"},
               "build_s": round(time.perf_counter() - t0, 2), "rows": []}
     compiled = False
-    for path in [p for p in args.paths.split(",") if p]:
+    from harness.engines import hf_attention_decode
+
+    variants = [(path, attn) for path in args.paths.split(",") if path for attn in args.attention.split(",") if attn]
+    for path, attn in variants:
         if path == "compiled" and not compiled:
             result["compile"] = dict(compile_regions(model))
             compiled = True
+        text_cfg = hf_attention_decode.text_config(model)
+        text_cfg._attn_implementation = "sdpa"
+        if attn == "triton":
+            hf_attention_decode.install(model)
         for b in [int(x) for x in args.batches.split(",") if x]:
             try:
                 dec = Decoder(model, b, int(config["vocab_size"]), device, seed=b)
             except Exception as exc:  # noqa: BLE001
                 result["rows"].append({"path": path, "B": b, "error": f"prefill: {type(exc).__name__}: {exc}"[:300]})
                 continue
-            row = {"path": path, "B": b}
+            row = {"path": path, "attention": attn, "B": b}
             result["rows"].append(row)
             for abl in ABLATIONS:
                 if time.perf_counter() - t0 > args.budget_s:
@@ -164,13 +232,20 @@ def main() -> int:
                     row[abl] = {"error": f"{type(exc).__name__}: {exc}"[:300], "traceback": traceback.format_exc(limit=4)}
                 finally:
                     unstub(undo)
+            if args.profile and time.perf_counter() - t0 <= args.budget_s:
+                try:
+                    with torch.inference_mode():
+                        dec.rewind()
+                        row["profile"] = profile_steps(dec, path == "compiled", decoding, cuda)
+                except Exception as exc:  # noqa: BLE001
+                    row["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             ms = {a: row[a].get("ms") for a in ABLATIONS if isinstance(row.get(a), dict)}
             if all(ms.get(a) is not None for a in ABLATIONS):
                 row["moe_ms"] = ms["full"] - ms["no_moe"]
                 row["attention_ms"] = ms["full"] - ms["no_attn"]
                 row["other_ms"] = ms["none"]
                 row["parts_sum_ms"] = row["moe_ms"] + row["attention_ms"] + row["other_ms"]
-            print(f"{path:<9} B={b:<3} " + " ".join(f"{a}={ms.get(a) or float('nan'):.2f}" for a in ABLATIONS)
+            print(f"{path:<9} {attn:<6} B={b:<3} " + " ".join(f"{a}={ms.get(a) or float('nan'):.2f}" for a in ABLATIONS)
                   + (f" | moe {row['moe_ms']:.2f} attn {row['attention_ms']:.2f} other {row['other_ms']:.2f}"
                      if "moe_ms" in row else ""), flush=True)
             del dec

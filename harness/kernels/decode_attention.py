@@ -177,7 +177,7 @@ def _attn_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _attn_combine_kernel(
     acc_ptr, ml_ptr, out_ptr, S, sob, soh, sod,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -264,7 +264,7 @@ def decode_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch
         num_warps=4, num_stages=2,
     )
     if split:
-        _combine_kernel[(b, hkv)](acc, ml, out, n_split, so.stride(0), so.stride(1), so.stride(2),
+        _attn_combine_kernel[(b, hkv)](acc, ml, out, n_split, so.stride(0), so.stride(1), so.stride(2),
                                   G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
     return out
 

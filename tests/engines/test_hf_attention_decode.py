@@ -18,6 +18,9 @@ from harness.kernels import decode_attention as kernel_module
 from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
 NEW = 8
+interpreter = pytest.mark.skipif(not kernel_module.triton_available("cpu"),
+                                 reason="the CPU tests run the kernel in Triton's interpreter (TRITON_INTERPRET=1, "
+                                        "set by tests/conftest.py on machines without CUDA)")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,7 @@ def switched(model):
     return lambda: setattr(cfg, "_attn_implementation", before)
 
 
+@interpreter
 @pytest.mark.parametrize("kind", ["text", "images"])
 def test_generate_tokens_equal_sdpa(tiny_path, images, kind, kernel_calls):
     model, proc = load(tiny_path)
@@ -76,6 +80,7 @@ def test_generate_tokens_equal_sdpa(tiny_path, images, kind, kernel_calls):
     assert len(kernel_calls) == layers * (NEW - 1)                               # every decode step, every layer
 
 
+@interpreter
 def test_static_decoder_tokens_equal_sdpa(tiny_path, images, kernel_calls):
     model, proc = load(tiny_path)
     inputs = image_batch(proc, images)
@@ -101,11 +106,13 @@ def test_resolve_choices():
     assert decode_attn.resolve("auto", "cpu") is False
     assert decode_attn.resolve("sdpa", "cuda") is False
     assert decode_attn.resolve("auto", "cuda:0") is True
-    assert decode_attn.resolve("triton", "cpu") is True          # the interpreter is on in tests
+    if kernel_module.triton_available("cpu"):
+        assert decode_attn.resolve("triton", "cpu") is True      # the interpreter is on in CPU tests
     with pytest.raises(ValueError, match="decode_attention"):
         decode_attn.resolve("flash", "cpu")
 
 
+@interpreter
 def test_engine_records_its_choice(tiny_path, images):
     from harness.engines.hf import HFEngine
 
@@ -118,6 +125,19 @@ def test_engine_records_its_choice(tiny_path, images):
             assert engine.generate(requests(images)[:2])[0].error is None
         finally:
             engine.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_generate_tokens_equal_sdpa(tiny_path, images, kernel_calls):
+    model, proc = load(tiny_path, "cuda")
+    inputs = image_batch(proc, images, "cuda")
+    want = stock(model, proc, inputs, n=16)
+    undo = switched(model)
+    try:
+        got = stock(model, proc, inputs, n=16)
+    finally:
+        undo()
+    assert got == want and len(kernel_calls) == model.config.text_config.num_hidden_layers * 15
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (real CUDA graphs)")
