@@ -259,9 +259,10 @@ class HFEngine:
     def _install_decode_attention(self, engine_cfg: Any) -> tuple[str, str | None]:
         from harness.engines import hf_attention_decode as decode_attn
 
+        self.packed_qkv_layers = 0
         if not decode_attn.resolve(getattr(engine_cfg, "decode_attention", "auto"), self.device):
             return "sdpa", None
-        why_not = decode_attn.install(self.model)
+        why_not, self.packed_qkv_layers = decode_attn.install_decode_path(self.model)
         return ("sdpa", why_not) if why_not else ("triton", None)
 
     # -- public API -------------------------------------------------------------------------------
@@ -277,6 +278,7 @@ class HFEngine:
             "attn_implementation": self.cfg.attn_implementation,
             "decode_attention": self.decode_attention,
             "decode_attention_reason": self.decode_attention_reason,
+            "packed_qkv_layers": self.packed_qkv_layers,
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,

@@ -13,6 +13,8 @@ sliding window — to transformers' own ``sdpa_attention_forward``, so prompts a
 ``engine.decode_attention``: ``auto`` = the kernel on CUDA, SDPA elsewhere; ``triton`` = the kernel wherever
 Triton runs (CPU only under ``TRITON_INTERPRET=1``: tests); ``sdpa`` = transformers' SDPA throughout.
 Greedy tokens equal SDPA's up to floating-point summation order (``tests/engines/test_hf_attention_decode.py``).
+With the kernel, the engine also gives Qwen3-family attention layers the packed-QKV decode forward
+(:mod:`harness.engines.hf_decode_forward`): one GEMM for q/k/v and one compiled norm/RoPE region per decode step.
 """
 
 from __future__ import annotations
@@ -92,3 +94,12 @@ def install(model: torch.nn.Module) -> str | None:
     register()
     cfg._attn_implementation = NAME
     return None
+
+
+def install_decode_path(model: torch.nn.Module) -> tuple[str | None, int]:
+    """The kernel (:func:`install`) plus the packed-QKV decode forward of ``hf_decode_forward``: (why the kernel is
+    not in, or None; how many attention layers took the packed forward)."""
+    from harness.engines import hf_decode_forward
+
+    why_not = install(model)
+    return why_not, (hf_decode_forward.install(model) if why_not is None else 0)

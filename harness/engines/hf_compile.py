@@ -82,8 +82,32 @@ def _wrap(module: torch.nn.Module, compiled_kwargs: dict[str, Any]) -> None:
     module._harness_eager_forward = eager
 
 
+_REGION_KWARGS: list = [None]   # compile_regions' torch.compile settings, once it ran (None: regions are off)
+
+
+def region(fn):
+    """Decorator for a pure tensor function that should be one more compiled region: inside :func:`decoding`, after
+    :func:`compile_regions` ran, it runs through ``torch.compile`` with the regions' settings (one compilation per
+    settings, shared by every caller: tensors are arguments, so layers do not recompile); otherwise eagerly."""
+    compiled: dict[str, Any] = {}
+
+    def dispatch(*args, **kwargs):
+        settings = _REGION_KWARGS[0]
+        if not (_DECODING[0] and settings is not None):
+            return fn(*args, **kwargs)
+        key = repr(sorted(settings.items()))
+        if key not in compiled:
+            compiled[key] = torch.compile(fn, **settings)
+        return compiled[key](*args, **kwargs)
+
+    dispatch.__wrapped__ = fn
+    dispatch.__doc__ = fn.__doc__
+    return dispatch
+
+
 def uncompile(model: torch.nn.Module) -> None:
     """Put every original ``forward`` (and RoPE function) back (the graph path after a failed compile)."""
+    _REGION_KWARGS[0] = None
     while _PATCHED:
         mod, fn = _PATCHED.pop()
         mod.apply_rotary_pos_emb = fn
@@ -120,7 +144,10 @@ def _patch_rope(model: torch.nn.Module, compiled_kwargs: dict[str, Any]) -> int:
     for module_name in {type(m).__module__ for m in model.modules()}:
         mod = sys.modules.get(module_name)
         fn = getattr(mod, "apply_rotary_pos_emb", None)
-        if fn is None or getattr(fn, "_harness_compiled", False):
+        if fn is None:
+            continue
+        if getattr(fn, "_harness_compiled", False):   # patched by an earlier model in this process: in effect
+            n += 1
             continue
         compiled = torch.compile(fn, **compiled_kwargs)
 
@@ -164,6 +191,7 @@ def compile_regions(model: torch.nn.Module, mode: str = "default", backend: str 
         _wrap(module, kwargs)
         counts[kind] = counts.get(kind, 0) + 1
     counts["rope_function"] = _patch_rope(model, kwargs)
+    _REGION_KWARGS[0] = dict(kwargs)
     return CompileInfo(regions=counts, mode=mode, backend=backend, inductor_cache_dir=cache,
                        wrap_s=round(time.perf_counter() - t0, 3))
 

@@ -153,16 +153,22 @@ def _requests():
             Request("b", [{"type": "text", "text": "What is the best food in the city park?"}])]
 
 
-def test_compiled_path_equals_eager_on_the_embedded_model(embedded_path, tmp_path, monkeypatch):
-    """The compiled regions (inductor, CPU) in the static decoder = model.generate, token for token."""
+@pytest.mark.parametrize("decode_attention", ["sdpa", "triton"])
+def test_compiled_path_equals_eager_on_the_embedded_model(embedded_path, tmp_path, monkeypatch, decode_attention):
+    """The compiled regions (inductor, CPU) in the static decoder = model.generate, token for token; with the
+    Triton decode kernel (interpreter) and the packed-QKV forward, whose norm/RoPE function is one more region."""
     from harness.engines.hf import HFEngine
+    from harness.kernels.decode_attention import triton_available
+
+    if decode_attention == "triton" and not triton_available("cpu"):
+        pytest.skip("the kernel runs on CPU only in Triton's interpreter")
 
     monkeypatch.setenv("HARNESS_INDUCTOR_CACHE", str(tmp_path / "inductor"))
     gen = SimpleNamespace(max_new_tokens=8, do_sample=False)
     eager = HFEngine(str(embedded_path), engine_cfg(decode_path="eager"), gen)
     want = _tokens(eager, _requests())
     eager.close()
-    compiled = HFEngine(str(embedded_path), engine_cfg(decode_path="compiled"), gen)
+    compiled = HFEngine(str(embedded_path), engine_cfg(decode_path="compiled", decode_attention=decode_attention), gen)
     try:
         got = _tokens(compiled, _requests())
         info = compiled.describe()
@@ -171,6 +177,8 @@ def test_compiled_path_equals_eager_on_the_embedded_model(embedded_path, tmp_pat
     assert got == want and all(e is None for e, _, _ in got)
     assert info["decode_path"] == "compiled" and info["compile"]["regions"]["norm"] >= 1 and info["compile"]["regions"]["rope_function"] >= 1
     assert info["compile"]["unique_graphs"] >= 1 and info["compile"]["inductor_cache_dir"] == str(tmp_path / "inductor")
+    assert info["decode_attention"] == decode_attention
+    assert (info["packed_qkv_layers"] > 0) == (decode_attention == "triton")
 
 
 @pytest.mark.parametrize("device_map", ["cpu", "auto"])
