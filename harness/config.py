@@ -83,6 +83,9 @@ class EngineConfig:
     # HF: decode steps' attention (one query per row) through the project's Triton kernel
     # (harness/engines/hf_attention_decode.py): auto = on CUDA when attn_implementation is sdpa; triton | sdpa
     decode_attention: str = "auto"
+    # HF: decode passes' MoE routers (<= 256 tokens) through the project's Triton router (harness/engines/hf_router.py):
+    # auto = on CUDA; triton | torch
+    decode_router: str = "auto"
     # transformers experts registry: "auto" = the project's fused Triton MoE kernel on CUDA
     # ("harness_fused_moe"), transformers' default elsewhere; or grouped_mm | batched_mm | eager | ...
     experts_implementation: Optional[str] = "auto"

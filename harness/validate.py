@@ -71,6 +71,7 @@ RULES: tuple[Rule, ...] = (
                or (isinstance(v, str) and "/" in v),
                "one of sdpa, eager, flash_attention_2, flash_attention_3, flex_attention, or a hub kernel org/name")),
     Rule("engine.decode_attention", one_of("auto", "triton", "sdpa"), when=lambda cfg: cfg.engine.name == "hf"),
+    Rule("engine.decode_router", one_of("auto", "triton", "torch"), when=lambda cfg: cfg.engine.name == "hf"),
     Rule("engine.experts_implementation",
          optional(one_of("auto", "harness_fused_moe", "grouped_mm", "batched_mm", "eager"), "transformers' default"),
          when=lambda cfg: cfg.engine.name == "hf"),

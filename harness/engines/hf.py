@@ -166,6 +166,7 @@ class HFEngine:
         self.tokenizer_free = bool(getattr(self.processor, "tokenizer_free", False))
         # engine.decode_attention: decode steps' attention through the Triton kernel (hf_attention_decode)
         self.decode_attention, self.decode_attention_reason = self._install_decode_attention(engine_cfg)
+        self.router_kernel_layers = self._install_decode_router(engine_cfg)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.processor.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -265,6 +266,13 @@ class HFEngine:
         why_not, self.packed_qkv_layers = decode_attn.install_decode_path(self.model)
         return ("sdpa", why_not) if why_not else ("triton", None)
 
+    def _install_decode_router(self, engine_cfg: Any) -> int:
+        from harness.engines import hf_router
+
+        if not hf_router.resolve(getattr(engine_cfg, "decode_router", "auto"), self.device):
+            return 0
+        return hf_router.install(self.model)
+
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         from harness.envinfo import device_name, package_version
@@ -279,6 +287,8 @@ class HFEngine:
             "decode_attention": self.decode_attention,
             "decode_attention_reason": self.decode_attention_reason,
             "packed_qkv_layers": self.packed_qkv_layers,
+            "decode_router": "triton" if self.router_kernel_layers else "torch",
+            "router_kernel_layers": self.router_kernel_layers,
             "experts_implementation": self.experts_impl or "transformers-default",
             "cuda_graphs": self.cuda_graphs,
             "batch_size": self.cfg.batch_size,

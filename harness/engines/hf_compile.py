@@ -128,7 +128,7 @@ def _regions(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             continue
         if type(m).__name__.endswith("RMSNorm"):
             out.append(("norm", m))
-        elif name.endswith("mlp.gate") and hasattr(m, "weight"):
+        elif name.endswith("mlp.gate") and hasattr(m, "weight") and not getattr(m, "_harness_router_kernel", False):
             out.append(("router", m))
         elif name.endswith("rotary_emb"):
             out.append(("rotary", m))
