@@ -3,11 +3,12 @@
     python benchmarks/bench_fused_moe.py                       # full run, ~2-3 min on an H200
     python benchmarks/bench_fused_moe.py --quick               # B = 1, 16, 128; top-8 and SERE K=1; no sweep
     python benchmarks/bench_fused_moe.py --batches 1,16 --impls fused,grouped_mm --variants top8 --no-sweep
+    python benchmarks/bench_fused_moe.py --batches 1,2,4,8 --impls fused,small --no-sweep   # small-B rows only
     python benchmarks/bench_fused_moe.py --smoke               # CPU: same code path, tiny shapes, interpreter
                                                                # (writes to the temp dir, not results/)
 
 Shapes: Qwen3-30B-A3B's MoE layer (E = 128 experts, H = 2048, I = 768, top-8, bf16, random weights with
-std H^-1/2 / I^-1/2), decode batches B ∈ {1, 4, 16, 32, 64, 128}.
+std H^-1/2 / I^-1/2), decode batches B ∈ {1, 4, 8, 16, 32, 64, 128}.
 
 Routing (stated, seeded; not a trained router): expert popularity is Zipf-like, p_e ∝ 1 / rank(e)^1.5 over
 a fixed random permutation of the experts; each token draws its k experts without replacement with
@@ -21,7 +22,13 @@ in the primary union moves to its most similar primary expert) with a random sim
 
 Implementations, called directly on the same inputs, side by side in one process:
 
-- ``fused``       ``harness.kernels.fused_moe.fused_moe_triton`` (default tiles for the batch);
+- ``fused``       ``harness.kernels.fused_moe.fused_moe_triton(path="sorted")``: sort + align + grouped
+                  tiles (default tiles for the batch);
+- ``small``       ``fused_moe_triton(path="small")``: the small-batch path (``fused_moe_small``: no sort, no
+                  align, two GEMV launches), timed for S = B·k ≤ SMALL_BENCH_MAX_PAIRS only (B ≤ 16 at
+                  top-8: past the dispatch threshold too, so the table shows where the crossover lies).
+                  ``fused_moe_triton``'s default ``path="auto"`` picks ``small`` at S ≤
+                  ``SMALL_PATH_MAX_PAIRS``; the table's ``auto`` column says which one that is;
 - ``grouped_mm``  transformers' ``grouped_mm_experts_forward`` on a ``Qwen3MoeExperts`` module;
 - ``batched_mm``  transformers' ``batched_mm_experts_forward`` (gathers one weight copy per (token, slot));
 - ``eager``       the module's own Python loop over the hit experts (host syncs: no CUDA graph);
@@ -33,7 +40,8 @@ every call, so each call starts cold as in a model where 47 other layers pass in
 (Python + launches) and as a CUDA-graph replay (the launch cost a compiled decode step pays). Reported:
 distinct experts, weight bytes = experts × 3·H·I·2, achieved bandwidth and its fraction of the measured
 4.27 TB/s device copy. ``--sweep`` (on by default) times a few tile configurations of the fused kernel at
-B = 1, 16, 128 (top8) under graph replay.
+B = 1, 16, 128 (top8) under graph replay; ``--small-sweep`` (on by default) times a few tile
+configurations of the small path at B = 1 and 4 (top8, graph replay).
 
 Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` after every batch (a crash keeps the
 finished rows); every row carries its error instead of aborting the run. Imports torch, triton,
@@ -59,9 +67,10 @@ if str(ROOT) not in sys.path:
 
 SHAPES = {"num_experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 SMOKE_SHAPES = {"num_experts": 16, "hidden": 64, "inter": 48, "top_k": 4}
-BATCHES = [1, 4, 16, 32, 64, 128]
+BATCHES = [1, 4, 8, 16, 32, 64, 128]
 VARIANTS = {"top8": None, "sere_k2": 2, "sere_k1": 1}
-IMPLS = ["fused", "grouped_mm", "batched_mm", "eager", "prep"]
+IMPLS = ["fused", "small", "grouped_mm", "batched_mm", "eager", "prep"]
+SMALL_BENCH_MAX_PAIRS = 128   # the small path is timed up to here (4x the dispatch threshold)
 ZIPF_S = 1.5
 COPY_BYTES_PER_S = 4.27e12
 BF16_TOL = 2e-2
@@ -171,7 +180,7 @@ def free_memory(cuda: bool) -> None:
 # ------------------------------------------------------------------------------------------- one layer
 
 
-def implementations(experts, fused_out: torch.Tensor):
+def implementations(experts, fused_out: torch.Tensor, small_out: torch.Tensor):
     """name -> (fn(x, ids, w) -> [B, H], graph-capturable?)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -189,7 +198,8 @@ def implementations(experts, fused_out: torch.Tensor):
         return None
 
     return {
-        "fused": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=fused_out), True),
+        "fused": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=fused_out, path="sorted"), True),
+        "small": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=small_out, path="small"), True),
         "grouped_mm": (lambda x, ids, w: ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, ids, w), True),
         "batched_mm": (lambda x, ids, w: ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, ids, w), True),
         "eager": (lambda x, ids, w: experts(x, ids, w), False),
@@ -201,12 +211,15 @@ def bench_case(experts, impls, x, ids, w, timer: Timer, cuda: bool, graphs: bool
     from harness.kernels.fused_moe_reference import fused_moe_reference
 
     want = fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, ids, w, out_dtype=torch.float32)
-    table = implementations(experts, torch.empty_like(x))
+    table = implementations(experts, torch.empty_like(x), torch.empty_like(x))
     out: dict = {}
     for name in impls:
         fn, capturable = table[name]
         res: dict = {}
         out[name] = res
+        if name == "small" and ids.numel() > SMALL_BENCH_MAX_PAIRS:
+            res["skipped"] = f"S = {ids.numel()} > {SMALL_BENCH_MAX_PAIRS} pairs"
+            continue
         try:
             call = lambda fn=fn: fn(x, ids, w)  # noqa: E731
             got = call()
@@ -224,7 +237,7 @@ def bench_case(experts, impls, x, ids, w, timer: Timer, cuda: bool, graphs: bool
             continue
         try:
             graph = capture_graph(call)
-            if name == "fused":          # the replay writes the static output buffer: check it again
+            if name in ("fused", "small"):   # the replay writes the static output buffer: check it again
                 got.fill_(float("nan"))
                 graph.replay()
                 torch.cuda.synchronize()
@@ -296,6 +309,79 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
     return rows
 
 
+SMALL_SWEEP = [  # up n/k, down n/k, up warps, down warps, stages, unroll; the first is SMALL_GPU_CONFIG
+    (16, 256, 8, 256, 4, 4, 3, 2),
+    (8, 256, 4, 256, 2, 2, 3, 2),
+    (32, 256, 16, 256, 4, 4, 3, 2),
+    (16, 128, 8, 128, 4, 4, 3, 2),
+    (16, 512, 8, 512, 4, 4, 3, 1),
+    (16, 256, 8, 256, 2, 2, 3, 2),
+    (16, 256, 8, 256, 8, 8, 3, 2),
+    (16, 256, 8, 256, 4, 4, 1, 1),
+    (16, 256, 8, 256, 4, 4, 3, 4),
+    (32, 128, 16, 128, 4, 4, 4, 2),
+    (64, 128, 32, 128, 8, 8, 3, 1),
+    (16, 256, 16, 128, 4, 2, 3, 2),
+]
+SMALL_SWEEP_SMOKE = SMALL_SWEEP[:2]
+
+
+def small_sweep(experts, shapes, batches, timer: Timer, seed: int, cuda: bool) -> list[dict]:
+    """Each small-path config at each batch (top8): gate_up alone, down alone and the whole call, under graph
+    replay (eager on CPU). The kernels are timed apart so the best gate_up tiles and the best down tiles
+    can be read off separately; ``best_small_config`` combines them."""
+    from harness.kernels.fused_moe import fused_moe_triton
+    from harness.kernels.fused_moe_reference import fused_moe_reference
+    from harness.kernels.fused_moe_small import (SmallMoEConfig, default_small_config, launch_down_small,
+                                                 launch_gate_up_small)
+
+    rows = []
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    dev = w1.device
+    for batch in batches:
+        ids, w = zipf_routing(batch, shapes["num_experts"], shapes["top_k"], seed + batch)
+        ids, w = ids.to(dev), w.to(dev, w1.dtype)
+        x = torch.randn(batch, shapes["hidden"], device=dev, dtype=w1.dtype)
+        want = fused_moe_reference(x, w1, w2, ids, w, out_dtype=torch.float32)
+        out = torch.empty_like(x)
+        act = torch.empty(ids.numel(), shapes["inter"], device=dev, dtype=w1.dtype)
+        default = default_small_config(dev)
+        for params in (SMALL_SWEEP if cuda else SMALL_SWEEP_SMOKE):
+            un, uk, dn, dk, uw, dw, stages, unroll = params
+            cfg = SmallMoEConfig(up_block_n=un, up_block_k=uk, down_block_n=dn, down_block_k=dk, up_warps=uw,
+                                 down_warps=dw, num_stages=stages, unroll=unroll)
+            row = {"B": batch, "config": cfg.__dict__, "is_default": cfg == default}
+            calls = {
+                "total": lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, path="small",
+                                                          small_config=cfg),
+                "gate_up": lambda cfg=cfg: launch_gate_up_small(x, w1, ids, act, cfg),
+                "down": lambda cfg=cfg: launch_down_small(act, w2, ids, w, out, cfg),
+            }
+            try:
+                row["rel_err"] = rel_err(calls["total"](), want)
+                row["correct"] = bool(row["rel_err"] < BF16_TOL)
+                for part, call in calls.items():
+                    row[part] = timer(capture_graph(call).replay if cuda else call, rep_ms=60)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = short_error(exc)
+                free_memory(cuda)
+            rows.append(row)
+            print(f"  small sweep B={batch:<3} {str(params):<36} " + (
+                "  ".join(f"{p}={row[p]['p50_us']:.1f}us" for p in calls if p in row) or str(row.get("error")))
+                + ("  (default)" if row["is_default"] else ""), flush=True)
+    return rows
+
+
+def best_small_config(rows: list[dict], batch: int) -> dict | None:
+    """The fastest gate_up tiles with the fastest down tiles at ``batch`` (stages/unroll from gate_up's)."""
+    ok = [r for r in rows if r["B"] == batch and "gate_up" in r and "down" in r]
+    if not ok:
+        return None
+    up = min(ok, key=lambda r: r["gate_up"]["p50_us"])["config"]
+    down = min(ok, key=lambda r: r["down"]["p50_us"])["config"]
+    return {**up, **{f: down[f] for f in ("down_block_n", "down_block_k", "down_warps")}}
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -311,9 +397,15 @@ def markdown(result: dict) -> str:
         "Times: do_bench median (µs), L2 flushed per call; `graph` = CUDA-graph replay of one call. "
         "BW = weight bytes / time as a fraction of the 4.27 TB/s measured copy.",
         "",
-        "| B | variant | experts | floor µs | fused graph | fused eager | grouped_mm graph | grouped_mm eager "
-        "| batched_mm graph | eager loop | fused BW | fused / grouped (graph) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "`fused` = the sorted path (sort + align + grouped tiles), `small` = the small-batch path (no sort, "
+        "no align; timed for S = B·k ≤ %d), `auto` = the path `fused_moe_triton` picks (small at S ≤ %s)."
+        % (result["config"].get("small_bench_max_pairs", SMALL_BENCH_MAX_PAIRS),
+           result["config"].get("small_path_max_pairs", "?")),
+        "",
+        "| B | variant | experts | floor µs | fused graph | fused eager | small graph | small eager | auto "
+        "| grouped_mm graph | grouped_mm eager | batched_mm graph | eager loop | best BW | fused / small (graph) "
+        "| best / grouped (graph) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(row, name, mode):
@@ -324,19 +416,25 @@ def markdown(result: dict) -> str:
         err = err or res.get("error")
         return "OOM" if err and "OutOfMemory" in err else ("err" if err else "–")
 
+    def ratio(a: dict, b: dict) -> str:
+        return f"{a['p50_us'] / b['p50_us']:.2f}×" if a.get("p50_us") and b.get("p50_us") else "–"
+
     for row in result["rows"]:
         fused = row["impls"].get("fused", {}).get("graph", {})
+        small = row["impls"].get("small", {}).get("graph", {})
         grouped = row["impls"].get("grouped_mm", {}).get("graph", {})
-        ratio = (f"{grouped['p50_us'] / fused['p50_us']:.2f}×" if fused.get("p50_us") and grouped.get("p50_us")
-                 else "–")
-        bw = f"{fused['frac_copy_bw']:.0%}" if "frac_copy_bw" in fused else "–"
+        best = min((t for t in (fused, small) if t.get("p50_us")), key=lambda t: t["p50_us"], default={})
+        bw = f"{best['frac_copy_bw']:.0%}" if "frac_copy_bw" in best else "–"
         lines.append(
             f"| {row['B']} | {row['variant']} | {row['experts']} | {row['floor_us']:.1f} | "
-            f"{cell(row, 'fused', 'graph')} | {cell(row, 'fused', 'eager')} | {cell(row, 'grouped_mm', 'graph')} | "
+            f"{cell(row, 'fused', 'graph')} | {cell(row, 'fused', 'eager')} | {cell(row, 'small', 'graph')} | "
+            f"{cell(row, 'small', 'eager')} | {row.get('auto_path', '–')} | {cell(row, 'grouped_mm', 'graph')} | "
             f"{cell(row, 'grouped_mm', 'eager')} | {cell(row, 'batched_mm', 'graph')} | {cell(row, 'eager', 'eager')} "
-            f"| {bw} | {ratio} |")
+            f"| {bw} | {ratio(fused, small)} | {ratio(grouped, best)} |")
     bad = [f"B={r['B']} {r['variant']} {n}: rel_err {v.get('rel_err')}" for r in result["rows"]
            for n, v in r["impls"].items() if v.get("correct") is False]
+    bad += [f"small sweep B={r['B']} {r['config']}: rel_err {r.get('rel_err')}" for r in result.get("small_sweep", [])
+            if r.get("correct") is False]
     lines += ["", "Correctness (rel. error vs fp32 reference, bound 2e-2): " + ("all pass" if not bad else
                                                                                   "; ".join(bad))]
     if result.get("sweep"):
@@ -349,12 +447,27 @@ def markdown(result: dict) -> str:
             t = r.get("graph", {}).get("p50_us")
             lines.append(f"| {r['B']} | {key} | {f'{t:.1f}' if t else r.get('error', '–')} | "
                          f"{'yes' if r['is_default'] else ''} |")
+    if result.get("small_sweep"):
+        lines += ["", "## Tile sweep (small path, top8; graph replay on CUDA)", "",
+                  "| B | config (up n/k, down n/k, up/down warps, stages, unroll) | gate_up µs | down µs | total µs "
+                  "| default |", "|---|---|---|---|---|---|"]
+        for r in result["small_sweep"]:
+            c = r["config"]
+            key = (c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"], c["up_warps"],
+                   c["down_warps"], c["num_stages"], c["unroll"])
+            t = {p: (f"{r[p]['p50_us']:.1f}" if p in r else r.get("error", "–")) for p in ("gate_up", "down", "total")}
+            lines.append(f"| {r['B']} | {key} | {t['gate_up']} | {t['down']} | {t['total']} | "
+                         f"{'yes' if r['is_default'] else ''} |")
+        for batch, cfg in (result.get("best_small_config") or {}).items():
+            lines += ["", f"Best gate_up + best down tiles at B={batch}: `{cfg}`"]
     return "\n".join(lines) + "\n"
 
 
 def print_row(row: dict) -> None:
     parts = [f"B={row['B']:<4} {row['variant']:<8} experts={row['experts']:<4} floor={row['floor_us']:.1f}us"]
     for name, res in row["impls"].items():
+        if "skipped" in res:
+            continue
         if "error" in res:
             parts.append(f"{name}=ERR({res['error'][:60]})")
             continue
@@ -382,6 +495,10 @@ def main() -> int:
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay timings")
     parser.add_argument("--sweep", dest="sweep", action="store_true", default=True)
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--small-sweep", dest="small_sweep", action="store_true", default=True,
+                        help="tile sweep of the small path (gate_up / down / total) at --small-sweep-batches")
+    parser.add_argument("--no-small-sweep", dest="small_sweep", action="store_false")
+    parser.add_argument("--small-sweep-batches", default="1")
     parser.add_argument("--quick", action="store_true", help="B=1,16,128; top8,sere_k1; fused,grouped_mm; no sweep")
     parser.add_argument("--smoke", action="store_true", help="CPU/interpreter run at tiny shapes (tests the script)")
     parser.add_argument("--seed", type=int, default=0)
@@ -395,7 +512,8 @@ def main() -> int:
             return 0
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
     if args.quick:
-        args.batches, args.variants, args.impls, args.sweep = "1,16,128", "top8,sere_k1", "fused,grouped_mm", False
+        args.batches, args.variants, args.impls = "1,16,128", "top8,sere_k1", "fused,small,grouped_mm"
+        args.sweep = args.small_sweep = False
     batches = [int(b) for b in args.batches.split(",") if b]
     variants = [v for v in args.variants.split(",") if v]
     impls = [i for i in args.impls.split(",") if i]
@@ -407,6 +525,7 @@ def main() -> int:
     import triton
 
     from harness.envinfo import collect_environment
+    from harness.kernels.fused_moe_small import SMALL_GPU_CONFIG, SMALL_PATH_MAX_PAIRS, use_small_path
     from harness.techniques.sere import expert_union, reroute
 
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -433,9 +552,12 @@ def main() -> int:
             "copy_bandwidth_Bps": COPY_BYTES_PER_S, "seed": args.seed, "batches": batches,
             "variants": variants, "impls": impls, "graphs": not args.no_graphs,
             "triton_version": triton.__version__,
+            "small_path_max_pairs": SMALL_PATH_MAX_PAIRS, "small_bench_max_pairs": SMALL_BENCH_MAX_PAIRS,
+            "small_gpu_config": SMALL_GPU_CONFIG.__dict__,
         },
         "rows": [],
         "sweep": [],
+        "small_sweep": [],
     }
     print(f"fused MoE layer bench on {result['environment']['device_name']}: shapes {shapes}, bf16", flush=True)
     for batch in batches:
@@ -448,7 +570,8 @@ def main() -> int:
             kp = VARIANTS[variant]
             ids = ids0 if kp is None else reroute(ids0, sim, kp, 0.0)
             row = {"B": batch, "variant": variant, "experts": expert_union(ids),
-                   "experts_top8": expert_union(ids0), "impls": {}}
+                   "experts_top8": expert_union(ids0), "impls": {},
+                   "auto_path": "small" if use_small_path(ids.numel()) else "sorted"}
             try:
                 row["impls"] = bench_case(experts, impls, x, ids, w, timer, cuda, not args.no_graphs)
             except Exception as exc:  # noqa: BLE001 - e.g. the reference itself failing
@@ -467,11 +590,22 @@ def main() -> int:
                                     timer, args.seed)
         except Exception as exc:  # noqa: BLE001
             result["sweep_error"] = short_error(exc)
+        write(result, out_path)
+    if args.small_sweep:
+        small_batches = [int(b) for b in args.small_sweep_batches.split(",") if b]
+        print("tile sweep (small path, top8):", flush=True)
+        try:
+            result["small_sweep"] = small_sweep(experts, shapes, small_batches, timer, args.seed, cuda)
+            result["best_small_config"] = {b: best_small_config(result["small_sweep"], b) for b in small_batches}
+        except Exception as exc:  # noqa: BLE001
+            result["small_sweep_error"] = short_error(exc)
+            result["small_sweep_traceback"] = traceback.format_exc(limit=4)
     result["elapsed_s"] = time.perf_counter() - t_start
     write(result, out_path)
     print(markdown(result))
     print(f"wrote {out_path} and {out_path.with_suffix('.md')} in {result['elapsed_s']:.0f} s")
     bad = [1 for r in result["rows"] for v in r["impls"].values() if v.get("correct") is False]
+    bad += [1 for r in result["small_sweep"] if r.get("correct") is False]
     return 1 if bad else 0
 
 

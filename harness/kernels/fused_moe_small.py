@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["SMALL_PATH_MAX_PAIRS", "SmallMoEConfig", "SMALL_GPU_CONFIG", "SMALL_INTERPRETER_CONFIG",
-           "default_small_config", "use_small_path", "launch_small_moe"]
+           "default_small_config", "use_small_path", "launch_gate_up_small", "launch_down_small",
+           "launch_small_moe"]
 
 # Largest S = T·k (token, slot) pairs the automatic dispatch sends down the small path. 32 = B ≤ 4 at
 # top-8. Below it the pairs name mostly distinct experts (Zipf-like routing of 128 experts: 8 experts for
@@ -171,15 +172,12 @@ def _down_small_kernel(
 # ---------------------------------------------------------------------------------------------- launcher
 
 
-def launch_small_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, act: torch.Tensor, out: torch.Tensor,
-                     config: SmallMoEConfig) -> torch.Tensor:
-    """Run the two kernels; arguments already checked by ``fused_moe_triton`` (``x`` in the weights' dtype,
-    ``act`` a [T·k, I] scratch buffer in that dtype, ``out`` [T, H]). Returns ``out``."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = gate_up_proj.shape
+def launch_gate_up_small(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
+                         act: torch.Tensor, config: SmallMoEConfig) -> torch.Tensor:
+    """Kernel 1 into ``act`` [T·k, I] (rows of invalid slots left unwritten)."""
+    num_experts, two_i, hidden = gate_up_proj.shape
     inter, topk = two_i // 2, topk_ids.shape[1]
-    _gate_up_small_kernel[(num_tokens * topk, triton.cdiv(inter, config.up_block_n))](
+    _gate_up_small_kernel[(topk_ids.shape[0] * topk, triton.cdiv(inter, config.up_block_n))](
         x, gate_up_proj, act, topk_ids,
         hidden, inter, num_experts,
         x.stride(0), x.stride(1), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_proj.stride(2),
@@ -187,6 +185,14 @@ def launch_small_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
         TOPK=topk, BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, UNROLL=config.unroll,
         num_warps=config.up_warps, num_stages=config.num_stages,
     )
+    return act
+
+
+def launch_down_small(act: torch.Tensor, down_proj: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, out: torch.Tensor, config: SmallMoEConfig) -> torch.Tensor:
+    """Kernel 2 into ``out`` [T, H] (every element written)."""
+    num_experts, hidden, inter = down_proj.shape
+    num_tokens, topk = topk_ids.shape
     _down_small_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         act, down_proj, out, topk_ids, topk_weights,
         hidden, inter, num_experts,
@@ -197,3 +203,12 @@ def launch_small_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
         num_warps=config.down_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def launch_small_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, act: torch.Tensor, out: torch.Tensor,
+                     config: SmallMoEConfig) -> torch.Tensor:
+    """Run the two kernels; arguments already checked by ``fused_moe_triton`` (``x`` in the weights' dtype,
+    ``act`` a [T·k, I] scratch buffer in that dtype, ``out`` [T, H]). Returns ``out``."""
+    launch_gate_up_small(x, gate_up_proj, topk_ids, act, config)
+    return launch_down_small(act, down_proj, topk_ids, topk_weights, out, config)
