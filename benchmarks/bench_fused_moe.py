@@ -309,21 +309,23 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
     return rows
 
 
-SMALL_SWEEP = [  # up n/k, down n/k, up warps, down warps, stages, unroll; the first is SMALL_GPU_CONFIG
-    (16, 256, 8, 256, 4, 4, 3, 2),
-    (8, 256, 4, 256, 2, 2, 3, 2),
-    (32, 256, 16, 256, 4, 4, 3, 2),
-    (16, 128, 8, 128, 4, 4, 3, 2),
-    (16, 512, 8, 512, 4, 4, 3, 1),
-    (16, 256, 8, 256, 2, 2, 3, 2),
-    (16, 256, 8, 256, 8, 8, 3, 2),
-    (16, 256, 8, 256, 4, 4, 1, 1),
-    (16, 256, 8, 256, 4, 4, 3, 4),
-    (32, 128, 16, 128, 4, 4, 4, 2),
-    (64, 128, 32, 128, 8, 8, 3, 1),
-    (16, 256, 16, 128, 4, 2, 3, 2),
+SMALL_SWEEP = [  # up n/k, down n/k, up/down warps, stages, unroll, down all slots; first = SMALL_GPU_CONFIG
+    (16, 256, 8, 128, 4, 4, 3, 2, True),
+    (16, 256, 8, 256, 4, 4, 3, 1, True),
+    (16, 256, 16, 128, 4, 4, 3, 2, True),
+    (16, 256, 4, 128, 4, 2, 3, 2, True),
+    (16, 256, 8, 256, 4, 4, 3, 2, False),
+    (16, 256, 16, 256, 4, 4, 3, 2, False),
+    (8, 256, 8, 128, 2, 2, 3, 2, True),
+    (32, 256, 8, 128, 4, 8, 3, 2, True),
+    (16, 128, 8, 64, 4, 4, 3, 2, True),
+    (16, 512, 8, 128, 4, 4, 3, 1, True),
+    (16, 256, 8, 128, 8, 8, 3, 2, True),
+    (16, 256, 8, 128, 4, 4, 1, 1, True),
+    (16, 256, 8, 128, 4, 4, 3, 4, True),
+    (64, 128, 32, 128, 8, 8, 3, 1, False),
 ]
-SMALL_SWEEP_SMOKE = SMALL_SWEEP[:2]
+SMALL_SWEEP_SMOKE = [SMALL_SWEEP[0], SMALL_SWEEP[4]]
 
 
 def small_sweep(experts, shapes, batches, timer: Timer, seed: int, cuda: bool) -> list[dict]:
@@ -347,9 +349,9 @@ def small_sweep(experts, shapes, batches, timer: Timer, seed: int, cuda: bool) -
         act = torch.empty(ids.numel(), shapes["inter"], device=dev, dtype=w1.dtype)
         default = default_small_config(dev)
         for params in (SMALL_SWEEP if cuda else SMALL_SWEEP_SMOKE):
-            un, uk, dn, dk, uw, dw, stages, unroll = params
+            un, uk, dn, dk, uw, dw, stages, unroll, all_slots = params
             cfg = SmallMoEConfig(up_block_n=un, up_block_k=uk, down_block_n=dn, down_block_k=dk, up_warps=uw,
-                                 down_warps=dw, num_stages=stages, unroll=unroll)
+                                 down_warps=dw, num_stages=stages, unroll=unroll, down_all_slots=all_slots)
             row = {"B": batch, "config": cfg.__dict__, "is_default": cfg == default}
             calls = {
                 "total": lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, path="small",
@@ -379,7 +381,7 @@ def best_small_config(rows: list[dict], batch: int) -> dict | None:
         return None
     up = min(ok, key=lambda r: r["gate_up"]["p50_us"])["config"]
     down = min(ok, key=lambda r: r["down"]["p50_us"])["config"]
-    return {**up, **{f: down[f] for f in ("down_block_n", "down_block_k", "down_warps")}}
+    return {**up, **{f: down[f] for f in ("down_block_n", "down_block_k", "down_warps", "down_all_slots")}}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -449,12 +451,13 @@ def markdown(result: dict) -> str:
                          f"{'yes' if r['is_default'] else ''} |")
     if result.get("small_sweep"):
         lines += ["", "## Tile sweep (small path, top8; graph replay on CUDA)", "",
-                  "| B | config (up n/k, down n/k, up/down warps, stages, unroll) | gate_up µs | down µs | total µs "
+                  "| B | config (up n/k, down n/k, up/down warps, stages, unroll, all slots) | gate_up µs | down µs "
+                  "| total µs "
                   "| default |", "|---|---|---|---|---|---|"]
         for r in result["small_sweep"]:
             c = r["config"]
             key = (c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"], c["up_warps"],
-                   c["down_warps"], c["num_stages"], c["unroll"])
+                   c["down_warps"], c["num_stages"], c["unroll"], c["down_all_slots"])
             t = {p: (f"{r[p]['p50_us']:.1f}" if p in r else r.get("error", "–")) for p in ("gate_up", "down", "total")}
             lines.append(f"| {r['B']} | {key} | {t['gate_up']} | {t['down']} | {t['total']} | "
                          f"{'yes' if r['is_default'] else ''} |")

@@ -61,20 +61,23 @@ class SmallMoEConfig:
     per gate_up program; ``down_block_n`` / ``down_block_k``: hidden columns / intermediate depth per down
     program (powers of two); ``up_warps`` / ``down_warps``: warps per program of each kernel; ``unroll``:
     unroll factor of the depth loops (more loads in flight per program: a GEMV is latency-bound when few
-    programs share an SM)."""
+    programs share an SM); ``down_all_slots``: the down kernel loads all k slots' tiles per depth step
+    (see ``_down_small_kernel``)."""
 
     up_block_n: int = 16
     up_block_k: int = 256
     down_block_n: int = 8
-    down_block_k: int = 256
+    down_block_k: int = 128
     up_warps: int = 4
     down_warps: int = 4
     num_stages: int = 3
     unroll: int = 2
+    down_all_slots: bool = True
 
 
-# H200, Qwen3-30B-A3B at B = 1: gate_up grid 8 × 48 = 384 programs, down grid 1 × 256 (≥ 132 SMs busy);
-# 256-wide depth chunks are 512 B contiguous per weight row (16-byte vector loads). Picked before any GPU
+# H200, Qwen3-30B-A3B at B = 1: gate_up grid 8 × 48 = 384 programs, down grid 1 × 256 (≥ 132 SMs busy),
+# each down program with 8 slots × [8, 128] weights in flight per step; 128/256-wide depth chunks are
+# 256/512 B contiguous per weight row (16-byte vector loads). Picked before any GPU
 # measurement; ``benchmarks/bench_fused_moe.py`` sweeps alternatives at B = 1.
 SMALL_GPU_CONFIG = SmallMoEConfig()
 # The interpreter runs one program at a time in numpy: small tiles keep the masked work small, and tiles
@@ -142,29 +145,56 @@ def _down_small_kernel(
     H, I, E,
     stride_as, stride_ai, stride_we, stride_wn, stride_wk, stride_ot, stride_oh,
     stride_it, stride_ik, stride_wt, stride_wj,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr, ALL_SLOTS: tl.constexpr,
 ):
-    """out[t, n] = Σ_j w[t, j] · (act[t·k + j] · down_e[n]) over the valid slots j = 0..k-1, in that order."""
+    """out[t, n] = Σ_j w[t, j] · (act[t·k + j] · down_e[n]) over the valid slots j = 0..k-1 (invalid slots
+    neither read their act row nor add anything).
+
+    ``ALL_SLOTS``: each depth step loads a [k, BLOCK_N, BLOCK_K] tile of all k slots' weights at once (k
+    independent loads in flight: at B = 1 there are only cdiv(H, BLOCK_N) programs, so each must keep many
+    bytes in flight), then reduces over the slots; otherwise the slots run one after another (smaller tiles,
+    fewer registers). Both are fixed-order reductions: deterministic, no atomics."""
     tok = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        expert = tl.load(ids_ptr + tok * stride_it + j * stride_ik)
-        valid = (expert >= 0) & (expert < E)
-        e_safe = tl.where(valid, expert, 0).to(tl.int64)
-        w_ptrs = w_ptr + e_safe * stride_we + offs_n[:, None] * stride_wn
-        a_ptrs = act_ptr + (tok * TOPK + j).to(tl.int64) * stride_as
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if ALL_SLOTS:
+        js = tl.arange(0, TOPK_P2)
+        experts = tl.load(ids_ptr + tok * stride_it + js * stride_ik, mask=js < TOPK, other=-1)
+        valid = (js < TOPK) & (experts >= 0) & (experts < E)
+        e_safe = tl.where(valid, experts, 0).to(tl.int64)
+        gate_w = tl.load(topk_w_ptr + tok * stride_wt + js * stride_wj, mask=valid, other=0.0).to(tl.float32)
+        w_ptrs = w_ptr + e_safe[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn
+        a_ptrs = act_ptr + (tok * TOPK + js).to(tl.int64)[:, None] * stride_as
+        wn_ok = valid[:, None, None] & n_ok[None, :, None]
+        acc = tl.zeros([TOPK_P2, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, loop_unroll_factor=UNROLL):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (offs_k < I) & valid
-            a = tl.load(a_ptrs + offs_k * stride_ai, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
+            k_ok = offs_k < I
+            a = tl.load(a_ptrs + offs_k[None, :] * stride_ai, mask=valid[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-        gate_w = tl.load(topk_w_ptr + tok * stride_wt + j * stride_wj, mask=valid, other=0.0).to(tl.float32)
-        out += acc * gate_w
+            w = tl.load(w_ptrs + offs_k[None, None, :] * stride_wk, mask=wn_ok & k_ok[None, None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[:, None, :], axis=2)
+        out = tl.sum(acc * gate_w[:, None], axis=0)
+    else:
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            expert = tl.load(ids_ptr + tok * stride_it + j * stride_ik)
+            valid = (expert >= 0) & (expert < E)
+            e_safe = tl.where(valid, expert, 0).to(tl.int64)
+            w_ptrs = w_ptr + e_safe * stride_we + offs_n[:, None] * stride_wn
+            a_ptrs = act_ptr + (tok * TOPK + j).to(tl.int64) * stride_as
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in tl.range(0, I, BLOCK_K, loop_unroll_factor=UNROLL):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (offs_k < I) & valid
+                a = tl.load(a_ptrs + offs_k * stride_ai, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs + offs_k[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+            gate_w = tl.load(topk_w_ptr + tok * stride_wt + j * stride_wj, mask=valid, other=0.0).to(tl.float32)
+            out += acc * gate_w
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + offs_n * stride_oh, out.to(out_ptr.dtype.element_ty),
              mask=n_ok)
 
@@ -199,7 +229,8 @@ def launch_down_small(act: torch.Tensor, down_proj: torch.Tensor, topk_ids: torc
         act.stride(0), act.stride(1), down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
-        TOPK=topk, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, UNROLL=config.unroll,
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, UNROLL=config.unroll, ALL_SLOTS=config.down_all_slots,
         num_warps=config.down_warps, num_stages=config.num_stages,
     )
     return out

@@ -184,10 +184,13 @@ def test_strided_inputs_int32_ids_fp32_hidden_bf16_weights(poison):
 
 
 @needs_triton
-@pytest.mark.parametrize("cfg", [SmallMoEConfig(8, 32, 32, 8, up_warps=2, down_warps=1, num_stages=2, unroll=2),
-                                 SmallMoEConfig(32, 64, 64, 32, up_warps=1, down_warps=2, num_stages=1, unroll=1)])
-def test_other_tile_configs(cfg, poison):
-    num_tokens, k = 2, 4
+@pytest.mark.parametrize("cfg", [
+    SmallMoEConfig(8, 32, 32, 8, up_warps=2, down_warps=1, num_stages=2, unroll=2, down_all_slots=False),
+    SmallMoEConfig(32, 64, 64, 32, up_warps=1, down_warps=2, num_stages=1, unroll=1, down_all_slots=True),
+    SmallMoEConfig(16, 16, 16, 16, up_warps=1, down_warps=1, num_stages=1, unroll=1, down_all_slots=False),
+], ids=["slot-loop", "all-slots-wide", "slot-loop-default-tiles"])
+@pytest.mark.parametrize("num_tokens,k", [(2, 4), (3, 3)])
+def test_other_tile_configs(num_tokens, k, cfg, poison):
     w1, w2 = make_weights(E, H, I, torch.float32)
     x = hidden_states(num_tokens, torch.float32)
     ids, weights = make_routing("invalid", num_tokens, k)
