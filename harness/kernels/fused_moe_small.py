@@ -46,12 +46,18 @@ __all__ = ["SMALL_PATH_MAX_PAIRS", "SmallMoEConfig", "SMALL_GPU_CONFIG", "SMALL_
            "default_small_config", "use_small_path", "launch_gate_up_small", "launch_down_small",
            "launch_small_moe"]
 
-# Largest S = T·k (token, slot) pairs the automatic dispatch sends down the small path. 32 = B ≤ 4 at
-# top-8. Below it the pairs name mostly distinct experts (Zipf-like routing of 128 experts: 8 experts for
-# 8 pairs at B = 1, ≈ 19 for 32 pairs at B = 4), so re-reads cost ≤ ~1.7× the bytes of the sorted path,
-# which still loses ~35 µs of fixed sort/align/launch cost; at S = 128 (B = 16, ≈ 39 experts) the small
-# path would move ≈ 3× the bytes (~600 MB vs ~190 MB) and the sorted path is faster. The benchmark times
-# both up to B = 16; move this constant if its table says the crossover lies elsewhere.
+# Largest S = T·k (token, slot) pairs the automatic dispatch sends down the small path; 32 = B ≤ 4 at top-8.
+# Each pair reads its expert's 3·H·I weights itself (9.4 MB in bf16 at Qwen3-30B-A3B shapes), so the small
+# path moves S × 9.4 MB from L2 to the SMs against the sorted path's (distinct experts) × 9.4 MB. Pairs
+# that share an expert run side by side (same column block), so their re-reads mostly hit L2 rather than
+# HBM, but L2 bandwidth and issue slots still grow with S while the sorted path's ~35 µs fixed cost stays.
+# At B = 1 (8 pairs, 8 experts) there is nothing to share: the small path is strictly less work. At B = 4
+# (32 pairs, ≈ 19 experts under Zipf-like routing) the 13 extra reads are 122 MB, ≤ 29 µs even if every
+# one went to HBM — less than the ~35 µs the sorted path spends on sort/align/launches: a win whatever L2
+# does. At B = 16 (128 pairs, ≈ 39 experts) the 89 extra reads are 0.84 GB, up to 196 µs from HBM against
+# a 127 µs sorted layer: the outcome rests on the L2 hit rate. 32 is the largest S the worst-case bound
+# guarantees; the benchmark times both paths at B = 1..16 — raise this constant if its table puts the
+# crossover higher.
 SMALL_PATH_MAX_PAIRS = 32
 
 
