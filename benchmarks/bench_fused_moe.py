@@ -295,7 +295,8 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
                                  num_warps=warps, num_stages=stages)
             row = {"B": batch, "config": cfg.__dict__, "is_default": cfg == default}
             try:
-                call = lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, config=cfg)  # noqa: E731
+                call = lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, config=cfg,  # noqa: E731
+                                                        path="sorted")
                 row["rel_err"] = rel_err(call(), want)
                 row["graph"] = timer(capture_graph(call).replay)
             except Exception as exc:  # noqa: BLE001
@@ -458,7 +459,8 @@ def markdown(result: dict) -> str:
             c = r["config"]
             key = (c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"], c["up_warps"],
                    c["down_warps"], c["num_stages"], c["unroll"], c["down_all_slots"])
-            t = {p: (f"{r[p]['p50_us']:.1f}" if p in r else r.get("error", "–")) for p in ("gate_up", "down", "total")}
+            t = {p: (f"{r[p]['p50_us']:.1f}" if p in r else r.get("error", "–"))
+                 for p in ("gate_up", "down", "total")}
             lines.append(f"| {r['B']} | {key} | {t['gate_up']} | {t['down']} | {t['total']} | "
                          f"{'yes' if r['is_default'] else ''} |")
         for batch, cfg in (result.get("best_small_config") or {}).items():

@@ -283,8 +283,9 @@ def fused_moe_triton(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     """Fused SiLU-gated MoE (see module doc): [T, H] in ``hidden.dtype`` (or into ``out``).
 
     ``path``: "auto" (the small-batch path at S = T·k ≤ ``SMALL_PATH_MAX_PAIRS``, else the sorted one),
-    "sorted" or "small"; ``config`` tiles the sorted path, ``small_config`` the small one. The choice depends
-    on shapes only, so a captured graph or a compiled op always replays the same path.
+    "sorted" or "small"; ``config`` tiles the sorted path, ``small_config`` the small one (under "auto", passing
+    only one of them picks its path: a tile sweep times what it asked for). The choice depends on shapes
+    only, so a captured graph or a compiled op always replays the same path.
 
     ``hidden`` is cast to the weights' dtype if they differ (as transformers does under autocast). Supported
     dtypes: float32, bfloat16, float16. No host synchronisation, fixed shapes: CUDA-graph capturable.
@@ -310,6 +311,8 @@ def fused_moe_triton(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
 
     x = hidden if hidden.dtype == dtype else hidden.to(dtype)
     num_pairs = num_tokens * topk
+    if path == "auto" and (config is None) != (small_config is None):
+        path = "sorted" if config is not None else "small"
     if use_small_path(num_pairs, path):
         act = _scratch((num_pairs, inter), dtype, device)
         return launch_small_moe(x, gate_up_proj, down_proj, topk_ids, topk_weights, act, out,

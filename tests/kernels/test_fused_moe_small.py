@@ -248,6 +248,22 @@ def test_dispatch_small_at_threshold_sorted_above(path_spy, poison):
 
 
 @needs_triton
+def test_auto_follows_the_config_passed(path_spy):
+    """Under path="auto" a sorted-path ``config`` alone means the sorted path (a tile sweep of the sorted
+    kernels at B = 1 must not time the small one), a ``small_config`` alone the small path at any S."""
+    w1, w2 = make_weights(E, H, I, torch.float32)
+    x = hidden_states(1, torch.float32)
+    ids, weights = make_routing("random", 1, 4)
+    fused_moe_triton(x, w1, w2, ids, weights, config=fm.INTERPRETER_CONFIG)
+    assert path_spy == []
+    x = hidden_states(SMALL_PATH_MAX_PAIRS + 1, torch.float32)
+    ids, weights = make_routing("random", SMALL_PATH_MAX_PAIRS + 1, 1)
+    out = fused_moe_triton(x, w1, w2, ids, weights, small_config=fms.SMALL_INTERPRETER_CONFIG)
+    assert path_spy == [SMALL_PATH_MAX_PAIRS + 1]
+    assert rel_err(out, fused_moe_reference(x, w1, w2, ids, weights)) < 1e-5
+
+
+@needs_triton
 def test_custom_op_and_dispatcher_use_small_path(path_spy):
     """``fused_moe`` (eager), ``torch.ops.harness.fused_moe`` and a fullgraph compile all take the small path
     at decode sizes and match the reference."""
