@@ -323,6 +323,7 @@ SMALL_SWEEP = [  # up n/k, down n/k, up/down warps, stages, unroll, down all slo
     (16, 512, 8, 128, 4, 4, 3, 1, True),
     (16, 256, 8, 128, 8, 8, 3, 2, True),
     (16, 256, 8, 128, 4, 4, 1, 1, True),
+    (16, 256, 8, 128, 4, 4, 3, 1, True),
     (16, 256, 8, 128, 4, 4, 3, 4, True),
     (64, 128, 32, 128, 8, 8, 3, 1, False),
 ]
