@@ -43,7 +43,8 @@ distinct experts, weight bytes = experts × 3·H·I·2, achieved bandwidth and i
 B = 1, 16, 128 (top8) under graph replay; ``--small-sweep`` (on by default) times a few tile
 configurations of the small path at B = 1 and 4 (top8, graph replay).
 
-Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` after every batch (a crash keeps the
+Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` (tables: ``fused_moe_bench_report.py``; small-path
+sweep: ``fused_moe_small_sweep.py``) after every batch (a crash keeps the
 finished rows); every row carries its error instead of aborting the run. Imports torch, triton,
 transformers and harness (envinfo, the kernel, SERE) only.
 """
@@ -64,6 +65,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.fused_moe_bench_report import markdown, print_row  # noqa: E402
+from benchmarks.fused_moe_small_sweep import best_small_config, small_sweep  # noqa: E402
 
 SHAPES = {"num_experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 SMOKE_SHAPES = {"num_experts": 16, "hidden": 64, "inter": 48, "top_k": 4}
@@ -310,178 +314,7 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
     return rows
 
 
-SMALL_SWEEP = [  # up n/k, down n/k, up/down warps, stages, unroll, down all slots; first = SMALL_GPU_CONFIG
-    (16, 256, 8, 128, 4, 4, 3, 2, True),
-    (16, 256, 8, 256, 4, 4, 3, 1, True),
-    (16, 256, 16, 128, 4, 4, 3, 2, True),
-    (16, 256, 4, 128, 4, 2, 3, 2, True),
-    (16, 256, 8, 256, 4, 4, 3, 2, False),
-    (16, 256, 16, 256, 4, 4, 3, 2, False),
-    (8, 256, 8, 128, 2, 2, 3, 2, True),
-    (32, 256, 8, 128, 4, 8, 3, 2, True),
-    (16, 128, 8, 64, 4, 4, 3, 2, True),
-    (16, 512, 8, 128, 4, 4, 3, 1, True),
-    (16, 256, 8, 128, 8, 8, 3, 2, True),
-    (16, 256, 8, 128, 4, 4, 1, 1, True),
-    (16, 256, 8, 128, 4, 4, 3, 1, True),
-    (16, 256, 8, 128, 4, 4, 3, 4, True),
-    (64, 128, 32, 128, 8, 8, 3, 1, False),
-]
-SMALL_SWEEP_SMOKE = [SMALL_SWEEP[0], SMALL_SWEEP[4]]
-
-
-def small_sweep(experts, shapes, batches, timer: Timer, seed: int, cuda: bool) -> list[dict]:
-    """Each small-path config at each batch (top8): gate_up alone, down alone and the whole call, under graph
-    replay (eager on CPU). The kernels are timed apart so the best gate_up tiles and the best down tiles
-    can be read off separately; ``best_small_config`` combines them."""
-    from harness.kernels.fused_moe import fused_moe_triton
-    from harness.kernels.fused_moe_reference import fused_moe_reference
-    from harness.kernels.fused_moe_small import (SmallMoEConfig, default_small_config, launch_down_small,
-                                                 launch_gate_up_small)
-
-    rows = []
-    w1, w2 = experts.gate_up_proj, experts.down_proj
-    dev = w1.device
-    for batch in batches:
-        ids, w = zipf_routing(batch, shapes["num_experts"], shapes["top_k"], seed + batch)
-        ids, w = ids.to(dev), w.to(dev, w1.dtype)
-        x = torch.randn(batch, shapes["hidden"], device=dev, dtype=w1.dtype)
-        want = fused_moe_reference(x, w1, w2, ids, w, out_dtype=torch.float32)
-        out = torch.empty_like(x)
-        act = torch.empty(ids.numel(), shapes["inter"], device=dev, dtype=w1.dtype)
-        default = default_small_config(dev)
-        for params in (SMALL_SWEEP if cuda else SMALL_SWEEP_SMOKE):
-            un, uk, dn, dk, uw, dw, stages, unroll, all_slots = params
-            cfg = SmallMoEConfig(up_block_n=un, up_block_k=uk, down_block_n=dn, down_block_k=dk, up_warps=uw,
-                                 down_warps=dw, num_stages=stages, unroll=unroll, down_all_slots=all_slots)
-            row = {"B": batch, "config": cfg.__dict__, "is_default": cfg == default}
-            calls = {
-                "total": lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, path="small",
-                                                          small_config=cfg),
-                "gate_up": lambda cfg=cfg: launch_gate_up_small(x, w1, ids, act, cfg),
-                "down": lambda cfg=cfg: launch_down_small(act, w2, ids, w, out, cfg),
-            }
-            try:
-                row["rel_err"] = rel_err(calls["total"](), want)
-                row["correct"] = bool(row["rel_err"] < BF16_TOL)
-                for part, call in calls.items():
-                    row[part] = timer(capture_graph(call).replay if cuda else call, rep_ms=60)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = short_error(exc)
-                free_memory(cuda)
-            rows.append(row)
-            print(f"  small sweep B={batch:<3} {str(params):<36} " + (
-                "  ".join(f"{p}={row[p]['p50_us']:.1f}us" for p in calls if p in row) or str(row.get("error")))
-                + ("  (default)" if row["is_default"] else ""), flush=True)
-    return rows
-
-
-def best_small_config(rows: list[dict], batch: int) -> dict | None:
-    """The fastest gate_up tiles with the fastest down tiles at ``batch`` (stages/unroll from gate_up's)."""
-    ok = [r for r in rows if r["B"] == batch and "gate_up" in r and "down" in r]
-    if not ok:
-        return None
-    up = min(ok, key=lambda r: r["gate_up"]["p50_us"])["config"]
-    down = min(ok, key=lambda r: r["down"]["p50_us"])["config"]
-    return {**up, **{f: down[f] for f in ("down_block_n", "down_block_k", "down_warps", "down_all_slots")}}
-
-
 # ---------------------------------------------------------------------------------------------- report
-
-
-def markdown(result: dict) -> str:
-    lines = [
-        "# Fused MoE: one decode MoE layer",
-        "",
-        f"{result['environment'].get('device_name')}, torch {result['environment'].get('torch_version')}, "
-        f"triton {result['environment'].get('triton_version')}, transformers "
-        f"{result['environment'].get('transformers_version')}; shapes {result['config']['shapes']}, "
-        f"{result['config']['dtype']}, random weights; routing: {result['config']['routing']}",
-        "",
-        "Times: do_bench median (µs), L2 flushed per call; `graph` = CUDA-graph replay of one call. "
-        "BW = weight bytes / time as a fraction of the 4.27 TB/s measured copy.",
-        "",
-        "`fused` = the sorted path (sort + align + grouped tiles), `small` = the small-batch path (no sort, "
-        "no align; timed for S = B·k ≤ %d), `auto` = the path `fused_moe_triton` picks (small at S ≤ %s)."
-        % (result["config"].get("small_bench_max_pairs", SMALL_BENCH_MAX_PAIRS),
-           result["config"].get("small_path_max_pairs", "?")),
-        "",
-        "| B | variant | experts | floor µs | fused graph | fused eager | small graph | small eager | auto "
-        "| grouped_mm graph | grouped_mm eager | batched_mm graph | eager loop | best BW | fused / small (graph) "
-        "| best / grouped (graph) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def cell(row, name, mode):
-        res = row["impls"].get(name, {})
-        if mode in res:
-            return f"{res[mode]['p50_us']:.1f}"
-        err = res.get(f"{mode}_error") if mode == "graph" else None
-        err = err or res.get("error")
-        return "OOM" if err and "OutOfMemory" in err else ("err" if err else "–")
-
-    def ratio(a: dict, b: dict) -> str:
-        return f"{a['p50_us'] / b['p50_us']:.2f}×" if a.get("p50_us") and b.get("p50_us") else "–"
-
-    for row in result["rows"]:
-        fused = row["impls"].get("fused", {}).get("graph", {})
-        small = row["impls"].get("small", {}).get("graph", {})
-        grouped = row["impls"].get("grouped_mm", {}).get("graph", {})
-        best = min((t for t in (fused, small) if t.get("p50_us")), key=lambda t: t["p50_us"], default={})
-        bw = f"{best['frac_copy_bw']:.0%}" if "frac_copy_bw" in best else "–"
-        lines.append(
-            f"| {row['B']} | {row['variant']} | {row['experts']} | {row['floor_us']:.1f} | "
-            f"{cell(row, 'fused', 'graph')} | {cell(row, 'fused', 'eager')} | {cell(row, 'small', 'graph')} | "
-            f"{cell(row, 'small', 'eager')} | {row.get('auto_path', '–')} | {cell(row, 'grouped_mm', 'graph')} | "
-            f"{cell(row, 'grouped_mm', 'eager')} | {cell(row, 'batched_mm', 'graph')} | {cell(row, 'eager', 'eager')} "
-            f"| {bw} | {ratio(fused, small)} | {ratio(grouped, best)} |")
-    bad = [f"B={r['B']} {r['variant']} {n}: rel_err {v.get('rel_err')}" for r in result["rows"]
-           for n, v in r["impls"].items() if v.get("correct") is False]
-    bad += [f"small sweep B={r['B']} {r['config']}: rel_err {r.get('rel_err')}" for r in result.get("small_sweep", [])
-            if r.get("correct") is False]
-    lines += ["", "Correctness (rel. error vs fp32 reference, bound 2e-2): " + ("all pass" if not bad else
-                                                                                  "; ".join(bad))]
-    if result.get("sweep"):
-        lines += ["", "## Tile sweep (fused, graph replay, top8)", "", "| B | config (bm, up n/k, down n/k, "
-                  "warps, stages) | µs | default |", "|---|---|---|---|"]
-        for r in result["sweep"]:
-            c = r["config"]
-            key = (c["block_m"], c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"],
-                   c["num_warps"], c["num_stages"])
-            t = r.get("graph", {}).get("p50_us")
-            lines.append(f"| {r['B']} | {key} | {f'{t:.1f}' if t else r.get('error', '–')} | "
-                         f"{'yes' if r['is_default'] else ''} |")
-    if result.get("small_sweep"):
-        lines += ["", "## Tile sweep (small path, top8; graph replay on CUDA)", "",
-                  "| B | config (up n/k, down n/k, up/down warps, stages, unroll, all slots) | gate_up µs | down µs "
-                  "| total µs "
-                  "| default |", "|---|---|---|---|---|---|"]
-        for r in result["small_sweep"]:
-            c = r["config"]
-            key = (c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"], c["up_warps"],
-                   c["down_warps"], c["num_stages"], c["unroll"], c["down_all_slots"])
-            t = {p: (f"{r[p]['p50_us']:.1f}" if p in r else r.get("error", "–"))
-                 for p in ("gate_up", "down", "total")}
-            lines.append(f"| {r['B']} | {key} | {t['gate_up']} | {t['down']} | {t['total']} | "
-                         f"{'yes' if r['is_default'] else ''} |")
-        for batch, cfg in (result.get("best_small_config") or {}).items():
-            lines += ["", f"Best gate_up + best down tiles at B={batch}: `{cfg}`"]
-    return "\n".join(lines) + "\n"
-
-
-def print_row(row: dict) -> None:
-    parts = [f"B={row['B']:<4} {row['variant']:<8} experts={row['experts']:<4} floor={row['floor_us']:.1f}us"]
-    for name, res in row["impls"].items():
-        if "skipped" in res:
-            continue
-        if "error" in res:
-            parts.append(f"{name}=ERR({res['error'][:60]})")
-            continue
-        g = res.get("graph", {}).get("p50_us")
-        e = res.get("eager", {}).get("p50_us")
-        err = res.get("rel_err")
-        parts.append(f"{name}={e:.1f}" + (f"/g{g:.1f}" if g else "") + (f" e{err:.1e}" if err is not None else ""))
-    print("  ".join(parts), flush=True)
 
 
 def write(result: dict, out: Path) -> None:
@@ -601,7 +434,9 @@ def main() -> int:
         small_batches = [int(b) for b in args.small_sweep_batches.split(",") if b]
         print("tile sweep (small path, top8):", flush=True)
         try:
-            result["small_sweep"] = small_sweep(experts, shapes, small_batches, timer, args.seed, cuda)
+            result["small_sweep"] = small_sweep(
+                experts, shapes, small_batches, seed=args.seed, cuda=cuda, routing=zipf_routing, rel_err=rel_err,
+                tol=BF16_TOL, time_call=lambda call: timer(capture_graph(call).replay if cuda else call, rep_ms=60))
             result["best_small_config"] = {b: best_small_config(result["small_sweep"], b) for b in small_batches}
         except Exception as exc:  # noqa: BLE001
             result["small_sweep_error"] = short_error(exc)
