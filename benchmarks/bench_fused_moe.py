@@ -3,11 +3,12 @@
     python benchmarks/bench_fused_moe.py                       # full run, ~2-3 min on an H200
     python benchmarks/bench_fused_moe.py --quick               # B = 1, 16, 128; top-8 and SERE K=1; no sweep
     python benchmarks/bench_fused_moe.py --batches 1,16 --impls fused,grouped_mm --variants top8 --no-sweep
+    python benchmarks/bench_fused_moe.py --batches 1,2,4,8 --impls fused,small --no-sweep   # small-B rows only
     python benchmarks/bench_fused_moe.py --smoke               # CPU: same code path, tiny shapes, interpreter
                                                                # (writes to the temp dir, not results/)
 
 Shapes: Qwen3-30B-A3B's MoE layer (E = 128 experts, H = 2048, I = 768, top-8, bf16, random weights with
-std H^-1/2 / I^-1/2), decode batches B ∈ {1, 4, 16, 32, 64, 128}.
+std H^-1/2 / I^-1/2), decode batches B ∈ {1, 4, 8, 16, 32, 64, 128}.
 
 Routing (stated, seeded; not a trained router): expert popularity is Zipf-like, p_e ∝ 1 / rank(e)^1.5 over
 a fixed random permutation of the experts; each token draws its k experts without replacement with
@@ -21,7 +22,13 @@ in the primary union moves to its most similar primary expert) with a random sim
 
 Implementations, called directly on the same inputs, side by side in one process:
 
-- ``fused``       ``harness.kernels.fused_moe.fused_moe_triton`` (default tiles for the batch);
+- ``fused``       ``harness.kernels.fused_moe.fused_moe_triton(path="sorted")``: sort + align + grouped
+                  tiles (default tiles for the batch);
+- ``small``       ``fused_moe_triton(path="small")``: the small-batch path (``fused_moe_small``: no sort, no
+                  align, two GEMV launches), timed for S = B·k ≤ SMALL_BENCH_MAX_PAIRS only (B ≤ 16 at
+                  top-8: past the dispatch threshold too, so the table shows where the crossover lies).
+                  ``fused_moe_triton``'s default ``path="auto"`` picks ``small`` at S ≤
+                  ``SMALL_PATH_MAX_PAIRS``; the table's ``auto`` column says which one that is;
 - ``grouped_mm``  transformers' ``grouped_mm_experts_forward`` on a ``Qwen3MoeExperts`` module;
 - ``batched_mm``  transformers' ``batched_mm_experts_forward`` (gathers one weight copy per (token, slot));
 - ``eager``       the module's own Python loop over the hit experts (host syncs: no CUDA graph);
@@ -33,9 +40,11 @@ every call, so each call starts cold as in a model where 47 other layers pass in
 (Python + launches) and as a CUDA-graph replay (the launch cost a compiled decode step pays). Reported:
 distinct experts, weight bytes = experts × 3·H·I·2, achieved bandwidth and its fraction of the measured
 4.27 TB/s device copy. ``--sweep`` (on by default) times a few tile configurations of the fused kernel at
-B = 1, 16, 128 (top8) under graph replay.
+B = 1, 16, 128 (top8) under graph replay; ``--small-sweep`` (on by default) times a few tile
+configurations of the small path at B = 1 and 4 (top8, graph replay).
 
-Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` after every batch (a crash keeps the
+Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` (tables: ``fused_moe_bench_report.py``; small-path
+sweep: ``fused_moe_small_sweep.py``) after every batch (a crash keeps the
 finished rows); every row carries its error instead of aborting the run. Imports torch, triton,
 transformers and harness (envinfo, the kernel, SERE) only.
 """
@@ -57,11 +66,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.fused_moe_bench_report import markdown, print_row  # noqa: E402
+from benchmarks.fused_moe_small_sweep import best_small_config, small_sweep  # noqa: E402
+
 SHAPES = {"num_experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 SMOKE_SHAPES = {"num_experts": 16, "hidden": 64, "inter": 48, "top_k": 4}
-BATCHES = [1, 4, 16, 32, 64, 128]
+BATCHES = [1, 4, 8, 16, 32, 64, 128]
 VARIANTS = {"top8": None, "sere_k2": 2, "sere_k1": 1}
-IMPLS = ["fused", "grouped_mm", "batched_mm", "eager", "prep"]
+IMPLS = ["fused", "small", "grouped_mm", "batched_mm", "eager", "prep"]
+SMALL_BENCH_MAX_PAIRS = 128   # the small path is timed up to here (4x the dispatch threshold)
 ZIPF_S = 1.5
 COPY_BYTES_PER_S = 4.27e12
 BF16_TOL = 2e-2
@@ -171,7 +184,7 @@ def free_memory(cuda: bool) -> None:
 # ------------------------------------------------------------------------------------------- one layer
 
 
-def implementations(experts, fused_out: torch.Tensor):
+def implementations(experts, fused_out: torch.Tensor, small_out: torch.Tensor):
     """name -> (fn(x, ids, w) -> [B, H], graph-capturable?)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -189,7 +202,8 @@ def implementations(experts, fused_out: torch.Tensor):
         return None
 
     return {
-        "fused": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=fused_out), True),
+        "fused": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=fused_out, path="sorted"), True),
+        "small": (lambda x, ids, w: fm.fused_moe_triton(x, w1, w2, ids, w, out=small_out, path="small"), True),
         "grouped_mm": (lambda x, ids, w: ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, ids, w), True),
         "batched_mm": (lambda x, ids, w: ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, ids, w), True),
         "eager": (lambda x, ids, w: experts(x, ids, w), False),
@@ -201,12 +215,15 @@ def bench_case(experts, impls, x, ids, w, timer: Timer, cuda: bool, graphs: bool
     from harness.kernels.fused_moe_reference import fused_moe_reference
 
     want = fused_moe_reference(x, experts.gate_up_proj, experts.down_proj, ids, w, out_dtype=torch.float32)
-    table = implementations(experts, torch.empty_like(x))
+    table = implementations(experts, torch.empty_like(x), torch.empty_like(x))
     out: dict = {}
     for name in impls:
         fn, capturable = table[name]
         res: dict = {}
         out[name] = res
+        if name == "small" and ids.numel() > SMALL_BENCH_MAX_PAIRS:
+            res["skipped"] = f"S = {ids.numel()} > {SMALL_BENCH_MAX_PAIRS} pairs"
+            continue
         try:
             call = lambda fn=fn: fn(x, ids, w)  # noqa: E731
             got = call()
@@ -224,7 +241,7 @@ def bench_case(experts, impls, x, ids, w, timer: Timer, cuda: bool, graphs: bool
             continue
         try:
             graph = capture_graph(call)
-            if name == "fused":          # the replay writes the static output buffer: check it again
+            if name in ("fused", "small"):   # the replay writes the static output buffer: check it again
                 got.fill_(float("nan"))
                 graph.replay()
                 torch.cuda.synchronize()
@@ -282,7 +299,8 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
                                  num_warps=warps, num_stages=stages)
             row = {"B": batch, "config": cfg.__dict__, "is_default": cfg == default}
             try:
-                call = lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, config=cfg)  # noqa: E731
+                call = lambda cfg=cfg: fused_moe_triton(x, w1, w2, ids, w, out=out, config=cfg,  # noqa: E731
+                                                        path="sorted")
                 row["rel_err"] = rel_err(call(), want)
                 row["graph"] = timer(capture_graph(call).replay)
             except Exception as exc:  # noqa: BLE001
@@ -297,72 +315,6 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def markdown(result: dict) -> str:
-    lines = [
-        "# Fused MoE: one decode MoE layer",
-        "",
-        f"{result['environment'].get('device_name')}, torch {result['environment'].get('torch_version')}, "
-        f"triton {result['environment'].get('triton_version')}, transformers "
-        f"{result['environment'].get('transformers_version')}; shapes {result['config']['shapes']}, "
-        f"{result['config']['dtype']}, random weights; routing: {result['config']['routing']}",
-        "",
-        "Times: do_bench median (µs), L2 flushed per call; `graph` = CUDA-graph replay of one call. "
-        "BW = weight bytes / time as a fraction of the 4.27 TB/s measured copy.",
-        "",
-        "| B | variant | experts | floor µs | fused graph | fused eager | grouped_mm graph | grouped_mm eager "
-        "| batched_mm graph | eager loop | fused BW | fused / grouped (graph) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def cell(row, name, mode):
-        res = row["impls"].get(name, {})
-        if mode in res:
-            return f"{res[mode]['p50_us']:.1f}"
-        err = res.get(f"{mode}_error") if mode == "graph" else None
-        err = err or res.get("error")
-        return "OOM" if err and "OutOfMemory" in err else ("err" if err else "–")
-
-    for row in result["rows"]:
-        fused = row["impls"].get("fused", {}).get("graph", {})
-        grouped = row["impls"].get("grouped_mm", {}).get("graph", {})
-        ratio = (f"{grouped['p50_us'] / fused['p50_us']:.2f}×" if fused.get("p50_us") and grouped.get("p50_us")
-                 else "–")
-        bw = f"{fused['frac_copy_bw']:.0%}" if "frac_copy_bw" in fused else "–"
-        lines.append(
-            f"| {row['B']} | {row['variant']} | {row['experts']} | {row['floor_us']:.1f} | "
-            f"{cell(row, 'fused', 'graph')} | {cell(row, 'fused', 'eager')} | {cell(row, 'grouped_mm', 'graph')} | "
-            f"{cell(row, 'grouped_mm', 'eager')} | {cell(row, 'batched_mm', 'graph')} | {cell(row, 'eager', 'eager')} "
-            f"| {bw} | {ratio} |")
-    bad = [f"B={r['B']} {r['variant']} {n}: rel_err {v.get('rel_err')}" for r in result["rows"]
-           for n, v in r["impls"].items() if v.get("correct") is False]
-    lines += ["", "Correctness (rel. error vs fp32 reference, bound 2e-2): " + ("all pass" if not bad else
-                                                                                  "; ".join(bad))]
-    if result.get("sweep"):
-        lines += ["", "## Tile sweep (fused, graph replay, top8)", "", "| B | config (bm, up n/k, down n/k, "
-                  "warps, stages) | µs | default |", "|---|---|---|---|"]
-        for r in result["sweep"]:
-            c = r["config"]
-            key = (c["block_m"], c["up_block_n"], c["up_block_k"], c["down_block_n"], c["down_block_k"],
-                   c["num_warps"], c["num_stages"])
-            t = r.get("graph", {}).get("p50_us")
-            lines.append(f"| {r['B']} | {key} | {f'{t:.1f}' if t else r.get('error', '–')} | "
-                         f"{'yes' if r['is_default'] else ''} |")
-    return "\n".join(lines) + "\n"
-
-
-def print_row(row: dict) -> None:
-    parts = [f"B={row['B']:<4} {row['variant']:<8} experts={row['experts']:<4} floor={row['floor_us']:.1f}us"]
-    for name, res in row["impls"].items():
-        if "error" in res:
-            parts.append(f"{name}=ERR({res['error'][:60]})")
-            continue
-        g = res.get("graph", {}).get("p50_us")
-        e = res.get("eager", {}).get("p50_us")
-        err = res.get("rel_err")
-        parts.append(f"{name}={e:.1f}" + (f"/g{g:.1f}" if g else "") + (f" e{err:.1e}" if err is not None else ""))
-    print("  ".join(parts), flush=True)
 
 
 def write(result: dict, out: Path) -> None:
@@ -382,6 +334,10 @@ def main() -> int:
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay timings")
     parser.add_argument("--sweep", dest="sweep", action="store_true", default=True)
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--small-sweep", dest="small_sweep", action="store_true", default=True,
+                        help="tile sweep of the small path (gate_up / down / total) at --small-sweep-batches")
+    parser.add_argument("--no-small-sweep", dest="small_sweep", action="store_false")
+    parser.add_argument("--small-sweep-batches", default="1")
     parser.add_argument("--quick", action="store_true", help="B=1,16,128; top8,sere_k1; fused,grouped_mm; no sweep")
     parser.add_argument("--smoke", action="store_true", help="CPU/interpreter run at tiny shapes (tests the script)")
     parser.add_argument("--seed", type=int, default=0)
@@ -395,7 +351,8 @@ def main() -> int:
             return 0
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
     if args.quick:
-        args.batches, args.variants, args.impls, args.sweep = "1,16,128", "top8,sere_k1", "fused,grouped_mm", False
+        args.batches, args.variants, args.impls = "1,16,128", "top8,sere_k1", "fused,small,grouped_mm"
+        args.sweep = args.small_sweep = False
     batches = [int(b) for b in args.batches.split(",") if b]
     variants = [v for v in args.variants.split(",") if v]
     impls = [i for i in args.impls.split(",") if i]
@@ -407,6 +364,7 @@ def main() -> int:
     import triton
 
     from harness.envinfo import collect_environment
+    from harness.kernels.fused_moe_small import SMALL_GPU_CONFIG, SMALL_PATH_MAX_PAIRS, use_small_path
     from harness.techniques.sere import expert_union, reroute
 
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -433,9 +391,12 @@ def main() -> int:
             "copy_bandwidth_Bps": COPY_BYTES_PER_S, "seed": args.seed, "batches": batches,
             "variants": variants, "impls": impls, "graphs": not args.no_graphs,
             "triton_version": triton.__version__,
+            "small_path_max_pairs": SMALL_PATH_MAX_PAIRS, "small_bench_max_pairs": SMALL_BENCH_MAX_PAIRS,
+            "small_gpu_config": SMALL_GPU_CONFIG.__dict__,
         },
         "rows": [],
         "sweep": [],
+        "small_sweep": [],
     }
     print(f"fused MoE layer bench on {result['environment']['device_name']}: shapes {shapes}, bf16", flush=True)
     for batch in batches:
@@ -448,7 +409,8 @@ def main() -> int:
             kp = VARIANTS[variant]
             ids = ids0 if kp is None else reroute(ids0, sim, kp, 0.0)
             row = {"B": batch, "variant": variant, "experts": expert_union(ids),
-                   "experts_top8": expert_union(ids0), "impls": {}}
+                   "experts_top8": expert_union(ids0), "impls": {},
+                   "auto_path": "small" if use_small_path(ids.numel()) else "sorted"}
             try:
                 row["impls"] = bench_case(experts, impls, x, ids, w, timer, cuda, not args.no_graphs)
             except Exception as exc:  # noqa: BLE001 - e.g. the reference itself failing
@@ -467,11 +429,24 @@ def main() -> int:
                                     timer, args.seed)
         except Exception as exc:  # noqa: BLE001
             result["sweep_error"] = short_error(exc)
+        write(result, out_path)
+    if args.small_sweep:
+        small_batches = [int(b) for b in args.small_sweep_batches.split(",") if b]
+        print("tile sweep (small path, top8):", flush=True)
+        try:
+            result["small_sweep"] = small_sweep(
+                experts, shapes, small_batches, seed=args.seed, cuda=cuda, routing=zipf_routing, rel_err=rel_err,
+                tol=BF16_TOL, time_call=lambda call: timer(capture_graph(call).replay if cuda else call, rep_ms=60))
+            result["best_small_config"] = {b: best_small_config(result["small_sweep"], b) for b in small_batches}
+        except Exception as exc:  # noqa: BLE001
+            result["small_sweep_error"] = short_error(exc)
+            result["small_sweep_traceback"] = traceback.format_exc(limit=4)
     result["elapsed_s"] = time.perf_counter() - t_start
     write(result, out_path)
     print(markdown(result))
     print(f"wrote {out_path} and {out_path.with_suffix('.md')} in {result['elapsed_s']:.0f} s")
     bad = [1 for r in result["rows"] for v in r["impls"].values() if v.get("correct") is False]
+    bad += [1 for r in result["small_sweep"] if r.get("correct") is False]
     return 1 if bad else 0
 
 

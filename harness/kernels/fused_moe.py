@@ -26,7 +26,10 @@ No atomics: the weighted sum over a token's k slots is a second, fixed-order red
 Entry points:
 
 - :func:`fused_moe_triton` — check → allocate → grid → launch (CUDA tensors, or CPU tensors under
-  ``TRITON_INTERPRET=1``). Takes an optional ``out=`` buffer and ``config=``.
+  ``TRITON_INTERPRET=1``). Takes an optional ``out=`` buffer and ``config=``. At S ≤
+  ``fused_moe_small.SMALL_PATH_MAX_PAIRS`` pairs it runs the small-batch path instead
+  (:mod:`harness.kernels.fused_moe_small`: no sort, no align, two GEMV launches); ``path="sorted"`` /
+  ``"small"`` forces one.
 - ``torch.ops.harness.fused_moe`` — the same, as a ``torch.library.custom_op`` with a fake (meta)
   implementation, so ``torch.compile(fullgraph=True)`` treats it as one opaque node and CUDA-graph trees
   capture its launches.
@@ -53,6 +56,7 @@ import triton
 import triton.language as tl
 
 from harness.kernels.fused_moe_reference import check_fused_moe_args, fused_moe_reference
+from harness.kernels.fused_moe_small import SmallMoEConfig, default_small_config, launch_small_moe, use_small_path
 
 __all__ = [
     "FusedMoEConfig", "GPU_CONFIGS", "INTERPRETER_CONFIG", "default_config", "max_tiles", "fused_moe_triton",
@@ -274,8 +278,14 @@ def _scratch(shape, dtype, device) -> torch.Tensor:
 
 def fused_moe_triton(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                     out: torch.Tensor | None = None, config: FusedMoEConfig | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+                     path: str = "auto", small_config: SmallMoEConfig | None = None) -> torch.Tensor:
     """Fused SiLU-gated MoE (see module doc): [T, H] in ``hidden.dtype`` (or into ``out``).
+
+    ``path``: "auto" (the small-batch path at S = T·k ≤ ``SMALL_PATH_MAX_PAIRS``, else the sorted one),
+    "sorted" or "small"; ``config`` tiles the sorted path, ``small_config`` the small one (under "auto", passing
+    only one of them picks its path: a tile sweep times what it asked for). The choice depends on shapes
+    only, so a captured graph or a compiled op always replays the same path.
 
     ``hidden`` is cast to the weights' dtype if they differ (as transformers does under autocast). Supported
     dtypes: float32, bfloat16, float16. No host synchronisation, fixed shapes: CUDA-graph capturable.
@@ -301,6 +311,12 @@ def fused_moe_triton(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
 
     x = hidden if hidden.dtype == dtype else hidden.to(dtype)
     num_pairs = num_tokens * topk
+    if path == "auto" and (config is None) != (small_config is None):
+        path = "sorted" if config is not None else "small"
+    if use_small_path(num_pairs, path):
+        act = _scratch((num_pairs, inter), dtype, device)
+        return launch_small_moe(x, gate_up_proj, down_proj, topk_ids, topk_weights, act, out,
+                                small_config or default_small_config(device))
     if config is None:
         config = default_config(num_pairs, device)
         if dtype == torch.float32 and device.type == "cuda":   # fp32 tiles: half the pipeline depth fits smem

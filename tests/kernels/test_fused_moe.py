@@ -1,5 +1,9 @@
 """Fused MoE Triton kernel (``harness.kernels.fused_moe``) against its float32 torch reference.
 
+These tests force ``path="sorted"`` (sort + align + grouped tiles) so it stays covered at every batch size;
+the small-batch path that the dispatcher picks at S ≤ SMALL_PATH_MAX_PAIRS, and the dispatch itself, are
+tested in ``test_fused_moe_small.py``.
+
 On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``), so
 shapes stay small. Outputs and every scratch buffer are poisoned (NaN / -7777) so an element that no
 kernel wrote shows. GPU-only tests (real Qwen3-30B-A3B shapes, CUDA-graph replay, determinism,
@@ -94,7 +98,7 @@ def test_fp32_matches_reference(case, routing, poison):
     w1, w2 = make_weights(num_experts, hidden, inter, torch.float32, DEVICE)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     ids, weights = make_routing(routing, num_tokens, num_experts, k, DEVICE)
-    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.float32))
+    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.float32), path="sorted")
     want = fused_moe_reference(x, w1, w2, ids, weights)
     assert out.dtype == torch.float32 and out.shape == (num_tokens, hidden)
     assert rel_err(out, want) < 1e-5
@@ -108,7 +112,7 @@ def test_all_tokens_one_expert_spans_tiles(poison):
     x = torch.randn(num_tokens, hidden).to(DEVICE)
     ids = torch.full((num_tokens, 1), 2, dtype=torch.int64, device=DEVICE)
     weights = torch.rand(num_tokens, 1).to(DEVICE)
-    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.float32))
+    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.float32), path="sorted")
     assert rel_err(out, fused_moe_reference(x, w1, w2, ids, weights)) < 1e-5
 
 
@@ -120,7 +124,7 @@ def test_int32_ids_strided_inputs_half_weights(poison):
     x = torch.randn(num_tokens, 2 * hidden).to(DEVICE)[:, ::2]
     ids, weights = make_routing("topk", num_tokens, num_experts, k, DEVICE, seed=5)
     ids32, w_bf16 = ids.to(torch.int32), weights.to(torch.bfloat16)
-    out = fused_moe_triton(x, w1, w2, ids32, w_bf16)
+    out = fused_moe_triton(x, w1, w2, ids32, w_bf16, path="sorted")
     assert rel_err(out, fused_moe_reference(x, w1, w2, ids, w_bf16)) < 1e-5
 
 
@@ -133,7 +137,7 @@ def test_strided_single_slot_routing():
     ids = torch.randint(0, num_experts, (num_tokens, 2)).to(DEVICE)[:, 1:]
     weights = torch.rand(num_tokens, 2).to(DEVICE)[:, :1]
     assert weights.stride() == (2, 1)
-    out = fused_moe_triton(x, w1, w2, ids, weights)
+    out = fused_moe_triton(x, w1, w2, ids, weights, path="sorted")
     assert rel_err(out, fused_moe_reference(x, w1, w2, ids, weights)) < 1e-5
 
 
@@ -142,9 +146,9 @@ def test_zero_weight_and_empty_batch():
     w1, w2 = make_weights(4, 32, 16, torch.float32, DEVICE)
     x = torch.randn(3, 32).to(DEVICE)
     ids, weights = make_routing("topk", 3, 4, 2, DEVICE)
-    out = fused_moe_triton(x, w1, w2, ids, torch.zeros_like(weights))
+    out = fused_moe_triton(x, w1, w2, ids, torch.zeros_like(weights), path="sorted")
     assert torch.equal(out, torch.zeros_like(out))
-    empty = fused_moe_triton(x[:0], w1, w2, ids[:0], weights[:0])
+    empty = fused_moe_triton(x[:0], w1, w2, ids[:0], weights[:0], path="sorted")
     assert empty.shape == (0, 32)
 
 
@@ -174,7 +178,7 @@ def test_bf16_bounded_by_torch(case, routing, poison):
     x = torch.randn(num_tokens, hidden).to(DEVICE, torch.bfloat16)
     ids, weights = make_routing(routing, num_tokens, num_experts, k, DEVICE)
     weights = weights.to(torch.bfloat16)
-    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.bfloat16))
+    out = fused_moe_triton(x, w1, w2, ids, weights, out=nan_out(num_tokens, hidden, torch.bfloat16), path="sorted")
     want = fused_moe_reference(x, w1, w2, ids, weights, out_dtype=torch.float32)
     torch_err = rel_err(torch_bf16_moe(x, w1, w2, ids, weights), want)
     # Triton 3.8's interpreter truncates fp32 -> bf16 stores (no round-to-nearest): over 60 seeded draws its
@@ -285,10 +289,10 @@ def real_inputs(num_tokens, seed=0):
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
 def test_gpu_real_shapes_bf16(num_tokens, poison):
     x, w1, w2, ids, weights = real_inputs(num_tokens)
-    out = fused_moe_triton(x, w1, w2, ids, weights, out=torch.full_like(x, float("nan")))
+    out = fused_moe_triton(x, w1, w2, ids, weights, out=torch.full_like(x, float("nan")), path="sorted")
     want = fused_moe_reference(x, w1, w2, ids, weights, out_dtype=torch.float32)
     assert rel_err(out, want) < 1e-2
-    again = fused_moe_triton(x, w1, w2, ids, weights)
+    again = fused_moe_triton(x, w1, w2, ids, weights, path="sorted")
     assert torch.equal(out, again), "two identical runs differ: a race"
 
 
@@ -325,5 +329,5 @@ def test_gpu_inductor_compile():
 def test_gpu_fp32_ieee():
     x, w1, w2, ids, weights = (t.float() if t.is_floating_point() else t for t in real_inputs(5))
     cfg = FusedMoEConfig(block_m=16, up_block_n=32, up_block_k=64, down_block_n=32, down_block_k=64, num_stages=2)
-    out = fused_moe_triton(x, w1, w2, ids, weights, config=cfg)
+    out = fused_moe_triton(x, w1, w2, ids, weights, config=cfg, path="sorted")
     assert rel_err(out, fused_moe_reference(x, w1, w2, ids, weights)) < 1e-5
