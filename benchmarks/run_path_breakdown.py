@@ -94,8 +94,39 @@ def timed_graph(step, steps: int, cuda: bool) -> dict:
             "steps": steps}
 
 
-FAMILIES = (("moe", ("_gate_up", "_down_kernel", "_align", "_combine", "small", "sort", "radix")),
-            ("attention", ("_attn_kernel", "_combine_kernel", "flash", "fmha", "efficient", "attention", "softmax")),
+KERNEL_SETS = ("stock", "attn", "all")
+
+
+def set_kernels(model, kset: str) -> None:
+    """Put ``model``'s decode kernels in the state ``kset`` names (see ``--kernels``). A router compiled as a region
+    by an earlier variant stays the kernel's fallback for long passes (decode passes take the kernel)."""
+    from harness.engines import hf_attention_decode, hf_decode_forward, hf_router
+    from harness.kernels import fused_moe_small
+
+    if kset not in KERNEL_SETS:
+        raise SystemExit(f"--kernels: {kset!r} is not one of {KERNEL_SETS}")
+    hf_attention_decode.text_config(model)._attn_implementation = "sdpa"
+    hf_decode_forward.uninstall(model)
+    hf_router.uninstall(model)
+    fused_moe_small.SMALL_PATH_MAX_PAIRS = SMALL_DEFAULT if kset == "all" else 0
+    if kset in ("attn", "all"):
+        hf_attention_decode.install(model)
+    if kset == "all":
+        hf_decode_forward.install(model)
+        hf_router.install(model)
+
+
+def _small_default() -> int:
+    from harness.kernels import fused_moe_small
+
+    return fused_moe_small.SMALL_PATH_MAX_PAIRS
+
+
+SMALL_DEFAULT = _small_default()
+
+FAMILIES = (("moe", ("_gate_up", "_down", "_align", "_combine_kernel", "small", "sort", "radix")),
+            ("router", ("_logits_kernel", "_select_kernel", "topk")),
+            ("attention", ("_attn_kernel", "_attn_combine", "flash", "fmha", "efficient", "attention", "softmax")),
             ("gemm", ("gemm", "gemv", "sm90", "sm80", "cutlass", "nvjet", "cublas", "splitk")),
             ("copy", ("copy", "index", "cat", "elementwise", "fill")),
             ("triton_fused", ("triton_",)))
@@ -157,8 +188,10 @@ def main() -> int:
     ap.add_argument("--paths", default="graph,compiled")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--budget-s", type=float, default=120.0)
-    ap.add_argument("--attention", default="sdpa,triton",
-                    help="decode attention variants: sdpa (transformers) and/or triton (engine.decode_attention)")
+    ap.add_argument("--kernels", default="stock,all",
+                    help="kernel sets (comma list): stock = transformers' SDPA + router and the sorted fused MoE; "
+                         "attn = + the Triton decode attention; all = the engine's CUDA defaults (decode attention, "
+                         "packed QKV forward, Triton router, small-batch MoE path)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile eager steps (torch.profiler): GPU time per kernel family per step")
     ap.add_argument("--smoke", action="store_true")
@@ -192,24 +225,19 @@ def main() -> int:
                          "method": "ablation: CUDA-graph replay of the step with MoE / attention stubbed to zeros"},
               "build_s": round(time.perf_counter() - t0, 2), "rows": []}
     compiled = False
-    from harness.engines import hf_attention_decode
-
-    variants = [(path, attn) for path in args.paths.split(",") if path for attn in args.attention.split(",") if attn]
+    variants = [(path, kset) for kset in args.kernels.split(",") if kset for path in args.paths.split(",") if path]
     for path, attn in variants:
+        set_kernels(model, attn)
         if path == "compiled" and not compiled:
             result["compile"] = dict(compile_regions(model))
             compiled = True
-        text_cfg = hf_attention_decode.text_config(model)
-        text_cfg._attn_implementation = "sdpa"
-        if attn == "triton":
-            hf_attention_decode.install(model)
         for b in [int(x) for x in args.batches.split(",") if x]:
             try:
                 dec = Decoder(model, b, int(config["vocab_size"]), device, seed=b)
             except Exception as exc:  # noqa: BLE001
                 result["rows"].append({"path": path, "B": b, "error": f"prefill: {type(exc).__name__}: {exc}"[:300]})
                 continue
-            row = {"path": path, "attention": attn, "B": b}
+            row = {"path": path, "kernels": attn, "B": b}
             result["rows"].append(row)
             for abl in ABLATIONS:
                 if time.perf_counter() - t0 > args.budget_s:
