@@ -25,8 +25,10 @@
     synchronisation on both sides (median of ``--repeats``):
 
     - ``engine_ttft``: ``HFEngine.generate_batch`` (warm-up first) → ``Generation.ttft_ms``, what summary.json reports;
-    - ``host_build``: ``hf_direct.build_inputs`` (patchify on the host, copy to the device) — inside the run path's TTFT
-      (the batch clock starts before it), outside the benchmark's;
+      ``engine_ttft_host_patchify``: the same with ``hf_direct.DEVICE_PATCHIFY = False`` (the engine run_path.md ran);
+    - ``host_build``: ``hf_direct.build_inputs`` (uint8 pixels to the device, patchified there) — inside the run
+      path's TTFT (the batch clock starts before it), outside the benchmark's; ``host_build_host_patchify``: the
+      first version (float32 patches built on the host, 138 MB copied);
     - ``vision_tower``: ``get_image_features`` alone; ``visionzip_prepare``: ``prepare_visionzip_inputs`` (tower +
       importance + selection; keep < 1 only), with its ``importance_ms``;
     - ``static_prefill``: the engine's ``StaticGreedyDecoder.generate(..., 1)`` on the prepared inputs (prefill + first
@@ -34,8 +36,9 @@
       same inputs (the benchmark's path);
     - ``bench_ttft``: ``bench_visionzip_ttft``'s timed region (prepare + generate) on these inputs.
 
-    Confirms the explanation if ``engine_ttft ≈ host_build + [visionzip_prepare] + static_prefill`` and
-    ``engine_ttft − host_build ≈ bench_ttft`` at both keeps.
+    Confirms the explanation if ``engine_ttft ≈ host_build + [visionzip_prepare] + static_prefill``,
+    ``engine_ttft − host_build ≈ bench_ttft`` at both keeps, and ``engine_ttft_host_patchify − engine_ttft ≈
+    host_build_host_patchify − host_build`` (the fix's saving).
 
 Every section and variant is guarded (an error is recorded, the rest goes on); the JSON is rewritten after each; a
 time budget (``--budget-s``) skips what is left. Imports torch, triton, transformers and harness only (no Hydra).
@@ -200,9 +203,17 @@ def stages(engine, req, keep: float, cuda: bool) -> dict:
     from harness.engines.hf_graphs import StaticGreedyDecoder
     from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
 
+    from harness.engines import hf_direct
+
     model, out = engine.model, {}
-    out["host_build"], inputs = timed(lambda: build_inputs([req], model.config, engine.processor.tokenizer,
-                                                           engine.pad_id, engine._input_device(), engine.dtype), cuda)
+    build = lambda: build_inputs([req], model.config, engine.processor.tokenizer,  # noqa: E731
+                                 engine.pad_id, engine._input_device(), engine.dtype)
+    hf_direct.DEVICE_PATCHIFY = False        # the first version: float32 patches built on the host
+    try:
+        out["host_build_host_patchify"], _ = timed(build, cuda)
+    finally:
+        hf_direct.DEVICE_PATCHIFY = True
+    out["host_build"], inputs = timed(build, cuda)
     with torch.inference_mode():
         out["vision_tower"], _ = timed(lambda: model.model.get_image_features(inputs["pixel_values"],
                                                                               inputs["image_grid_thw"]), cuda)
@@ -256,6 +267,14 @@ def section_ttft(args, cuda: bool, result: dict, save, over_budget) -> None:
             engine.warmup([reqs[0]])
             gens = [engine.generate_batch([r])[0] for r in reqs[1:]]
             row["engine_ttft"] = med([g.ttft_ms for g in gens if g.ttft_ms is not None])
+            from harness.engines import hf_direct
+
+            hf_direct.DEVICE_PATCHIFY = False   # the engine as run_path.md measured it (host patchify)
+            try:
+                old = [engine.generate_batch([r])[0] for r in reqs[1:]]
+            finally:
+                hf_direct.DEVICE_PATCHIFY = True
+            row["engine_ttft_host_patchify"] = med([g.ttft_ms for g in old if g.ttft_ms is not None])
             row["lm_prompt_tokens_engine"] = gens[0].prompt_tokens
             stages(engine, reqs[0], keep, cuda)   # warm-up of the stage functions themselves (generate's path)
             per = [stages(engine, r, keep, cuda) for r in reqs[1:]]
@@ -296,7 +315,7 @@ def table(result: dict) -> str:
                   if "deltas_ms" in sere else "", ""]
     ttft = result.get("ttft")
     if ttft:
-        cols = ["engine_ttft", "host_build", "vision_tower", "visionzip_prepare", "importance", "static_prefill",
+        cols = ["engine_ttft_host_patchify", "engine_ttft", "host_build_host_patchify", "host_build", "vision_tower", "visionzip_prepare", "importance", "static_prefill",
                 "generate_prefill", "bench_ttft"]
         lines += [f"(B) TTFT stages, median ms ({ttft['images']} images of {ttft['image_px']} px + "
                   f"{ttft['prompt_tokens']} tokens, B = 1)", "",
