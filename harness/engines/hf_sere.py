@@ -234,7 +234,11 @@ class SereHandle:
             return True
         import os
 
-        return old.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        from harness.kernels.sere_stats import FUSED_MAX_TOKENS
+
+        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops
+        return old.shape[0] <= FUSED_MAX_TOKENS and (
+            old.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
     def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
         """Add one re-routed pass to the layer's counters: device tensors updated in place (no host sync),

@@ -12,8 +12,8 @@ re-attaches those tensors by identity) is unchanged.
 
 Semantics: exactly ``SereHandle._record_torch`` (tested value for value): rows outside ``live`` name no
 expert; an id outside ``[0, E)`` is no expert; P = the valid ids of the first ``kp`` columns of live rows.
-One program (grid 1): decode steps have T·k of a few hundred slots; a prefill pass (``mode="all"``) loops
-over its rows in tiles, linear in T. No host synchronisation, fixed shapes: CUDA-graph capturable.
+One program (grid 1): decode steps have T·k of a few hundred slots. ``hf_sere`` sends passes of more than
+``FUSED_MAX_TOKENS`` rows (a prefill under ``mode="all"``) to the torch ops instead. No host synchronisation, fixed shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ import triton.language as tl
 
 from harness.kernels.reroute import _block_w, _or_rows
 
-__all__ = ["record_stats"]
+__all__ = ["FUSED_MAX_TOKENS", "record_stats"]
 
 BLOCK_N = 64     # rows per tile of the union scans
+#: ``stats_impl="auto"`` uses the kernel up to this many rows per pass (decode batches). One program loops over a
+#: pass's rows, so a long prefill re-routed under ``mode="all"`` keeps the torch ops, which spread over the GPU.
+FUSED_MAX_TOKENS = 1024
 BLOCK_M = 128    # slots per tile of the per-slot pass
 
 

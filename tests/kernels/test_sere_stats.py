@@ -106,3 +106,16 @@ def test_statistics_of_a_layer_are_one_launch(monkeypatch):
         else:
             assert len(seen.ops) > 30              # the old path: what the fused kernel replaces
     assert launches == [(1,), (1,)]
+
+
+def test_auto_uses_the_kernel_for_decode_sized_passes_only(monkeypatch):
+    """``stats_impl="auto"``: the kernel for decode batches; a pass above FUSED_MAX_TOKENS rows keeps the torch ops."""
+    import harness.kernels.sere_stats as stats_mod
+
+    monkeypatch.setattr(stats_mod, "FUSED_MAX_TOKENS", 8)
+    handle = SereHandle(2, 0.4, "all", True, None)
+    small = torch.zeros(8, 4, dtype=torch.long, device=DEVICE)
+    large = torch.zeros(9, 4, dtype=torch.long, device=DEVICE)
+    assert handle._fused_stats(small) and not handle._fused_stats(large)
+    handle.stats_impl = "torch"
+    assert not handle._fused_stats(small)
