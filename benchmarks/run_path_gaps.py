@@ -342,7 +342,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=448)
     ap.add_argument("--prompt-tokens", type=int, default=1960)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=170.0)
+    ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code path only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
