@@ -3,7 +3,7 @@
 Why: the statistics behind ``summary.json["sere"]`` (distinct experts before / after re-routing, |P|, moved,
 outside-P, critical and protected slots, live rows, the by-live-rows histogram) were computed with ~44 small
 torch ops per layer and step (``torch.cat``, comparisons, two ``index_fill_`` scatters, seven sums, the
-accumulator updates). Captured in the engine's decode CUDA graph that is ~2,100 kernels per step for a
+accumulator updates). Captured in the engine's decode CUDA graph that is ~2,000 kernels per step for a
 48-layer model, each a few µs of mostly idle GPU: at Qwen3-30B-A3B shapes on an H200 the engine's SERE step
 was ~3.5 ms slower than the same step without statistics (``benchmarks/run_path_gaps.py``; docs/latency.md
 "Run path vs benchmark scripts"). This kernel does the same counting in one program per layer and step and

@@ -85,7 +85,7 @@ class _Ops(TorchDispatchMode):
 
 def test_statistics_of_a_layer_are_one_launch(monkeypatch):
     """The engine's decode step pays its statistics once per layer: with the fused path no torch op at all runs
-    per layer and step (the kernel launch is the only work), where the torch path dispatched ~44 ops (≈2,100
+    per layer and step (the kernel launch is the only work), where the torch path dispatched ~44 ops (≈2,000
     kernels per step at 48 layers, ~3.5 ms of a 20 ms H200 step). Counted with the launch itself stubbed: what
     is left is what a CUDA graph would capture besides it."""
     import harness.kernels.sere_stats as stats_mod
