@@ -256,7 +256,17 @@ class SereHandle:
         if self._fused_stats(old):
             from harness.kernels.sere_stats import record_stats
 
-            record_stats(old, new, st.num_experts, kp, live, st.protected, st.acc, entry[1])
+            try:
+                record_stats(old, new, st.num_experts, kp, live, st.protected, st.acc, entry[1])
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not fail the run
+                if self.stats_impl == "fused":
+                    raise
+                import warnings
+
+                warnings.warn(f"SERE statistics kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "counting with torch ops (slower decode steps)", RuntimeWarning, stacklevel=2)
+                self.stats_impl = "torch"
+                self._record_torch(st, old, new, live, entry[1])
         else:
             self._record_torch(st, old, new, live, entry[1])
         entry[0] += 1

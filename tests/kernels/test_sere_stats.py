@@ -119,3 +119,21 @@ def test_auto_uses_the_kernel_for_decode_sized_passes_only(monkeypatch):
     assert handle._fused_stats(small) and not handle._fused_stats(large)
     handle.stats_impl = "torch"
     assert not handle._fused_stats(small)
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_the_same_counts(monkeypatch):
+    """``auto``: a failing launch (e.g. a Triton build error on some GPU) warns once and counts with torch ops,
+    the same values; ``fused`` (forced) raises."""
+    import harness.kernels.sere_stats as stats_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    passes = [case(7, 16, 8, 2, 1, True, True, False)]
+    want = record("torch", 2, 16, passes)
+    monkeypatch.setattr(stats_mod, "record_stats", broken)
+    with pytest.warns(RuntimeWarning, match="statistics kernel unavailable"):
+        got = record("auto", 2, 16, passes)
+    assert got.acc.tolist() == want.acc.tolist()
+    with pytest.raises(RuntimeError, match="no compiler"):
+        record("fused", 2, 16, passes)
