@@ -19,6 +19,9 @@
 
     Confirms the explanation if ``stats_torch − nostats`` ≈ the 3.3–3.7 ms gap of run_path.md and
     ``stats_fused − nostats`` is a small fraction of it; ``nostats ≈ bench`` (same kernels).
+    (A') the same variants in the engine's own decode loop (``StaticGreedyDecoder``, its CUDA-event clock, 64 tokens):
+    ``stats_torch`` should reproduce run_path.md's graph rows (12.63 / 19.62 ms at B = 1 / 16), ``stats_fused`` fall
+    to about ``nostats``.
 
 (B) **30-image TTFT** (``model=qwen3_vl_30b_a3b_shapes``, ``dataset=synthetic_load``: 30 noise images of 448×448 and
     1,960 synthetic tokens, B = 1) at keep 1.0 and 0.5, split into the run path's own stages, each with a device
@@ -158,6 +161,7 @@ def section_sere(args, cuda: bool, result: dict, save, over_budget) -> None:
             save()
         del dec
         free(cuda)
+    engine_decoder_rows(model, sims, args, cuda, sec, save, over_budget)
     by = {(r["B"], r["variant"]): r.get("tpot_ms") for r in sec["rows"]}
     sec["deltas_ms"] = {str(b): {name: (by[(b, x)] - by[(b, y)]) if by.get((b, x)) and by.get((b, y)) else None
                                  for name, x, y in (("stats_torch_minus_nostats", "stats_torch", "nostats"),
@@ -167,6 +171,50 @@ def section_sere(args, cuda: bool, result: dict, save, over_budget) -> None:
                         for b in sorted({r["B"] for r in sec["rows"]})}
     del model
     free(cuda)
+
+
+DECODER_VARIANTS = ("off", "nostats", "stats_torch", "stats_fused")
+
+
+def engine_decoder_rows(model, sims, args, cuda: bool, sec: dict, save, over_budget) -> None:
+    """The engine's own decode loop (``hf_graphs.StaticGreedyDecoder``, as ``engine.decode_path=graph`` runs it):
+    TPOT = (last token − first token) / (steps − 1) from its CUDA-event clock, 64 tokens after a 64-token prompt,
+    after a 2-token generation that captures the graph (as the engine's warm-up does)."""
+    from harness.engines.hf_graphs import StaticGreedyDecoder
+
+    device = "cuda" if cuda else "cpu"
+    new_tokens = 64 if cuda else 4
+    rows = sec.setdefault("engine_decoder_rows", [])
+    for batch in [int(b) for b in args.batches.split(",") if b]:
+        g = torch.Generator().manual_seed(batch)
+        ids = torch.randint(0, int(model.config.vocab_size) - 8, (batch, 64), generator=g).to(device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        decoder = StaticGreedyDecoder(model, [], 0)
+        for variant in DECODER_VARIANTS:
+            row = {"B": batch, "variant": variant}
+            rows.append(row)
+            if over_budget():
+                row["skipped"] = "time budget"
+                continue
+            handle = None
+            try:
+                handle = install_variant(model, sims, variant, args.k)
+                with torch.inference_mode():
+                    decoder.generate(inputs, 2, reserve_new_tokens=new_tokens)
+                    res = decoder.generate(inputs, new_tokens, reserve_new_tokens=new_tokens)
+                steps = len(res.times) - 1
+                row.update(tpot_ms=(res.times[-1] - res.times[0]) * 1e3 / steps, steps=steps, mode=res.mode)
+            except Exception as exc:  # noqa: BLE001
+                row.update(err(exc))
+            finally:
+                if handle is not None:
+                    handle.remove()
+            print(f"decoder B={batch:<3} {variant:<12} " + (f"{row['tpot_ms']:.3f} ms ({row['mode']})"
+                                                           if "tpot_ms" in row else row.get("error", row.get("skipped", ""))),
+                  flush=True)
+            save()
+        del decoder
+        free(cuda)
 
 
 # ------------------------------------------------------------------------------------------------- (B) TTFT
@@ -313,6 +361,15 @@ def table(result: dict) -> str:
         lines += ["", "deltas (ms): " + json.dumps({b: {k: (round(v, 3) if v is not None else None)
                                                          for k, v in d.items()} for b, d in sere["deltas_ms"].items()})
                   if "deltas_ms" in sere else "", ""]
+        dec = {(r["B"], r["variant"]): r for r in sere.get("engine_decoder_rows", [])}
+        if dec:
+            lines += ["(A') the engine's StaticGreedyDecoder (graph path), TPOT ms from its own clock", "",
+                      "| B | " + " | ".join(DECODER_VARIANTS) + " |", "|---" * (len(DECODER_VARIANTS) + 1) + "|"]
+            for b in sorted({k[0] for k in dec}):
+                lines.append(f"| {b} | " + " | ".join(
+                    f"{dec[(b, v)]['tpot_ms']:.2f}" if "tpot_ms" in dec.get((b, v), {}) else "err"
+                    for v in DECODER_VARIANTS) + " |")
+            lines.append("")
     ttft = result.get("ttft")
     if ttft:
         cols = ["engine_ttft_host_patchify", "engine_ttft", "host_build_host_patchify", "host_build", "vision_tower", "visionzip_prepare", "importance", "static_prefill",
