@@ -10,7 +10,9 @@ an exact length in tokens. So this module builds the model inputs itself:
 - image parts → ``<|vision_start|>`` + one ``<|image_pad|>`` per merged patch + ``<|vision_end|>``, and the
   image's patches in the Qwen2-VL / Qwen3-VL processor layout (resize to a multiple of patch × merge, rescale to
   [0, 1], normalise with mean = std = 0.5, repeat the frame ``temporal_patch_size`` times, then
-  ``[grid_t·grid_h·grid_w, C·T·P·P]`` in merge-window order), with ``image_grid_thw``.
+  ``[grid_t·grid_h·grid_w, C·T·P·P]`` in merge-window order), with ``image_grid_thw``. Only the resize runs on
+  the host: the uint8 pixels go to the device, which normalises and rearranges them (``DEVICE_PATCHIFY``; the
+  float32 host version cost ~0.1-1 s of a 30-image request's TTFT).
 
 No chat template is applied: the prompt is exactly the parts in order (a synthetic load measures an engine at a
 given prompt length, not a conversation). Batches are left-padded with the pad id, as generation requires. Only
@@ -49,16 +51,41 @@ def image_tokens(width: int, height: int, vision: Any) -> int:
     return (w // vision.patch_size) * (h // vision.patch_size) // vision.spatial_merge_size ** 2
 
 
-def patchify(image: Any, vision: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One PIL image → (patches [grid_h·grid_w, 3·T·P·P] float32, (1, grid_h, grid_w))."""
+#: ``build_inputs`` patchifies on the target device from the uint8 pixels (True) or on the host in float32 (False,
+#: the first version; ``benchmarks/run_path_gaps.py`` times both). Same values either way (tested).
+DEVICE_PATCHIFY = True
+_LUTS: dict[str, torch.Tensor] = {}
+
+
+def _normalise_lut(device: Any) -> torch.Tensor:
+    """float32 [256]: the host formula ``(byte / 255 - 0.5) / 0.5`` for every byte value, on ``device``. Indexing
+    it gives exactly the host's values on any device (a division on the GPU may round differently)."""
+    key = str(device)
+    lut = _LUTS.get(key)
+    if lut is None:
+        lut = _LUTS[key] = torch.from_numpy((np.arange(256, dtype=np.float32) / 255.0 - 0.5) / 0.5).to(device)
+    return lut
+
+
+def patchify(image: Any, vision: Any, device: Any = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One PIL image → (patches [grid_h·grid_w, 3·T·P·P] float32, (1, grid_h, grid_w)).
+
+    ``device`` None: normalised and rearranged on the host (numpy, float32). Else only the uint8 pixels cross to
+    ``device`` (4x fewer bytes than float32, 8x fewer than the temporally repeated patches) and the normalisation
+    (a 256-entry table of the host's values) and the rearrangement run there: the run path's TTFT clock includes
+    this (docs/latency.md, "Run path vs benchmark scripts")."""
     from PIL import Image
 
     p, m, t = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
     w, h = resized_size(image.width, image.height, p * m)
     if (w, h) != (image.width, image.height):
         image = image.resize((w, h), Image.BICUBIC)
-    arr = (np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - 0.5) / 0.5   # [H, W, C]
-    x = torch.from_numpy(arr).permute(2, 0, 1)[None].repeat(t, 1, 1, 1)               # [T, C, H, W]
+    if device is None:
+        arr = torch.from_numpy((np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0 - 0.5) / 0.5)
+    else:
+        pixels = torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).to(device)   # [H, W, C] uint8
+        arr = _normalise_lut(device)[pixels.long()]
+    x = arr.permute(2, 0, 1)[None].repeat(t, 1, 1, 1)                                    # [T, C, H, W]
     gh, gw = h // p, w // p
     x = x.reshape(1, t, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(gh * gw, 3 * t * p * p).contiguous(), (1, gh, gw)
@@ -98,7 +125,8 @@ def build_inputs(requests: list[Any], model_config: Any, tokenizer: Any, pad_id:
             elif kind == "image":
                 if vision is None:
                     raise ValueError("an image part for a text-only model (it has no vision tower)")
-                x, grid = patchify(req.images[int(part.get("index", 0))], vision)
+                x, grid = patchify(req.images[int(part.get("index", 0))], vision,
+                                   device if DEVICE_PATCHIFY else None)
                 patches.append(x)
                 grids.append(grid)
                 n = grid[1] * grid[2] // vision.spatial_merge_size ** 2
@@ -117,7 +145,7 @@ def build_inputs(requests: list[Any], model_config: Any, tokenizer: Any, pad_id:
         mask[i, longest - len(r):] = 1
     out = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
     if patches:
-        out["pixel_values"] = torch.cat(patches).to(device=device, dtype=dtype)
+        out["pixel_values"] = torch.cat(patches).to(device=device, dtype=dtype)   # on the device already (DEVICE_PATCHIFY)
         out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long, device=device)
     from transformers import BatchFeature
 

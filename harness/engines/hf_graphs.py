@@ -217,7 +217,7 @@ def _fingerprint(model: torch.nn.Module, handles: list) -> tuple:
     """What a captured decode step baked in that can change between batches (see the module doc)."""
     hooks = tuple((id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
                   for m in model.modules() if m._forward_hooks or m._forward_pre_hooks)
-    sere = tuple((id(h), h.mode, h.collect_stats, h.k_primary, h.rho,
+    sere = tuple((id(h), h.mode, h.collect_stats, getattr(h, "stats_impl", None), h.k_primary, h.rho,
                   tuple((id(st.similarity), id(st.protected)) for st in h.layers)) for h in handles)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     impl = (getattr(text, "_attn_implementation", None), getattr(text, "_experts_implementation", None))

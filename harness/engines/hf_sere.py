@@ -36,7 +36,11 @@ own), else the model's ``generation_config.eos_token_id``; with none, every row 
 rows only: distinct experts named by the ids before and after re-routing, the size of P, moved secondary
 slots, live rows. They are accumulated in int64 device tensors per layer (no host synchronisation in the
 hook; step counts are Python ints known from shapes) and read once by :meth:`SereHandle.stats`. An id
-outside ``[0, E)`` (-1 = "no expert") never counts as an expert, in P or anywhere else.
+outside ``[0, E)`` (-1 = "no expert") never counts as an expert, in P or anywhere else. On CUDA one Triton
+launch per layer and step does the counting (``harness.kernels.sere_stats``); the torch version it replaces
+was ~44 small ops per layer, ~2,000 kernels per step in the decode CUDA graph at 48 layers, ~3.5 ms of an
+H200 step (docs/latency.md, "Run path vs benchmark scripts"). ``handle.stats_impl`` = ``"auto"`` (that
+choice) | ``"torch"`` | ``"fused"``.
 """
 
 from __future__ import annotations
@@ -118,6 +122,9 @@ class SereHandle:
         self.rho = float(rho)
         self.mode = mode
         self.collect_stats = collect_stats
+        # "auto": the one-launch Triton kernel on CUDA (or under TRITON_INTERPRET), torch ops elsewhere;
+        # "torch" / "fused" force one (benchmarks/run_path_gaps.py times both)
+        self.stats_impl = "auto"
         self.op = op
         self.layers: list[_Layer] = []
         self.removed = False
@@ -219,7 +226,58 @@ class SereHandle:
         ]
         setattr(st.block, self.slot, self)
 
+    def _fused_stats(self, old: torch.Tensor) -> bool:
+        """Whether this pass's statistics go through the one-launch Triton kernel (``stats_impl``)."""
+        if self.stats_impl == "torch":
+            return False
+        if self.stats_impl == "fused":
+            return True
+        import os
+
+        from harness.kernels.sere_stats import FUSED_MAX_TOKENS
+
+        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops
+        return old.shape[0] <= FUSED_MAX_TOKENS and (
+            old.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
     def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
+        """Add one re-routed pass to the layer's counters: device tensors updated in place (no host sync),
+        then the host ints. On CUDA one Triton launch (``harness.kernels.sere_stats``), else ~44 torch ops."""
+        t, k = old.shape
+        kp = min(self.k_primary, k)
+        dev = old.device
+        if st.acc is None or st.acc.device != dev:
+            with torch.inference_mode(False):  # a normal tensor: updatable inside and outside inference mode
+                st.acc = torch.zeros(len(COUNTERS), dtype=torch.long, device=dev)
+        entry = st.by_batch.get(t)
+        if entry is None:
+            with torch.inference_mode(False):
+                entry = st.by_batch[t] = [0, torch.zeros(t + 1, 3, dtype=torch.long, device=dev)]
+        if self._fused_stats(old):
+            from harness.kernels.sere_stats import record_stats
+
+            try:
+                record_stats(old, new, st.num_experts, kp, live, st.protected, st.acc, entry[1])
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot build must not fail the run
+                if self.stats_impl == "fused":
+                    raise
+                import warnings
+
+                warnings.warn(f"SERE statistics kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "counting with torch ops (slower decode steps)", RuntimeWarning, stacklevel=2)
+                self.stats_impl = "torch"
+                self._record_torch(st, old, new, live, entry[1])
+        else:
+            self._record_torch(st, old, new, live, entry[1])
+        entry[0] += 1
+        st.steps += 1
+        st.tokens += t
+        st.secondary_slots += t * (k - kp)
+        st.slot_width = k - kp
+
+    def _record_torch(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None,
+                      hist: torch.Tensor) -> None:
+        """The statistics in plain torch ops (CPU; the reference the fused kernel is tested against)."""
         t, k = old.shape
         kp = min(self.k_primary, k)
         e = st.num_experts
@@ -251,22 +309,10 @@ class SereHandle:
         stayed = outside & (sec_old == sec_new)
         prot = st.protected[safe] & stayed if st.protected is not None else torch.zeros_like(stayed)
         extra = torch.stack([(old != new).sum(), outside.sum(), (stayed & ~prot).sum(), prot.sum(), n_live])
-        if st.acc is None or st.acc.device != dev:
-            with torch.inference_mode(False):  # a normal tensor: updatable inside and outside inference mode
-                st.acc = torch.zeros(len(COUNTERS), dtype=torch.long, device=dev)
         st.acc[:3] += counts
         st.acc[3:] += extra
-        entry = st.by_batch.get(t)
-        if entry is None:
-            with torch.inference_mode(False):
-                entry = st.by_batch[t] = [0, torch.zeros(t + 1, 3, dtype=torch.long, device=dev)]
         one = torch.ones(1, dtype=torch.long, device=dev)
-        entry[0] += 1
-        entry[1].index_add_(0, n_live.reshape(1), torch.cat([one, counts[:2]]).reshape(1, 3))
-        st.steps += 1
-        st.tokens += t
-        st.secondary_slots += t * (k - kp)
-        st.slot_width = k - kp
+        hist.index_add_(0, n_live.reshape(1), torch.cat([one, counts[:2]]).reshape(1, 3))
 
     # -- public API -------------------------------------------------------------------------------
     def reset_stats(self) -> None:
