@@ -56,9 +56,12 @@ __all__ = ["SMALL_PATH_MAX_PAIRS", "SmallMoEConfig", "SMALL_GPU_CONFIG", "SMALL_
 # one went to HBM — less than the ~35 µs the sorted path spends on sort/align/launches: a win whatever L2
 # does. At B = 16 (128 pairs, ≈ 39 experts) the 89 extra reads are 0.84 GB, up to 196 µs from HBM against
 # a 127 µs sorted layer: the outcome rests on the L2 hit rate. 32 is the largest S the worst-case bound
-# guarantees; the benchmark times both paths at B = 1..16 — raise this constant if its table puts the
-# crossover higher.
-SMALL_PATH_MAX_PAIRS = 32
+# guarantees; the benchmark times both paths at B = 1..16. Measured (H200, results/benchmarks/fused_moe_small.md,
+# graph replay µs, sorted vs small): B=1 top-8 50.7 vs 46.8 (37.2 with the tiles below), B=2 62.6 vs 51.5, B=4
+# top-8 83.1 vs 79.7 but SERE K=2 48.1 vs 67.7 (6 experts shared by 32 pairs: the re-reads the sorted path
+# avoids), B=8 99.3 vs 130.3. So the small path is taken up to S = 16 (B = 2 at top-8), where it wins for every
+# routing measured.
+SMALL_PATH_MAX_PAIRS = 16
 
 
 @dataclass(frozen=True)
@@ -77,14 +80,14 @@ class SmallMoEConfig:
     up_warps: int = 4
     down_warps: int = 4
     num_stages: int = 3
-    unroll: int = 2
+    unroll: int = 4
     down_all_slots: bool = True
 
 
 # H200, Qwen3-30B-A3B at B = 1: gate_up grid 8 × 48 = 384 programs, down grid 1 × 256 (≥ 132 SMs busy),
 # each down program with 8 slots × [8, 128] weights in flight per step; 128/256-wide depth chunks are
-# 256/512 B contiguous per weight row (16-byte vector loads). Picked before any GPU
-# measurement; ``benchmarks/bench_fused_moe.py`` sweeps alternatives at B = 1.
+# 256/512 B contiguous per weight row (16-byte vector loads). The sweep of ``benchmarks/bench_fused_moe.py`` at
+# B = 1 (15 configurations): unroll 4 was the fastest measured row, 37.2 µs against 46.8 for unroll 2.
 SMALL_GPU_CONFIG = SmallMoEConfig()
 # The interpreter runs one program at a time in numpy: small tiles keep the masked work small, and tiles
 # narrower than the test shapes exercise the column / depth masks.
