@@ -119,6 +119,31 @@ def bench_case(b, length, n, args, cuda, timer) -> dict:
     return row
 
 
+def bench_cache_write(b, cuda, timer) -> dict:
+    """One token into a static cache: transformers' ``StaticLayer.update`` against ``static_cache_write``."""
+    from bench_fused_moe import capture_graph, short_error
+    from transformers.cache_utils import StaticLayer
+
+    from harness.kernels.decode_attention import static_cache_write
+
+    device = "cuda" if cuda else "cpu"
+    kv_heads, d = (KV_HEADS, HEAD_DIM) if cuda else (2, 32)
+    layer = StaticLayer(max_cache_len=128)
+    layer.update(*(torch.zeros(b, kv_heads, 64, d, device=device, dtype=torch.bfloat16) for _ in range(2)))
+    k, v = (torch.randn(b, kv_heads, 1, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    row = {"B": b}
+    impls = {"transformers_update": lambda: layer.update(k, v),
+             "kernel": lambda: static_cache_write(k, v, layer.keys, layer.values, layer.cumulative_length)}
+    for name, fn in impls.items():
+        try:
+            layer.cumulative_length.zero_()
+            row[name] = timer(capture_graph(fn).replay) if cuda else timer(fn)
+        except Exception as exc:  # noqa: BLE001
+            row[name] = {"error": short_error(exc)}
+        layer.cumulative_length.zero_()    # keep the writes inside the cache whatever the replay count
+    return row
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# Decode attention: one call (Qwen3-30B-A3B heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}, bf16)", "",
@@ -140,6 +165,11 @@ def markdown(result: dict) -> str:
         sp = f"{r['speedup_vs_hf_sdpa']:.2f}×" if r.get("speedup_vs_hf_sdpa") else "–"
         lines.append(f"| {r['B']} | {r['L']} | {r['n']} | {r['floor_us']:.1f} | {us(s)} | {us(k)} | "
                      f"{us(r.get('sdpa_gqa', {}))} | {sp} | {x48(k)} | {x48(s)} | {k.get('rel_err', float('nan')):.1e} |")
+    if result.get("cache_write"):
+        lines += ["", "## One token into a static cache (µs, CUDA-graph replay)", "",
+                  "| B | transformers StaticLayer.update | static_cache_write |", "|---|---|---|"]
+        for r in result["cache_write"]:
+            lines.append(f"| {r['B']} | {us(r.get('transformers_update', {}))} | {us(r.get('kernel', {}))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +200,12 @@ def main() -> int:
               flush=True)
         (out / "decode_attention.json").write_text(json.dumps(result, indent=1))
         (out / "decode_attention.md").write_text(markdown(result))
+    result["cache_write"] = []
+    for b in ((1, 16, 64) if cuda else (1, 3)):
+        try:
+            result["cache_write"].append(bench_cache_write(b, cuda, timer))
+        except Exception as exc:  # noqa: BLE001
+            result["cache_write"].append({"B": b, "error": str(exc)[:200]})
     result["total_s"] = round(time.time() - t0, 1)
     (out / "decode_attention.json").write_text(json.dumps(result, indent=1))
     (out / "decode_attention.md").write_text(markdown(result))

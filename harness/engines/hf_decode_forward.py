@@ -4,8 +4,9 @@ Why (issue 17, profile in ``results/benchmarks/run_path_breakdown_attn.json``): 
 attention block launches, per layer, three small GEMMs for q/k/v (5–7 µs each where the bytes need ~1–4 µs), two
 RMS norms, the RoPE kernels and the transposes, one at a time. This forward, used for one-token passes only,
 reads q/k/v weights as one packed matrix in one GEMM and computes both head norms and RoPE in one function that
-the compiled decode path (:mod:`harness.engines.hf_compile`, ``region``) compiles once for every layer; the cache
-update, the attention function (``config._attn_implementation``: the Triton decode kernel or SDPA) and ``o_proj``
+the compiled decode path (:mod:`harness.engines.hf_compile`, ``region``) compiles once for every layer; a static
+cache is written in one launch (``harness.kernels.decode_attention.static_cache_write``, transformers' update takes
+five); the attention function (``config._attn_implementation``: the Triton decode kernel or SDPA) and ``o_proj``
 are the model's own. Any other pass (prefill, q_len > 1) runs the model's original forward, untouched.
 
 Packing: q/k/v weights are copied once into one ``[(Hq + 2·Hkv)·D, hidden]`` tensor and each projection's
@@ -98,11 +99,25 @@ def decode_forward(attn: torch.nn.Module, hidden_states: torch.Tensor, position_
                         float(attn.q_norm.variance_epsilon), float(attn.k_norm.variance_epsilon), cos, sin,
                         q_heads, kv_heads, attn.head_dim)
     if cache is not None:
-        k, v = cache.update(k, v, attn.layer_idx)
+        k, v = _cache_update(cache, attn.layer_idx, k, v)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation, _eager_attention(attn))
     out, weights = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
     return attn.o_proj(out), weights
+
+
+def _cache_update(cache: Any, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    """``cache.update`` — for an initialised static layer (transformers' ``StaticLayer``, same code in 5.17 and
+    5.24: write at ``cumulative_length``, then add one) as one kernel launch plus the increment."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if type(layer).__name__ == "StaticLayer" and getattr(layer, "is_initialized", False) \
+            and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) and k.shape[2] == 1:
+        from harness.kernels.decode_attention import static_cache_write
+
+        static_cache_write(k, v, layer.keys, layer.values, layer.cumulative_length)
+        return layer.keys, layer.values
+    return cache.update(k, v, layer_idx)
 
 
 def _eager_attention(attn: torch.nn.Module):

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["decode_attention", "decode_attention_triton", "decode_attention_reference", "triton_available",
-           "num_splits", "unsupported_reason"]
+           "num_splits", "unsupported_reason", "static_cache_write", "static_cache_write_reference"]
 
 BLOCK_L_GPU = 64
 BLOCK_L_INTERPRETER = 16
@@ -267,6 +267,53 @@ def decode_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch
         _attn_combine_kernel[(b, hkv)](acc, ml, out, n_split, so.stride(0), so.stride(1), so.stride(2),
                                   G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+@triton.jit
+def _cache_write_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, pos_ptr, H,
+                        skb, skh, skd, svb, svh, svd, sKb, sKh, sKl, sKd, sVb, sVh, sVl, sVd,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """keys[b, h, pos] = k[b, h, 0] and values[b, h, pos] = v[b, h, 0]; pos read from the device."""
+    b = (tl.program_id(0) // H).to(tl.int64)
+    h = (tl.program_id(0) % H).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    pos = tl.load(pos_ptr).to(tl.int64)
+    k = tl.load(k_ptr + b * skb + h * skh + d * skd, mask=ok)
+    v = tl.load(v_ptr + b * svb + h * svh + d * svd, mask=ok)
+    tl.store(keys_ptr + b * sKb + h * sKh + pos * sKl + d * sKd, k, mask=ok)
+    tl.store(values_ptr + b * sVb + h * sVh + pos * sVl + d * sVd, v, mask=ok)
+
+
+def static_cache_write_reference(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                 position: torch.Tensor) -> None:
+    """transformers' ``StaticLayer.update`` for one token: write at ``position`` (a 0-d device tensor), then +1."""
+    pos = position.view(1)
+    keys.index_copy_(2, pos, key)
+    values.index_copy_(2, pos, value)
+    position.add_(1)
+
+
+def static_cache_write(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       position: torch.Tensor) -> None:
+    """One decode token's K/V into a static cache in one launch (transformers' update takes five: arange, add,
+    two index_copy, add), then ``position += 1``. ``key``/``value`` [B, Hkv, 1, D]; ``keys``/``values``
+    [B, Hkv, L, D]; ``position`` a 0-d int tensor on the device (the layer's ``cumulative_length``)."""
+    b, h, t, d = key.shape
+    if t != 1 or value.shape != key.shape or keys.shape[:2] != (b, h) or keys.shape[3] != d \
+            or values.shape != keys.shape or position.numel() != 1:
+        raise ValueError(f"static_cache_write: key {tuple(key.shape)}, cache {tuple(keys.shape)}, "
+                         f"position {tuple(position.shape)}")
+    if not triton_available(key.device):
+        static_cache_write_reference(key, value, keys, values, position)
+        return
+    _cache_write_kernel[(b * h,)](
+        key, value, keys, values, position, h,
+        key.stride(0), key.stride(1), key.stride(3), value.stride(0), value.stride(1), value.stride(3),
+        keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+        values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+        D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    position.add_(1)
 
 
 @torch.library.custom_op("harness::decode_attention", mutates_args=())

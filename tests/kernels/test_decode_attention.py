@@ -141,3 +141,29 @@ def test_split_count_is_a_function_of_shapes():
     cpu = torch.device("cpu")
     assert da.num_splits(1, 4, 16, 16, cpu) == 1
     assert da.num_splits(1, 4, 64, 16, cpu) == 2
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_static_cache_write_equals_transformers_update(use_kernel, monkeypatch):
+    """One token written at the device position, position advanced: exactly ``StaticLayer.update``."""
+    from transformers.cache_utils import StaticLayer
+
+    if use_kernel and not triton_available(DEVICE):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    if not use_kernel:
+        monkeypatch.setattr(da, "triton_available", lambda device: False)
+    b, h, length, d = 2, 3, 10, 24
+    ref = StaticLayer(max_cache_len=length)
+    ours = StaticLayer(max_cache_len=length)
+    prompt = torch.randn(b, h, 4, d, device=DEVICE), torch.randn(b, h, 4, d, device=DEVICE)
+    ref.update(*prompt)
+    ours.update(*prompt)
+    for _ in range(3):
+        k, v = torch.randn(b, h, 1, d, device=DEVICE), torch.randn(b, h, 1, d, device=DEVICE)
+        ref.update(k, v)
+        da.static_cache_write(k, v, ours.keys, ours.values, ours.cumulative_length)
+    assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+    assert int(ours.cumulative_length) == int(ref.cumulative_length) == 7
+    with pytest.raises(ValueError, match="static_cache_write"):
+        da.static_cache_write(torch.randn(b, h, 2, d), torch.randn(b, h, 2, d), ours.keys, ours.values,
+                              ours.cumulative_length)
