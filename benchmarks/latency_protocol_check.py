@@ -12,7 +12,9 @@ batches of several sizes and prompt lengths. Three sections, each guarded so tha
    The table lists the events and the TTFT of the timing that was thrown away against the kept one;
 2. ``per_shape``: one warm-up per shape key. No timed batch may capture (0 events expected);
 3. ``repeats``: the ``per_shape`` engine timed 5 times. TTFT/TPOT mean, p50, the bootstrap 95 % interval (when
-   scipy is installed; otherwise null) and the pass-to-pass CV.
+   scipy is installed; otherwise null) and the pass-to-pass CV;
+4. ``per_shape_graph_states_5``: the same with ``engine.graph_states=5``. The batches need 4 (batch, cache length)
+   states, one more than the default 3 keeps, so section 2 recaptures per batch; here no batch may capture.
 
 Weights: the tiny embedded model, random-init (shapes matter here, not values). Writes
 ``results/benchmarks/latency_protocol_check.json``. Imports torch, transformers and harness modules that
@@ -33,13 +35,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def make_engine(device: str, max_new: int):
+def make_engine(device: str, max_new: int, graph_states: int = 3):
     from harness.engines.hf import HFEngine
     from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
     path = ensure_tiny_model(TinyModelSpec())
     cfg = SimpleNamespace(device=device, dtype="auto", batch_size=4, attn_implementation="sdpa",
-                          experts_implementation="auto", cuda_graphs=True, warmup=1)
+                          experts_implementation="auto", cuda_graphs=True, warmup=1, graph_states=graph_states)
     return HFEngine(str(path), cfg, SimpleNamespace(max_new_tokens=max_new))
 
 
@@ -79,11 +81,11 @@ def section_first_batch(device: str, max_new: int) -> dict:
         engine.close()
 
 
-def section_per_shape(device: str, max_new: int, repeats: int) -> dict:
+def section_per_shape(device: str, max_new: int, repeats: int, graph_states: int = 3) -> dict:
     from harness.latency.runner import TimedBatches
     from harness.latency.stats import repeat_summary
 
-    engine = make_engine(device, max_new)
+    engine = make_engine(device, max_new, graph_states)
     try:
         batches = make_batches()
         timer = TimedBatches(engine, cfg("per_shape", repeats), "baseline")
@@ -103,7 +105,9 @@ def section_per_shape(device: str, max_new: int, repeats: int) -> dict:
             st.bootstrap_ci = lambda *a, **k: None
             stats = repeat_summary(timer.samples, max_cv=0.1)
         keep = ("mean", "p50", "p90", "ci", "cv", "n", "pass_means", "noisy")
-        return {"warmup_batches": timer.warmup_batches, "captures_after_warmup": captures_after_warmup,
+        return {"graph_states": graph_states, "protocol": {k: v for k, v in timer.protocol_block().items()
+                                                           if k in ("graph_states", "shapes_needing_states")},
+                "warmup_batches": timer.warmup_batches, "captures_after_warmup": captures_after_warmup,
                 "captures_at_end": engine.compile_counters()["cuda_graph_captures"],
                 "first_pass_events": first_pass_events, "all_events": timer.events,
                 "stats": {m: {k: stats[m][k] for k in keep} for m in ("ttft_ms", "tpot_ms", "e2e_ms")}}
@@ -129,7 +133,9 @@ def main() -> int:
                     "max_new_tokens": max_new, "repeats": repeats, "sections": {}}
     t0 = time.perf_counter()
     for name, fn in (("first_batch", lambda: section_first_batch(device, max_new)),
-                     ("per_shape_repeats", lambda: section_per_shape(device, max_new, repeats))):
+                     ("per_shape_repeats", lambda: section_per_shape(device, max_new, repeats)),
+                     # 4 shapes > the default 3 states: engine.graph_states=5 keeps every graph (no capture expected)
+                     ("per_shape_graph_states_5", lambda: section_per_shape(device, max_new, repeats, 5))):
         try:
             result["sections"][name] = fn()
         except Exception as e:  # noqa: BLE001 - one failed section keeps the others
@@ -158,6 +164,11 @@ def main() -> int:
             ci = f"[{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]" if s["ci"] else "n/a (no scipy)"
             cv = f"{s['cv']:.1%}" if s["cv"] is not None else "n/a"
             print(f"   {m:<10} {s['mean']:9.3f} {s['p50']:9.3f}   {ci:<22} {cv}")
+    g5 = result["sections"].get("per_shape_graph_states_5", {})
+    print("\n4. per_shape warm-up with engine.graph_states=5 (expected: no capture after warm-up)")
+    print("   error: " + g5["error"] if "error" in g5 else
+          f"   captures after warm-up {g5['captures_after_warmup']}, at the end {g5['captures_at_end']}, "
+          f"events {len(g5['all_events'])}, protocol {g5['protocol']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, default=str)

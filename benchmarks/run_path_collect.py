@@ -117,14 +117,29 @@ def markdown(res: dict) -> str:
     for r in res["ttft"]:
         lines.append(f"| {r['keep']} | {r['visual_tokens_kept'] or '–'} / {r['visual_tokens_in'] or '–'} | "
                      f"{f(r['ttft_p50_ms'])} | {f(r['ttft_mean_ms'])} | {r['n']} |")
+    stock = res.get("stock_compile") or []
+    if stock:
+        lines += ["", "## Stock `torch.compile(mode=\"reduce-overhead\")` of the whole model (bench_decode_step "
+                  "--modes compile; same shapes, prompt 64 in a StaticCache of 128)", "",
+                  "| experts implementation | B | SERE | TPOT ms | compile s | source |", "|---|---|---|---|---|---|"]
+        for r in stock:
+            lines.append(f"| {r['impl']} | {r['B']} | {r['sere']} | {f(r['tpot_ms'])} | {f(r.get('compile_s'), '{:.0f}')} "
+                         f"| {r['source']} |")
     bd = res.get("breakdown") or {}
     if bd.get("rows"):
         lines += ["", "## Per-step breakdown (ablation, CUDA-graph replays; benchmarks/run_path_breakdown.py)", "",
-                  "| step | B | full ms | MoE ms | attention ms | other ms | parts sum |", "|---|---|---|---|---|---|---|"]
+                  "`kernels`: stock = transformers' SDPA and router with the sorted fused MoE; all = the engine's CUDA "
+                  "defaults (Triton decode attention + one-launch cache write, packed-QKV forward, Triton router, "
+                  "small-batch MoE path). Kernel families: GPU time per step from torch.profiler over eager steps.", "",
+                  "| step | kernels | B | full ms | MoE ms | attention ms | other ms | parts sum | kernels/step | "
+                  "GPU µs per step by family |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in bd["rows"]:
             full = (r.get("full") or {}).get("ms") if isinstance(r.get("full"), dict) else None
-            lines.append(f"| {r['path']} | {r['B']} | {f(full)} | {f(r.get('moe_ms'))} | {f(r.get('attention_ms'))} | "
-                         f"{f(r.get('other_ms'))} | {f(r.get('parts_sum_ms'))} |")
+            prof = r.get("profile") or {}
+            fams = ", ".join(f"{k} {v:.0f}" for k, v in (prof.get("families_us_per_step") or {}).items())
+            lines.append(f"| {r['path']} | {r.get('kernels', r.get('attention', 'stock'))} | {r['B']} | {f(full)} | "
+                         f"{f(r.get('moe_ms'))} | {f(r.get('attention_ms'))} | {f(r.get('other_ms'))} | "
+                         f"{f(r.get('parts_sum_ms'))} | {f(prof.get('kernels_per_step'), '{:.0f}')} | {fams or '–'} |")
     lines += ["", f"Stages: {res.get('status')}; total {res.get('elapsed_s')} s."]
     return "\n".join(lines) + "\n"
 
@@ -144,7 +159,14 @@ def main() -> int:
         if first else bench_raw.get("environment")
     paths = sorted({r["decode_path"] for r in tpot if r["decode_path"]})
     status = (args.dir / "run_path_status.txt").read_text().split("\n") if (args.dir / "run_path_status.txt").exists() else []
-    res = {"benchmark": "run_path", "environment": env, "weights": "random-init", "dtype": "bfloat16 (CUDA) / float32 (CPU)",
+    stock = []
+    for name in ("decode_step_compile_b1.json", "decode_step_compile_b16.json", "decode_step_compile_b64.json"):
+        raw = load(args.dir / name) or {}
+        for r in raw.get("rows", []):
+            if r.get("mode") == "compile" and r.get("tpot_ms") is not None and not any(
+                    (x["impl"], x["B"], x["sere"]) == (r["impl"], r["B"], r["sere"]) for x in stock):
+                stock.append({k: r.get(k) for k in ("impl", "B", "sere", "tpot_ms", "compile_s")} | {"source": name})
+    res = {"benchmark": "run_path", "stock_compile": stock, "environment": env, "weights": "random-init", "dtype": "bfloat16 (CUDA) / float32 (CPU)",
            "tpot": tpot, "ttft": ttft, "bench_decode_step": bench, "breakdown": load(args.dir / "run_path_breakdown.json"),
            "goals": {p: goals(tpot, p) for p in paths}, "status": [s for s in status if s], "elapsed_s": args.elapsed}
     (args.dir / "run_path.json").write_text(json.dumps(res, indent=2, default=str))

@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/run_path_table.sh            # H200: ~6-8 min; writes results/benchmarks/run_path.{json,md}
 #   bash benchmarks/run_path_table.sh --smoke    # CPU: the same four stages on the tiny shapes presets (~5 min)
+#   RUN_PATHS=compiled T1_S=150 bash benchmarks/run_path_table.sh   # H200: the default decode path only (~5 min)
 #
 # Stages (each under its own timeout; a failed stage is recorded, the others still run):
 #   1. TPOT: one python process, a Hydra sweep (-m, basic launcher = sequential jobs in-process; model.shapes.reuse
@@ -13,7 +14,8 @@
 #   2. TTFT: model=qwen3_vl_30b_a3b_shapes, 30 images of 448x448 (5,880 visual tokens) + 1,960 prompt tokens,
 #      visionzip.keep = 1.0, 0.7, 0.6, 0.5, B = 1, 3 requests, output 8 tokens (decode_path=graph: TTFT only).
 #   3. benchmarks/bench_decode_step.py --modes graph (fused MoE kernel; B = 1, 16, 64 x off/k2/k1).
-#   4. benchmarks/run_path_breakdown.py: MoE / attention / other per step (graph and compiled steps).
+#   4. benchmarks/run_path_breakdown.py: MoE / attention / other per step (compiled step), stock vs the engine's
+#      decode kernels, with a torch.profiler kernel-family split.
 #   then benchmarks/run_path_collect.py builds results/benchmarks/run_path.json / .md with the goals marked.
 # Needs on the GPU box: hydra-core, omegaconf, antlr4 (+ metric wheels: harness.scoring imports them lazily):
 #   ../shared/device/wheels.sh core metrics. wandb is not needed (wandb.mode=disabled imports nothing).
@@ -39,8 +41,8 @@ else
   TEXT=model=qwen3_30b_a3b_shapes; VL=model=qwen3_vl_30b_a3b_shapes
   BATCHES=1,16,64; NIMG=30; PROMPT_VL=1960; OUTTOK=64; T1=240; T2=90; T3=100; T4=110
   BENCH_ARGS="--modes graph --impls harness_fused_moe --batches 1,16,64 --sere off,k2,k1 --steps 30 --budget-s 85"
-  BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 95 --paths compiled,graph"
-  PATHS=compiled,graph
+  BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 100 --paths compiled --kernels all,stock --profile"
+  PATHS=${RUN_PATHS:-compiled,graph}; T1=${T1_S:-$T1}
 fi
 status() { echo "$1 rc=$2 $(date +%T)" | tee -a "$RES/run_path_status.txt"; }
 : > "$RES/run_path_status.txt"
