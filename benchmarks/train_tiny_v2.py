@@ -97,6 +97,11 @@ def usage_spread(usage: dict[str, list[float]]) -> dict[str, float]:
             "max_share": round(max((max(u) for u in usage.values()), default=0.0), 4)}
 
 
+def pool_key(pa) -> tuple:
+    """Variants share a data pool when they draw the same generator's items for the same tasks."""
+    return pa.generator, tuple(sorted(pa.task_weights))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/benchmarks/train_tiny_v2")),
@@ -153,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for v in variants:
         pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
-        if pa.generator not in pools_by_gen:
-            pools_by_gen[pa.generator] = build_pools(pa, str(tok_dir), config)
+        if pool_key(pa) not in pools_by_gen:  # the tasks too: v3 samples ``attr``, which v2's pool lacks
+            pools_by_gen[pool_key(pa)] = build_pools(pa, str(tok_dir), config)
     data_s = time.time() - t0
     import shutil
 
     shutil.rmtree(tok_dir, ignore_errors=True)
-    print(f"data pools {sorted(pools_by_gen)} in {data_s:.0f} s", flush=True)
+    print(f"data pools {[g for g, _ in pools_by_gen]} in {data_s:.0f} s", flush=True)
 
     eval_sizes = ({"n_rag": 2, "n_ocr": 3, "n_mcq": 2, "batch_size": 4, "rag_tokens": 8, "sections": ("ocr", "mix")}
                   if args.smoke else
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
         train_argv = ["--variant", v, "--out", str(work / v / "ckpt"), *common]
-        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pa.generator], work / v, deadline - 20,
+        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pool_key(pa)], work / v, deadline - 20,
                                               eval_sizes, "cpu" if args.smoke else "auto", threads), daemon=False)
         p.start()
         procs[v] = p
