@@ -41,8 +41,8 @@ import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
 
-BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256}
-POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000}
+BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
+POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000}
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
 
 _TOK = None

@@ -39,13 +39,25 @@ def test_attr_example_is_the_mcq_question_without_options_answered_by_the_word(g
         assert list(attr.images[0].getdata()) == list(mcq.images[0].getdata())
 
 
+def test_mcq_hint_is_the_mcq_request_with_its_answer_word_written_first(generator2):
+    from harness.models.train_data import make_example
+
+    for seed in range(20):
+        mcq = make_example("mcq", random.Random(seed))
+        hint = make_example("mcq_hint", random.Random(seed))
+        word = make_example("attr", random.Random(seed)).target
+        assert hint.target == mcq.target and hint.content[0] == mcq.content[0]
+        assert hint.content[1]["text"] == f"提示：{word}。\n" + mcq.content[1]["text"]
+
+
 def test_v1_pool_is_unchanged_and_v3_adds_attr():
     from harness.models.train_tiny import parse_args, pool_counts
 
     v1 = pool_counts(parse_args(["--out", "x"]))
     assert set(v1) == {"ocr", "ocr_mix", "mcq", "mcq_mix", "rag"}  # v1 / v2 draws and checkpoints as before
     v3 = parse_args(["--out", "x", "--variant", "v3"])
-    assert "attr" in pool_counts(v3) and v3.generator == "2" and v3.focus == 0.1
+    assert {"attr", "mcq_hint"} <= set(pool_counts(v3)) and v3.generator == "2" and v3.focus == 0.1
+    assert abs(sum(v3.task_weights.values()) - 1) < 1e-9
     assert parse_args(["--out", "x", "--variant", "v3-nofocus"]).focus == 0.0
 
 
