@@ -97,11 +97,6 @@ def usage_spread(usage: dict[str, list[float]]) -> dict[str, float]:
             "max_share": round(max((max(u) for u in usage.values()), default=0.0), 4)}
 
 
-def pool_key(pa) -> tuple:
-    """Variants share a data pool when they draw the same generator's items for the same tasks."""
-    return pa.generator, tuple(sorted(pa.task_weights))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/benchmarks/train_tiny_v2")),
@@ -156,15 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(TRAINED_SPEC, tokenizer)
     pools_by_gen: dict[str, tuple] = {}
     t0 = time.time()
+    union: dict[str, tuple] = {}  # generator -> (its first variant's args, every task its variants sample)
     for v in variants:
         pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
-        if pool_key(pa) not in pools_by_gen:  # the tasks too: v3 samples ``attr``, which v2's pool lacks
-            pools_by_gen[pool_key(pa)] = build_pools(pa, str(tok_dir), config)
+        union.setdefault(pa.generator, (pa, set()))[1].update(pa.task_weights)
+    for gen, (pa, tasks) in union.items():  # one pool per generator, with the union of the tasks (v3 adds two):
+        pa.task_weights = {t: 1.0 for t in sorted(tasks)}  # each task's draw is seeded on its own, so a variant
+        pools_by_gen[gen] = build_pools(pa, str(tok_dir), config)  # sees the examples it would alone
     data_s = time.time() - t0
     import shutil
 
     shutil.rmtree(tok_dir, ignore_errors=True)
-    print(f"data pools {[g for g, _ in pools_by_gen]} in {data_s:.0f} s", flush=True)
+    print(f"data pools {sorted(pools_by_gen)} in {data_s:.0f} s", flush=True)
 
     eval_sizes = ({"n_rag": 2, "n_ocr": 3, "n_mcq": 2, "batch_size": 4, "rag_tokens": 8, "sections": ("ocr", "mix")}
                   if args.smoke else
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
         train_argv = ["--variant", v, "--out", str(work / v / "ckpt"), *common]
-        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pool_key(pa)], work / v, deadline - 20,
+        p = ctx.Process(target=_child, args=(v, train_argv, pools_by_gen[pa.generator], work / v, deadline - 20,
                                               eval_sizes, "cpu" if args.smoke else "auto", threads), daemon=False)
         p.start()
         procs[v] = p
