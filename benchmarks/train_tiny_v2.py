@@ -151,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(TRAINED_SPEC, tokenizer)
     pools_by_gen: dict[str, tuple] = {}
     t0 = time.time()
+    union: dict[str, tuple] = {}  # generator -> (its first variant's args, every task its variants sample)
     for v in variants:
         pa = parse_args(["--variant", v, "--out", str(work / v / "ckpt"), *common])
-        if pa.generator not in pools_by_gen:
-            pools_by_gen[pa.generator] = build_pools(pa, str(tok_dir), config)
+        union.setdefault(pa.generator, (pa, set()))[1].update(pa.task_weights)
+    for gen, (pa, tasks) in union.items():  # one pool per generator, with the union of the tasks (v3 adds two):
+        pa.task_weights = {t: 1.0 for t in sorted(tasks)}  # each task's draw is seeded on its own, so a variant
+        pools_by_gen[gen] = build_pools(pa, str(tok_dir), config)  # sees the examples it would alone
     data_s = time.time() - t0
     import shutil
 

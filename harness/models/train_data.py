@@ -49,6 +49,25 @@ def mcq_content(item: st.McqItem) -> list[dict]:
     return [{"type": "image", "index": 0}, {"type": "text", "text": build_prompt(item.question, item.options)}]
 
 
+def attr_content(item: st.McqItem) -> list[dict]:
+    """The MCQ's question about its image *without* the options: a training-only grounding request whose answer
+    is the attribute word itself (``attr`` task). Why: with shuffled options the letter answer needs two steps —
+    read the attribute from the image, then find the option line that names it — and the tiny model plateaus at
+    chance learning both at once (docs/embedded_model_v3.md); with fixed options the image → class step alone is
+    learnt in ~100 CPU steps. Naming the attribute teaches the first step in the words the options use."""
+    return [{"type": "image", "index": 0}, {"type": "text", "text": item.question}]
+
+
+def hint_content(item: st.McqItem) -> list[dict]:
+    """The MCQ request with the answer word written before the question (``mcq_hint``, training only): the
+    option lookup ("which line names this word? emit its letter") learnt from text, where the word is a token
+    the options share — the second step of the composition, scaffolded (docs/embedded_model_v3.md)."""
+    from harness.datasets.ccbench import build_prompt
+
+    text = f"提示：{item.options[item.answer]}。\n" + build_prompt(item.question, item.options)
+    return [{"type": "image", "index": 0}, {"type": "text", "text": text}]
+
+
 def rag_content(item: st.RagItem) -> list[dict]:
     from harness.datasets.rag_igbench import render_prompt
 
@@ -70,13 +89,21 @@ def mixed(target: Example, context_images: list[Any], rng: random.Random) -> Exa
 
 
 def make_example(task: str, rng: random.Random, split: str = "train") -> Example:
-    """One example of ``task``: ocr, mcq, rag, ocr_mix, mcq_mix (mix: one image of the other kind beside it)."""
+    """One example of ``task``: ocr, mcq, rag, ocr_mix, mcq_mix (mix: one image of the other kind beside it),
+    attr (an MCQ's question without options, answered by the attribute word) and mcq_hint (the MCQ with its
+    answer word written before the question): both training only."""
     if task == "ocr":
         it = st.ocr_item(rng, split)
         return Example(task, ocr_content(it), [it.image], it.answers[0])
     if task == "mcq":
         it = st.mcq_item(rng, split)
         return Example(task, mcq_content(it), [it.image], it.answer)
+    if task == "attr":
+        it = st.mcq_item(rng, split)
+        return Example(task, attr_content(it), [it.image], it.options[it.answer])
+    if task == "mcq_hint":
+        it = st.mcq_item(rng, split)
+        return Example(task, hint_content(it), [it.image], it.answer)
     if task == "rag":
         it = st.rag_item(rng, split)
         return Example(task, rag_content(it), [img for note in it.images for img in note], it.raw_answer)

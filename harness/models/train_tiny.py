@@ -41,8 +41,8 @@ import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
 
-BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24}
-POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000}
+BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
+POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000}
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
 
 _TOK = None
@@ -385,7 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def pool_counts(args: argparse.Namespace) -> dict[str, int]:
-    return {t: max(8, int(n * args.pool)) for t, n in POOL.items()}
+    """Training pool size per task the recipe samples (v1's five tasks; ``attr`` only where a recipe uses it, so
+    the v1/v2 pools, held-out draws and checkpoints stay exactly as they were)."""
+    return {t: max(8, int(n * args.pool)) for t, n in POOL.items() if t in args.task_weights}
 
 
 def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, dict]:
@@ -395,7 +397,7 @@ def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, d
 
     st.use_generator(args.generator)
     pool = build_pool(tok_dir, config.image_token_id, pool_counts(args), "train", args.seed, args.workers, config)
-    held = build_pool(tok_dir, config.image_token_id, {t: args.eval_n for t in POOL}, "heldout", args.seed,
+    held = build_pool(tok_dir, config.image_token_id, {t: args.eval_n for t in pool_counts(args)}, "heldout", args.seed,
                       args.workers)
     return pool, held
 
