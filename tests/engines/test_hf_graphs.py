@@ -3,11 +3,12 @@
 CPU (tiny Qwen3-VL-MoE, float32): the static loop, eager (``use_graphs=False``) and with the capture/replay
 bookkeeping emulated (``use_graphs="emulate"``), against ``generate`` on left-padded batches of 3 rows of
 different lengths: text only, with images, early EOS, SERE (tokens and statistics), VisionZip (keep 0.6),
-reuse of a state by a shorter batch, graphs invalidated by installing / removing SERE, the engine's branch.
+reuse of a state by a shorter batch, graphs invalidated by installing / removing SERE, the engine's branch; the
+lookahead stop check (``hf_stop.StopFlags``, forced on under "emulate") = the plain loop exactly, off with SERE.
 
 GPU (skipped without CUDA): the same with real CUDA graphs, float32, the fused MoE kernel (the engine's
 default on CUDA): tokens = ``generate``, graph = eager static loop, SERE statistics equal, the Python
-forward not run on replay, the engine with ``cuda_graphs`` on and off.
+forward not run on replay, the engine with ``cuda_graphs`` on and off, lookahead on (the default) vs off.
 """
 
 from __future__ import annotations
