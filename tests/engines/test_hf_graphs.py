@@ -3,11 +3,12 @@
 CPU (tiny Qwen3-VL-MoE, float32): the static loop, eager (``use_graphs=False``) and with the capture/replay
 bookkeeping emulated (``use_graphs="emulate"``), against ``generate`` on left-padded batches of 3 rows of
 different lengths: text only, with images, early EOS, SERE (tokens and statistics), VisionZip (keep 0.6),
-reuse of a state by a shorter batch, graphs invalidated by installing / removing SERE, the engine's branch.
+reuse of a state by a shorter batch, graphs invalidated by installing / removing SERE, the engine's branch; the
+lookahead stop check (``hf_stop.StopFlags``, forced on under "emulate") = the plain loop exactly, off with SERE.
 
 GPU (skipped without CUDA): the same with real CUDA graphs, float32, the fused MoE kernel (the engine's
 default on CUDA): tokens = ``generate``, graph = eager static loop, SERE statistics equal, the Python
-forward not run on replay, the engine with ``cuda_graphs`` on and off.
+forward not run on replay, the engine with ``cuda_graphs`` on and off, lookahead on (the default) vs off.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from harness.engines.hf_graphs import StaticGreedyDecoder, unsupported_reason
+from harness.engines.hf_stop import StopFlags
 from harness.engines.hf_sere import install_sere
 from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
 from harness.models.tiny import TinyModelSpec, ensure_tiny_model
@@ -548,3 +550,135 @@ def test_gpu_top_k_under_replay(gpu_model, images):
             handle.reset_stats()
     finally:
         handle.remove()
+
+
+# ------------------------------------------------------- lookahead stop check (hf_stop.StopFlags, issue 17)
+
+
+def test_stop_flags_answer_for_the_step_before_last():
+    flags = StopFlags(torch.device("cpu"))
+    done = torch.tensor(False)
+    assert not flags.done_before_last()
+    flags.record(done)
+    assert not flags.done_before_last()           # one record: no step before the last
+    done.fill_(True)
+    flags.record(done)                            # a snapshot, not a view of the live flag
+    assert not flags.done_before_last()           # record 0 said "not done"
+    done.fill_(False)
+    flags.record(done)
+    assert flags.done_before_last() and flags.done_before_last()   # record 1 said "done" (asked twice)
+    flags.record(done)
+    assert not flags.done_before_last()           # record 2 (the ring slot of record 0, overwritten)
+
+
+def counted(dec, inputs, n, monkeypatch, **kwargs):
+    """``dec.generate`` with the clock on a counter (exact times to compare) and the StopFlags it built."""
+    from types import SimpleNamespace
+
+    import harness.engines.hf_graphs as hf_graphs
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(hf_graphs, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    made = []
+
+    class Spy(StopFlags):
+        def __init__(self, device):
+            super().__init__(device)
+            made.append(self)
+
+    monkeypatch.setattr(hf_graphs, "StopFlags", Spy)
+    try:
+        return dec.generate(inputs, n, **kwargs), made
+    finally:
+        monkeypatch.undo()
+
+
+def same_result(a, b):
+    assert (a.tokens, a.times, a.mode, a.replays) == (b.tokens, b.times, b.mode, b.replays)
+
+
+def test_lookahead_equals_the_plain_loop(cpu, images, monkeypatch):
+    """Emulated graphs, lookahead forced on vs off, early EOS: tokens, times, mode and replays equal exactly for
+    limits below, at (the last step sets "all done"), one past (the final step launched is the extra one) and
+    well past the stop step, and for 1 and 2 tokens."""
+    model, proc = cpu
+    inputs = image_batch(proc, images)
+    eos = early_eos(stock(model, proc, inputs))
+    ref = stock(model, proc, inputs, eos=eos)
+    stop = len(ref[0])
+    assert 3 <= stop < NEW - 1
+    plain = decoder(model, proc, "emulate", eos=eos, lookahead=False)
+    ahead = decoder(model, proc, "emulate", eos=eos, lookahead=True)
+    for n in (NEW, stop, stop + 1, stop - 1, 2, 1, NEW):
+        a, made_a = counted(plain, inputs, n, monkeypatch, reserve_new_tokens=NEW)
+        b, made_b = counted(ahead, inputs, n, monkeypatch, reserve_new_tokens=NEW)
+        same_result(a, b)
+        assert not made_a and len(made_b) == 1, "lookahead must run only where asked"
+        assert a.tokens == [row[:n] for row in ref] and len(a.times) == min(n, stop)
+        extra = n > stop                                  # all rows stopped before the limit: one step more
+        assert made_b[0].count == len(b.times) + extra
+    assert plain.captures == ahead.captures == 1
+
+
+def test_lookahead_no_eos_and_prefill_done(cpu, images, monkeypatch):
+    """A batch that runs to max_new_tokens (no row stops) and one whose prefill token ends every row (no step:
+    nothing captured for a step that would be dropped, mode as without lookahead)."""
+    model, proc = cpu
+    inputs = text_batch(proc)
+    ref = stock(model, proc, inputs)
+    plain = decoder(model, proc, "emulate", lookahead=False)
+    ahead = decoder(model, proc, "emulate", lookahead=True)
+    for _ in range(2):                                     # captured, then replayed
+        a, _made = counted(plain, inputs, NEW, monkeypatch)
+        b, _made = counted(ahead, inputs, NEW, monkeypatch)
+        same_result(a, b)
+        assert b.tokens == ref and len(b.times) == NEW
+    eos = sorted({row[0] for row in ref})
+    plain = decoder(model, proc, "emulate", eos=eos, lookahead=False)
+    ahead = decoder(model, proc, "emulate", eos=eos, lookahead=True)
+    for _ in range(2):
+        a, _made = counted(plain, inputs, NEW, monkeypatch)
+        b, _made = counted(ahead, inputs, NEW, monkeypatch)
+        same_result(a, b)
+        assert len(b.times) == 1 and b.mode == "eager" and ahead.captures == plain.captures == 0
+
+
+def test_lookahead_is_off_with_sere(cpu, images, monkeypatch):
+    """SERE installed: even lookahead=True keeps the plain loop (an extra step would change its statistics)."""
+    model, proc = cpu
+    inputs = image_batch(proc, images)
+    eos = early_eos(stock(model, proc, inputs))
+    handle = sere(model, 1)
+    try:
+        dec = decoder(model, proc, "emulate", eos=eos, lookahead=True)
+        res, made = counted(dec, inputs, NEW, monkeypatch)
+        assert not made and res.tokens == stock(model, proc, inputs, eos=eos)
+    finally:
+        handle.remove()
+
+
+@gpu
+def test_gpu_lookahead_equals_the_plain_loop(gpu_model, images, monkeypatch):
+    """Real CUDA graphs, lookahead on (the default there) vs off, early EOS: same tokens, step counts, modes and
+    replays, for limits at, one past and well past the stop step, and with every row done at the prefill."""
+    model, proc = gpu_model
+    inputs = image_batch(proc, images, "cuda")
+    eos = early_eos(stock(model, proc, inputs))
+    ref = stock(model, proc, inputs, eos=eos)
+    stop = len(ref[0])
+    assert stop < NEW - 1
+    plain = decoder(model, proc, None, eos=eos, lookahead=False)
+    ahead = decoder(model, proc, None, eos=eos)
+    for n in (NEW, stop, stop + 1, NEW):
+        a, made_a = counted(plain, inputs, n, monkeypatch, reserve_new_tokens=NEW)
+        b, made_b = counted(ahead, inputs, n, monkeypatch, reserve_new_tokens=NEW)
+        assert not made_a and len(made_b) == 1 and made_b[0].cuda
+        assert (a.tokens, len(a.times), a.mode, a.replays) == (b.tokens, len(b.times), b.mode, b.replays)
+        assert b.tokens == [row[:n] for row in ref] and b.times == sorted(b.times)
+        assert made_b[0].count == len(b.times) + (n > stop)
+    done0 = sorted({row[0] for row in ref})
+    plain = decoder(model, proc, None, eos=done0, lookahead=False)
+    ahead = decoder(model, proc, None, eos=done0)
+    a, b = plain.generate(inputs, NEW), ahead.generate(inputs, NEW)
+    assert (a.tokens, len(a.times), a.mode) == (b.tokens, len(b.times), b.mode) and len(b.times) == 1
+    assert ahead.captures == plain.captures == 0
