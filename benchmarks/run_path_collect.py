@@ -104,16 +104,25 @@ def markdown(res: dict) -> str:
         for key in ("b1_tpot_ms", "b16_tpot_ms", "b16_sere_k2_speedup"):
             lines.append(f"| {key} ({path}) | {f(g[key]['value'])} | {g[key]['goal']} | {g[key]['status'] or 'no data'} |")
     lines += ["", "## TPOT (qwen3_30b_a3b_shapes, prompt 64, output 64, ρ = 0)", "",
-              "| decode path | B | SERE k | TPOT p50 ms | p90 | n | experts/layer before → after | bench_decode_step graph ms |",
-              "|---|---|---|---|---|---|---|---|"]
+              "`same-kernels step`: run_path_breakdown.py's CUDA-graph replay of the compiled step with the engine's "
+              "decode kernels, back to back (no stop check, no sampling bookkeeping outside the graph); "
+              "`bench_decode_step graph`: the stock-kernel benchmark (transformers' SDPA and router, sorted fused MoE, "
+              "graph of the eager step).", "",
+              "| decode path | B | SERE k | TPOT p50 ms | p90 | n | experts/layer before → after | same-kernels step ms "
+              "| bench_decode_step graph ms |", "|---|---|---|---|---|---|---|---|---|"]
     bench = res.get("bench_decode_step") or {}
+    same = {r["B"]: (r.get("full") or {}).get("ms") for r in (res.get("breakdown") or {}).get("rows", [])
+            if r.get("path") == "compiled" and r.get("kernels") == "all" and isinstance(r.get("full"), dict)}
     for r in res["tpot"]:
         b = bench.get(f"{r['B']}/{ {None: 'off', 2: 'k2', 1: 'k1'}.get(r['sere_k'])}")
         uni = f"{f(r['expert_union_before'], '{:.1f}')} → {f(r['expert_union_after'], '{:.1f}')}" if r["sere_k"] else "–"
+        sk = same.get(r["B"]) if r["decode_path"] == "compiled" and not r["sere_k"] else None
         lines.append(f"| {r['decode_path']} | {r['B']} | {r['sere_k'] or 'off'} | {f(r['tpot_p50_ms'])} | "
-                     f"{f(r['tpot_p90_ms'])} | {r['n']} | {uni} | {f(b)} |")
+                     f"{f(r['tpot_p90_ms'])} | {r['n']} | {uni} | {f(sk)} | {f(b)} |")
     lines += ["", "## 30-image TTFT (qwen3_vl_30b_a3b_shapes, 448×448 images, B = 1)", "",
               "| keep | visual tokens kept / in | TTFT p50 ms | mean | n |", "|---|---|---|---|---|"]
+    if any(r.get("reused_from_previous_run") for r in res["ttft"]):
+        lines.insert(len(lines) - 2, "(Rows from the previous run of the TTFT stage: this run did not re-measure them.)\n")
     for r in res["ttft"]:
         lines.append(f"| {r['keep']} | {r['visual_tokens_kept'] or '–'} / {r['visual_tokens_in'] or '–'} | "
                      f"{f(r['ttft_p50_ms'])} | {f(r['ttft_mean_ms'])} | {r['n']} |")
@@ -151,6 +160,9 @@ def main() -> int:
     ap.add_argument("--elapsed", type=float, default=None)
     args = ap.parse_args()
     tpot, ttft = tpot_rows(args.sweeps / "tpot"), ttft_rows(args.sweeps / "ttft")
+    previous = load(args.dir / "run_path.json") or {}
+    if not ttft and previous.get("ttft"):      # STAGES without ttft: keep the last run's rows, marked as such
+        ttft = [dict(r, reused_from_previous_run=True) for r in previous["ttft"]]
     bench_raw = load(args.dir / "run_path_bench_decode_step.json") or {}
     bench = {f"{r['B']}/{r['sere']}": r.get("tpot_ms") for r in bench_raw.get("rows", [])
              if r.get("mode") == "graph" and r.get("impl") == "harness_fused_moe"}

@@ -5,6 +5,7 @@
 #   bash benchmarks/run_path_table.sh            # H200: ~6-8 min; writes results/benchmarks/run_path.{json,md}
 #   bash benchmarks/run_path_table.sh --smoke    # CPU: the same four stages on the tiny shapes presets (~5 min)
 #   RUN_PATHS=compiled T1_S=150 bash benchmarks/run_path_table.sh   # H200: the default decode path only (~5 min)
+#   STAGES=tpot RUN_PATHS=compiled bash benchmarks/run_path_table.sh  # re-run stage 1 only (other stages' files kept)
 #
 # Stages (each under its own timeout; a failed stage is recorded, the others still run):
 #   1. TPOT: one python process, a Hydra sweep (-m, basic launcher = sequential jobs in-process; model.shapes.reuse
@@ -44,32 +45,42 @@ else
   BD_ARGS="--batches 1,16,64 --steps 30 --budget-s 100 --paths compiled --kernels all,stock --profile"
   PATHS=${RUN_PATHS:-compiled,graph}; T1=${T1_S:-$T1}
 fi
+STAGES=${STAGES:-tpot,ttft,bench,breakdown}   # a subset re-runs those stages; the others' files are reused
+want() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 status() { echo "$1 rc=$2 $(date +%T)" | tee -a "$RES/run_path_status.txt"; }
 : > "$RES/run_path_status.txt"
 t0=$(date +%s)
 
 # 1. TPOT through the run path
+if want tpot; then
 timeout $T1 $PY -m harness -m $TEXT $COMMON dataset.prompt_tokens=64 dataset.output_tokens=$OUTTOK \
   'dataset.num_requests=${engine.batch_size}' engine.decode_path=$PATHS engine.batch_size=$BATCHES \
   sere.k=null,2,1 sere.rho=0.0 sere.calibration_tokens=2048 hydra.sweep.dir=$SWEEPS/tpot \
   > "$RES/run_path_tpot.log" 2>&1
 status tpot $?
+fi
 
 # 2. 30-image TTFT through the run path
+if want ttft; then
 timeout $T2 $PY -m harness -m $VL $COMMON dataset.n_images=$NIMG dataset.prompt_tokens=$PROMPT_VL \
   dataset.output_tokens=8 dataset.num_requests=3 engine.batch_size=1 engine.decode_path=graph \
   visionzip.keep=1.0,0.7,0.6,0.5 hydra.sweep.dir=$SWEEPS/ttft > "$RES/run_path_ttft.log" 2>&1
 status ttft $?
+fi
 
 # 3. the benchmark script's figures for the same shapes
+if want bench; then
 timeout $T3 $PY benchmarks/bench_decode_step.py $BENCH_ARGS --out "$RES/run_path_bench_decode_step.json" \
   > "$RES/run_path_bench.log" 2>&1
 status bench_decode_step $?
+fi
 
 # 4. per-step breakdown
+if want breakdown; then
 timeout $T4 $PY benchmarks/run_path_breakdown.py $BD_ARGS --out "$RES/run_path_breakdown.json" \
   > "$RES/run_path_breakdown.log" 2>&1
 status breakdown $?
+fi
 
 $PY benchmarks/run_path_collect.py --dir "$RES" --sweeps "$SWEEPS" --elapsed $(( $(date +%s) - t0 ))
 status collect $?
