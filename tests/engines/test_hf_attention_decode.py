@@ -15,7 +15,6 @@ from test_hf_graphs import (CUDA, EngineConfig, GenerationConfig, decoder, image
 
 from harness.engines import hf_attention_decode as decode_attn
 from harness.kernels import decode_attention as kernel_module
-from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
 NEW = 8
 interpreter = pytest.mark.skipif(not kernel_module.triton_available("cpu"),
@@ -23,19 +22,6 @@ interpreter = pytest.mark.skipif(not kernel_module.triton_available("cpu"),
                                         "set by tests/conftest.py on machines without CUDA)")
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("decode-attn-model"))
-
-
-@pytest.fixture(scope="module")
-def images():
-    import random
-
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
-
-    rng = random.Random(0)
-    return [text_dense_image(rng, 128, 96), plain_scene_image(rng, 96, 64), text_dense_image(rng, 64, 64)]
 
 
 @pytest.fixture

@@ -14,24 +14,10 @@ from test_hf_graphs import decoder, image_batch, load, stock, text_batch
 
 from harness.engines import hf_attention_decode, hf_decode_forward
 from harness.kernels.decode_attention import triton_available
-from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
 NEW = 8
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("decode-forward-model"))
-
-
-@pytest.fixture(scope="module")
-def images():
-    import random
-
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
-
-    rng = random.Random(0)
-    return [text_dense_image(rng, 128, 96), plain_scene_image(rng, 96, 64), text_dense_image(rng, 64, 64)]
 
 
 def attention_layers(model):

@@ -7,26 +7,12 @@ from test_hf_graphs import decoder, image_batch, load, sere, stock
 
 from harness.engines import hf_router
 from harness.kernels import router as router_kernel
-from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
 NEW = 8
 interpreter = pytest.mark.skipif(not router_kernel.triton_available("cpu"),
                                  reason="the CPU tests run the kernel in Triton's interpreter")
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return ensure_tiny_model(TinyModelSpec(), cache_dir=tmp_path_factory.mktemp("router-model"))
-
-
-@pytest.fixture(scope="module")
-def images():
-    import random
-
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
-
-    rng = random.Random(0)
-    return [text_dense_image(rng, 128, 96), plain_scene_image(rng, 96, 64), text_dense_image(rng, 64, 64)]
 
 
 @pytest.fixture
