@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from test_fused_moe import rel_err, torch_bf16_moe   # the sorted path's helpers: the same error measures
 
 from harness.kernels import fused_moe as fm
 from harness.kernels import fused_moe_small as fms
@@ -27,12 +28,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only:
 
 E, H, I = 8, 40, 24
 ROUTINGS = ["random", "repeated", "all_same", "invalid", "all_invalid"]
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    assert not torch.isnan(got).any(), "NaN in the output (an unwritten element or a poisoned read)"
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def make_weights(num_experts, hidden, inter, dtype, seed=0):
@@ -126,20 +121,6 @@ def test_repeated_ids_add_up_like_one_slot_with_summed_weight(num_tokens, k, poi
     out = fused_moe_triton(x, w1, w2, ids, weights, path="small")
     single = fused_moe_triton(x, w1, w2, ids[:, :1], weights.sum(-1, keepdim=True), path="small")
     assert rel_err(out, single) < 1e-5
-
-
-def torch_bf16_moe(x, w1, w2, ids, weights):
-    """Plain torch in the weights' dtype, slot by slot: the error the kernel's is bounded by."""
-    inter = w2.shape[-1]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if 0 <= e < w1.shape[0]:
-                gu = w1[e] @ x[t]
-                act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
-                out[t] += (w2[e] @ act).float() * weights[t, j].float()
-    return out.to(x.dtype)
 
 
 @needs_triton
