@@ -87,6 +87,10 @@ def _union_counts(old: torch.Tensor, new: torch.Tensor, kp: int, num_experts: in
     return seen.view(3, num_experts + 1)[:, :num_experts].sum(1)
 
 
+#: ``stats_impl="auto"`` also takes the statistics kernel under Triton's interpreter on CPU (tests only)
+INTERPRETER_AUTO = False
+
+
 @dataclass
 class _Layer:
     layer: int
@@ -122,7 +126,8 @@ class SereHandle:
         self.rho = float(rho)
         self.mode = mode
         self.collect_stats = collect_stats
-        # "auto": the one-launch Triton kernel on CUDA (or under TRITON_INTERPRET), torch ops elsewhere;
+        # "auto": the one-launch Triton kernel on CUDA (under TRITON_INTERPRET only with INTERPRETER_AUTO), torch
+        # ops elsewhere;
         # "torch" / "fused" force one (benchmarks/run_path_gaps.py times both)
         self.stats_impl = "auto"
         self.op = op
@@ -236,9 +241,11 @@ class SereHandle:
 
         from harness.kernels.sere_stats import FUSED_MAX_TOKENS
 
-        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops
-        return old.shape[0] <= FUSED_MAX_TOKENS and (
-            old.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops. On CPU
+        # only when INTERPRETER_AUTO asks for it: an interpreted launch per layer and step made CPU runs (the CI's
+        # SERE runs) minutes slower; tests/kernels/test_sere_stats.py checks the kernel against the torch ops.
+        return old.shape[0] <= FUSED_MAX_TOKENS and (old.is_cuda or (
+            INTERPRETER_AUTO and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")))
 
     def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
         """Add one re-routed pass to the layer's counters: device tensors updated in place (no host sync),
