@@ -65,10 +65,10 @@ def resolve(choice: str | None, device: str) -> bool:
         raise ValueError(f"engine.decode_attention={choice!r}: expected one of {', '.join(CHOICES)}")
     if choice == "sdpa":
         return False
+    if choice == "auto":                     # decided before importing the kernel: a CPU venv may lack triton
+        return str(device).startswith("cuda")
     from harness.kernels.decode_attention import triton_available
 
-    if choice == "auto":
-        return str(device).startswith("cuda")
     if not triton_available(device):
         raise ValueError(f"engine.decode_attention=triton: Triton cannot run on {device} (CUDA, or "
                          "TRITON_INTERPRET=1 set before triton's import)")

@@ -239,13 +239,15 @@ class SereHandle:
             return True
         import os
 
+        # On CPU only when INTERPRETER_AUTO asks for it: an interpreted launch per layer and step made CPU runs (the
+        # CI's SERE runs) minutes slower; tests/kernels/test_sere_stats.py checks the kernel against the torch ops.
+        # Decided before importing the kernel module: a CPU venv may lack triton.
+        if not (old.is_cuda or (INTERPRETER_AUTO and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))):
+            return False
         from harness.kernels.sere_stats import FUSED_MAX_TOKENS
 
-        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops. On CPU
-        # only when INTERPRETER_AUTO asks for it: an interpreted launch per layer and step made CPU runs (the CI's
-        # SERE runs) minutes slower; tests/kernels/test_sere_stats.py checks the kernel against the torch ops.
-        return old.shape[0] <= FUSED_MAX_TOKENS and (old.is_cuda or (
-            INTERPRETER_AUTO and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")))
+        # one program per layer: decode-sized passes; a long prefill (mode="all") keeps the wide torch ops
+        return old.shape[0] <= FUSED_MAX_TOKENS
 
     def _record(self, st: _Layer, old: torch.Tensor, new: torch.Tensor, live: torch.Tensor | None = None) -> None:
         """Add one re-routed pass to the layer's counters: device tensors updated in place (no host sync),

@@ -100,19 +100,32 @@ def test_synthetic_load_refuses_nonsense_and_has_exact_shapes():
             list(load(SimpleNamespace(**{**vars(cfg), key: bad}), ROOT))
 
 
-def run_harness(tmp_path, *overrides, block_wandb=True) -> dict:
-    """``python -m harness`` in a subprocess (wandb made unimportable: the GPU box has none)."""
+def run_harness(tmp_path, *overrides, block_wandb=True, block=()) -> dict:
+    """``python -m harness`` in a subprocess (wandb made unimportable: the GPU box has none; ``block`` names more
+    modules to make unimportable)."""
     env = {**os.environ, "HARNESS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    if block_wandb:
-        site = tmp_path / "nowandb"
+    blocked = (("wandb",) if block_wandb else ()) + tuple(block)
+    if blocked:
+        site = tmp_path / "blocked"
         site.mkdir(exist_ok=True)
-        (site / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # import wandb fails\n")
+        (site / "sitecustomize.py").write_text("import sys\n" + "".join(
+            f"sys.modules[{name!r}] = None  # import {name} fails\n" for name in blocked))
         env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "harness", *overrides, "wandb.mode=disabled", "cache.enabled=false",
                            f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text()), [json.loads(x) for x in (out / "samples.jsonl").open()]
+
+
+def test_embedded_run_with_sere_needs_no_triton_on_cpu(tmp_path):
+    """A CPU venv without triton (the OpenCompass lane's) runs the default model with SERE: no decode kernel, router
+    kernel or statistics kernel is imported where none is used."""
+    summary, records = run_harness(tmp_path, "sere.k=1", "sere.rho=0.0", "generation.max_new_tokens=6",
+                                   "engine.warmup=0", block=("triton", "triton.language"))
+    eng = summary["run"]["engine_settings"]
+    assert eng["decode_attention"] == "sdpa" and eng["decode_router"] == "torch"
+    assert summary["sere"]["moved_fraction"] > 0 and len(records) == 12
 
 
 def test_run_path_on_the_tiny_vl_shapes_without_wandb(tmp_path):
