@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_cli import add_device_args, use_cuda  # noqa: E402
+
 COPY_TBS = 4.27
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 # (B, L cache, n visible); hf_sdpa is skipped where its repeated K/V would exceed MAX_REPEAT_BYTES
@@ -175,12 +177,10 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes (writes to a temp dir)")
-    ap.add_argument("--out", type=Path, default=None)
+    add_device_args(ap, "CPU, interpreter, tiny shapes (writes to a temp dir)")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke for the CPU code path")
+    cuda = use_cuda(args)
+    if cuda is None:
         return 0
     from bench_fused_moe import Timer
 

@@ -25,17 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_cli import add_device_args, use_cuda  # noqa: E402
+
 COPY_TBS = 4.27
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
+    add_device_args(ap)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke for the CPU code path")
+    cuda = use_cuda(args)
+    if cuda is None:
         return 0
     from bench_fused_moe import Timer, capture_graph, short_error
     from transformers import Qwen3MoeConfig

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_cli import add_device_args, use_cuda  # noqa: E402
+
 ABLATIONS = ("full", "no_moe", "no_attn", "none")
 
 
@@ -194,12 +196,10 @@ def main() -> int:
                          "packed QKV forward, Triton router, small-batch MoE path)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile eager steps (torch.profiler): GPU time per kernel family per step")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
+    add_device_args(ap)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke for the CPU code path")
+    cuda = use_cuda(args)
+    if cuda is None:
         return 0
     from bench_decode_step import Decoder
     from harness.engines import hf_experts

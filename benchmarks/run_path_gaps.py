@@ -66,6 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_cli import add_device_args, use_cuda  # noqa: E402
+
 SERE_VARIANTS = ("off", "bench", "nostats", "stats_torch", "stats_fused", "stats_fused_eos")
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, vocab_size=2048)
@@ -400,12 +402,10 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1960)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code path only")
-    ap.add_argument("--out", type=Path, default=None)
+    add_device_args(ap, "CPU, tiny shapes: the code path only")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke for the CPU code path")
+    cuda = use_cuda(args)
+    if cuda is None:
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
