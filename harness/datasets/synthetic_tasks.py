@@ -173,6 +173,9 @@ def shape_image(rng: random.Random, shapes: list[Shape], size: tuple[int, int]) 
     draw = ImageDraw.Draw(img)
     for s in shapes:
         _draw_shape(draw, s)
+    if _v2():  # generator 2: each shape alone in one 32-pixel cell (the training-only cell targets, CELLS_KEY)
+        img.info[CELLS_KEY] = {(sum(s.box[1::2]) // 2 // MERGE_PX, sum(s.box[::2]) // 2 // MERGE_PX): s.colour
+                               for s in shapes}
     return img
 
 
@@ -186,6 +189,9 @@ def shape_image(rng: random.Random, shapes: list[Shape], size: tuple[int, int]) 
 
 V2_ALPHABET = "ACEHKLNPRTXY" + DIGITS  # 12 visually distinct capitals + digits, one token each
 V2_FONT = 28
+# what each content cell of a generator-2 image holds, {(row, col): glyph | colour word}, in ``Image.info``:
+# recorded (never drawn from the rng, so items are unchanged) for the training-only cell loss (train_cells.py)
+CELLS_KEY = "harness_cells"
 
 
 def _v2() -> bool:
@@ -200,9 +206,12 @@ def text_image_v2(rng: random.Random, lines: list[str], width: int = 4 * MERGE_P
     font = _font(V2_FONT)
     ink = (rng.randint(0, 60), rng.randint(0, 60), rng.randint(0, 80))
     cols = width // MERGE_PX
+    cells: dict[tuple[int, int], str] = {}
+    img.info[CELLS_KEY] = cells
     for i, line in enumerate(lines):
         start = rng.randint(0, cols - len(line))
         for j, ch in enumerate(line):
+            cells[(i, start + j)] = ch
             left, top, right, bottom = font.getbbox(ch)
             x = (start + j) * MERGE_PX + (MERGE_PX - (right - left)) // 2 + rng.randint(-1, 1)
             y = i * MERGE_PX + (MERGE_PX - (bottom - top)) // 2 + rng.randint(-1, 1)

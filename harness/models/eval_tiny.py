@@ -41,6 +41,15 @@ RAG_CONDITIONS: dict[str, dict[str, dict]] = {  # run in this order (most wanted
     "vz_0.25": {"visionzip": {"keep": 0.25}},
 }
 KEEPS = (1.0, 0.5, 0.25)
+# OCR under the decode-time MoE techniques (keep 1.0): short answers, so many requests are cheap — a less noisy
+# SERE-vs-top-K comparison than 48 long RAG answers, once the model reads (v4)
+OCR_MOE_CONDITIONS: dict[str, dict[str, dict]] = {
+    "sere_k1_rho0": {"sere": {"k": 1, "rho": 0.0}},
+    "topk_1": {"moe": {"top_k": 1}},
+    "sere_k1_rho0_protect4": {"sere": {"k": 1, "rho": 0.0, "protect": 4}},
+    "sere_k2_rho0": {"sere": {"k": 2, "rho": 0.0}},
+    "topk_2": {"moe": {"top_k": 2}},
+}
 
 
 def write_heldout(root: Path, generator: str, n_rag: int, n_ocr: int, n_mcq: int, seed: int = 0) -> dict[str, Any]:
@@ -162,6 +171,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     h: dict[str, Any] = {}
     for keep in KEEPS:
         h[f"ocr_acc_keep{keep}"] = get(["ocr", f"keep{keep}", "metrics", "ocrbench_accuracy"])
+    for name in OCR_MOE_CONDITIONS:
+        h[f"ocr_acc_{name}"] = get(["ocr", name, "metrics", "ocrbench_accuracy"])
     for keep in (1.0, 0.25):
         h[f"mcq_acc_keep{keep}"] = get(["mcq", f"keep{keep}", "metrics", "mcq_accuracy"])
         h[f"mcq_row_acc_keep{keep}"] = get(["mcq", f"keep{keep}", "metrics", "mcq_row_accuracy"])
@@ -213,6 +224,9 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
         rag = [("rag", name, {"dataset_cfg": data["rag"], "max_new_tokens": rag_tokens, **over})
                for name, over in RAG_CONDITIONS.items()] if "rag" in sections else []
         plan += [c for c in rag if not c[1].startswith("vz_")]
+        if "ocr" in sections:
+            plan += [("ocr", name, {"dataset_cfg": data["ocr"], "max_new_tokens": 16, **over})
+                     for name, over in OCR_MOE_CONDITIONS.items()]
         if "mcq" in sections:
             plan += [("mcq", f"keep{k}", {"dataset_cfg": data["mcq"], "max_new_tokens": 4, "visionzip": {"keep": k}})
                      for k in (1.0, 0.25)]

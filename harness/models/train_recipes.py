@@ -52,6 +52,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
            "expert_groups": 4},
     "v3-nofocus": {"generator": "2", "aux": 0.001, "focus": 0.0, "task_weights": V3_TASK_WEIGHTS,
                    "curriculum": 0.0, "expert_groups": 4},
+    # v4 (docs/embedded_model_v4.md): v3 + the cell loss (train_cells.py) — each glyph / shape cell's visual token
+    # predicts its character / colour through the LM head; OCR-only CPU run: exact match 0 → 0.93 in 300 steps
+    "v4": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V3_TASK_WEIGHTS, "curriculum": 0.0,
+           "expert_groups": 4, "cells": 0.5},
+    # the same without v3's two MCQ scaffolding tasks: more of the steps on OCR and RAG (v1's task mix)
+    "v4-plain": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
+                 "expert_groups": 4, "cells": 0.5},
 }
 GROUP_NOISE = 0.35  # share of an expert's initial weights that is its own (the rest: its group's seed expert)
 

@@ -138,6 +138,8 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
     pixel_values = (pix_t.float() / 255.0 - 0.5) / 0.5
     out = {"input_ids": t(ids), "attention_mask": t(mask), "labels": t(labels), "pixel_values": pixel_values,
            "image_grid_thw": t(np.asarray(grid, dtype=np.int64)), "content": t(content)}
+    if all("cells" in e for e in examples):  # the cell loss's targets (train_cells.py), one per visual token
+        out["cells"] = t(np.concatenate([e["cells"] for e in examples]).astype(np.int64))
     if with_target and not left_pad and all("pos" in e for e in examples):
         pos = np.zeros((3, len(seqs), length), dtype=np.int64)
         for i, e in enumerate(examples):
@@ -365,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-scale", type=float, default=1.0)
     ap.add_argument("--focus", type=float, default=None, help="weight of the attention-focus loss (v1: 0.1)")
     ap.add_argument("--aux", type=float, default=None, help="router load-balancing loss coefficient (v1: 0.005)")
+    ap.add_argument("--cells", type=float, default=None,
+                    help="weight of the cell loss (train_cells.py; v1-v3: 0, v4: 0.5)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -377,9 +381,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
     args = ap.parse_args(argv)
     recipe = VARIANTS[args.variant]
-    for key in ("generator", "curriculum", "expert_groups", "focus", "aux"):
+    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells"):
         if getattr(args, key) is None:
-            setattr(args, key, recipe[key])
+            setattr(args, key, recipe.get(key, 0.0))
     args.task_weights = dict(recipe["task_weights"])
     return args
 
@@ -412,6 +416,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
 
     from harness.datasets import synthetic_tasks as st
     from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
+    from harness.models.train_cells import CellProbe
     from harness.models.train_recipes import group_experts, task_weights_at
     from harness.models.trained import TRAINED_SPEC, WEIGHTS_LABEL, sha256_file
 
@@ -471,6 +476,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
                 model.model.visual.__dict__.pop(n, None)
             print("position helpers left unwrapped", flush=True)
     probe = FocusProbe(model)
+    cell_probe = CellProbe(model) if args.cells else None
     rng = np.random.default_rng(args.seed)
     tasks = list(args.task_weights)
     log = open(out_dir / "train_log.jsonl", "w", encoding="utf-8")
@@ -500,6 +506,10 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
                     output_router_logits=True, **extra)
         focus, mass = probe.loss(batch["content"])
         loss = out.loss + args.focus * focus
+        cells_acc = None
+        if cell_probe is not None:
+            cells, cells_acc = cell_probe.loss(batch["cells"])
+            loss = loss + args.cells * cells
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -507,7 +517,10 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         sched.step()
         aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
         ce = float(out.loss) - args.aux * aux
-        for k, v in ((f"ce_{task}", ce), ("focus", float(focus)), ("mass", float(mass)), ("aux", aux)):
+        logged = [(f"ce_{task}", ce), ("focus", float(focus)), ("mass", float(mass)), ("aux", aux)]
+        if cells_acc is not None and cells_acc == cells_acc:  # not NaN: the batch had labelled cells
+            logged.append(("cells_acc", cells_acc))
+        for k, v in logged:
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         if step % 50 == 0 or step == 1:
             rec = {"step": step, "task": task, "ce": round(ce, 4), "focus": round(float(focus), 4),
@@ -525,6 +538,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     log.close()
     for h in probe.handles:
         h.remove()
+    if cell_probe is not None:
+        cell_probe.remove()
 
     t_eval = time.time()
     model.eval()
