@@ -1,0 +1,112 @@
+"""Recipe v4 of the embedded model: the training-only cell loss (harness/models/train_cells.py).
+
+The cell targets must name exactly what each visual token shows — a wrong target teaches the model to misread —
+so they are checked against the pixels (which 32 × 32 cells hold ink) and against the answer text; the probe must
+see the merged tokens the language model receives, in the order the targets are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from harness.datasets import synthetic_tasks as st
+from harness.models.train_cells import IGNORE, CellProbe, cell_targets
+
+
+@pytest.fixture
+def generator2():
+    before = st.generator_version()
+    st.use_generator("2")
+    yield
+    st.use_generator(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from harness.models.tiny import build_tokenizer
+    from harness.models.trained import TRAINED_SPEC
+
+    return build_tokenizer(TRAINED_SPEC)
+
+
+def ink(img) -> np.ndarray:
+    a = np.asarray(img.convert("RGB")).astype(int)
+    h, w = a.shape[0] // 32, a.shape[1] // 32
+    cells = a[: h * 32, : w * 32].reshape(h, 32, w, 32, 3).transpose(0, 2, 1, 3, 4).reshape(h, w, -1, 3)
+    return ((cells.max(axis=2) - cells.min(axis=2)).max(axis=-1) > 60).reshape(-1)
+
+
+def test_ocr_cell_targets_are_the_answer_characters_in_reading_order(generator2, tok):
+    rng = random.Random(0)
+    for _ in range(40):
+        item = st.ocr_item(rng, "train")
+        t = cell_targets([item.image], tok)
+        assert ((t != IGNORE) == ink(item.image)).all()  # a target exactly where the pixels have ink
+        read = "".join(tok.convert_ids_to_tokens(int(i)) for i in t[t != IGNORE])
+        assert read == item.answers[0].replace(" ", "")
+
+
+def test_shape_cells_carry_their_colour_and_background_cells_nothing(generator2, tok):
+    rng = random.Random(1)
+    for _ in range(40):
+        item = st.mcq_item(rng, "train")
+        t = cell_targets([item.image], tok)
+        assert ((t != IGNORE) == ink(item.image)).all()
+        first = {tok(c, add_special_tokens=False)["input_ids"][0] for c in st.COLOURS}
+        assert set(t[t != IGNORE].tolist()) <= first and len(first) == len(st.COLOURS)  # colours tell apart
+
+
+def test_generator1_images_add_no_cell_targets(tok):
+    before = st.generator_version()
+    st.use_generator("1")
+    try:
+        item = st.ocr_item(random.Random(0), "train")
+    finally:
+        st.use_generator(before)
+    assert (cell_targets([item.image], tok) == IGNORE).all()
+
+
+def test_variant_v4_sets_the_cell_loss_and_older_recipes_do_not():
+    from harness.models.train_tiny import parse_args
+
+    assert parse_args(["--variant", "v4", "--out", "x"]).cells == 0.5
+    assert parse_args(["--variant", "v4-plain", "--out", "x"]).cells == 0.5
+    for v in ("v1", "v2-group", "v3"):
+        assert parse_args(["--variant", v, "--out", "x"]).cells == 0.0
+    assert parse_args(["--variant", "v4", "--out", "x", "--cells", "0.2"]).cells == 0.2
+
+
+def test_probe_sees_the_merged_tokens_and_its_loss_trains_the_vision_tower(generator2, tok):
+    import torch
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from harness.models import train_tiny as tt
+    from harness.models.tiny import build_config
+    from harness.models.train_data import encode, make_example
+    from harness.models.trained import TRAINED_SPEC
+
+    cfg = build_config(dataclasses.replace(TRAINED_SPEC, seed=0), tok)
+    torch.manual_seed(0)
+    model = Qwen3VLMoeForConditionalGeneration(cfg).float().train()
+    rng = random.Random(0)
+    exs = [encode(make_example(task, rng), tok, cfg.image_token_id) for task in ("ocr", "mcq", "ocr_mix")]
+    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    assert b["cells"].shape[0] == int((b["input_ids"] == cfg.image_token_id).sum())  # one target per token
+    probe = CellProbe(model)
+    feats = model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
+    captured = probe.captured["tokens"]
+    assert torch.equal(captured, torch.cat(list(feats.pooler_output)))
+    loss, acc = probe.loss(b["cells"])
+    assert float(loss.detach()) > 1.0 and 0.0 <= acc <= 1.0  # fresh init: far from the targets
+    loss.backward()
+    assert float(model.model.visual.merger.linear_fc2.weight.grad.abs().sum()) > 0
+    with pytest.raises(ValueError, match="cell targets"):
+        model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
+        probe.loss(b["cells"][:-1])
+    probe.remove()
+    model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
+    assert "tokens" not in probe.captured  # removed: nothing captured any more
