@@ -449,7 +449,7 @@ class HFEngine:
                         import copy
 
                         gen_cfg = copy.deepcopy(self.model.generation_config)
-                        gen_cfg.eos_token_id = None
+                        gen_cfg.eos_token_id = []  # not None: transformers 5 fills a None back in from the model
                         gen_cfg.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
                         out = self.model.generate(**inputs, generation_config=gen_cfg, stopping_criteria=[clock])
                     else:

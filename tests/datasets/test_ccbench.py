@@ -72,13 +72,13 @@ def test_bundled_sample_generates_rotations():
     s0 = samples[0]
     assert s0.task == "mcq" and s0.error is None
     assert set(s0.reference) == {"answer", "options", "group", "category", "rotation"}
-    assert s0.reference == {"answer": "A", "options": {"A": "黄色", "B": "蓝色", "C": "红色", "D": "绿色"},
-                            "group": "0", "category": "Colour", "rotation": 0}
+    assert s0.reference == {"answer": "C", "options": {"A": "一个", "B": "三个", "C": "四个", "D": "两个"},
+                            "group": "0", "category": "Count", "rotation": 0}
     assert s0.content == [{"type": "image", "index": 0}, {"type": "text", "text":
-                          "Question: 图中的方形是什么颜色？\nOptions:\nA. 黄色\nB. 蓝色\nC. 红色\nD. 绿色\n请直接回答选项字母。"}]
+                          "Question: 图中有几个图形？\nOptions:\nA. 一个\nB. 三个\nC. 四个\nD. 两个\n请直接回答选项字母。"}]
     r1 = groups["0"][1]
-    assert r1.reference["options"] == {"A": "蓝色", "B": "红色", "C": "绿色", "D": "黄色"}
-    assert r1.reference["answer"] == "D" and r1.meta["rotation"] == 1
+    assert r1.reference["options"] == {"A": "三个", "B": "四个", "C": "两个", "D": "一个"}
+    assert r1.reference["answer"] == "B" and r1.meta["rotation"] == 1
     three = groups["4"]
     assert len(three) == 3 and all(list(s.reference["options"]) == ["A", "B", "C"] for s in three)
     assert "看图回答。\n图中" in groups["5"][0].content[1]["text"]  # quoted newline kept

@@ -119,7 +119,8 @@ def test_escaping_row_becomes_an_error_sample(tmp_path):
 
 def test_legacy_rows_urls_and_imglist_objects(tmp_path):
     url = "https://sns-img.example.com/abc/1.webp?x=1"
-    (tmp_path / url_to_filename(url)).write_bytes((SAMPLE / "images/q01_n1_1_text.png").read_bytes())
+    image = sorted((SAMPLE / "images").glob("*.png"))[0]  # any bundled image
+    (tmp_path / url_to_filename(url)).write_bytes(image.read_bytes())
     row = {"id": 7, "query": "q", "documents": ["d1"], "images": [{"imgList": [url]}], "gt_answer": "a ![x](IMG#1)"}
     (tmp_path / "old.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n", encoding="utf-8")
     samples = list(load_samples(cfg(path=str(tmp_path / "old.jsonl"))))

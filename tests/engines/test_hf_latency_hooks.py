@@ -83,3 +83,29 @@ def test_a_capture_inside_a_timed_batch_is_caught_by_the_engine_counter(engine, 
         assert len(timer.events) == 1
     finally:
         engine._graph_decoder = None
+
+
+def test_ignore_eos_decodes_every_token_past_an_end_of_sequence():
+    """generation.ignore_eos must run exactly max_new_tokens steps, as vLLM's ``ignore_eos`` does, even when the
+    model ends its answer early. Regression: ``eos_token_id = None`` in the generation config is filled back in
+    from the model's defaults by transformers 5 (5.19 and 5.24 both stopped at the trained model's EOS after 2
+    of 4 tokens on this prompt); an empty list really disables the stop."""
+    from types import SimpleNamespace
+
+    from harness.engines.base import Request
+    from harness.engines.hf import HFEngine
+    from harness.models.trained import trained_checkpoint
+
+    path, _ = trained_checkpoint()
+    cfg = SimpleNamespace(device="cpu", dtype="float32", batch_size=2, attn_implementation="sdpa",
+                          experts_implementation="auto", cuda_graphs=False)
+    request = [Request(uid="0", content=[{"type": "text", "text": "describe the city at night"}])]
+    out = {}
+    for ignore in (False, True):
+        eng = HFEngine(str(path), cfg, SimpleNamespace(max_new_tokens=4, ignore_eos=ignore), sere_cfg=None)
+        try:
+            out[ignore] = eng.generate(request)[0]
+        finally:
+            eng.close()
+    assert out[False].output_tokens < 4  # the model ends this answer early (else the test proves nothing)
+    assert out[True].output_tokens == 4 and out[True].text.startswith(out[False].text)

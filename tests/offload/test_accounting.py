@@ -121,8 +121,8 @@ def test_policy_sees_tokens_and_embeddings_in_the_engine(monkeypatch):
     path, _ = trained_checkpoint()
     cfg = SimpleNamespace(device="cpu", dtype="float32", batch_size=2, attn_implementation="sdpa",
                           experts_implementation="auto", cuda_graphs=False)
-    eng = HFEngine(str(path), cfg, SimpleNamespace(max_new_tokens=3), sere_cfg=SimpleNamespace(k=None),
-                   offload_cfg={"policy": "probe-embeddings", "capacity": 8})
+    eng = HFEngine(str(path), cfg, SimpleNamespace(max_new_tokens=3, ignore_eos=True),
+                   sere_cfg=SimpleNamespace(k=None), offload_cfg={"policy": "probe-embeddings", "capacity": 8})
     try:
         gens = eng.generate([Request(uid="0", content=[{"type": "text", "text": "describe the city at night"}])])
     finally:

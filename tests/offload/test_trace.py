@@ -65,10 +65,11 @@ def test_recorded_trace_matches_what_the_experts_received_and_round_trips(tiny, 
     decode = [e for e in log if e["seq"] == 1]
     nl = len(find_moe_blocks(model))
     assert trace.num_layers == nl and trace.top_k == 4 and trace.embeds.shape[1] == model.config.text_config.hidden_size
-    # every row that has not yet been fed an EOS is recorded, in (request, step) order
+    # every row that has not yet been fed an EOS is recorded, in (request, step) order (the trained model ends
+    # one answer within the window: a finished row's passes are dropped)
     for row in range(new.shape[0]):
         fed = new[row, : len(decode)].tolist()
-        n_live = next((j + 1 for j, t in enumerate(fed) if t in eos), len(fed))
+        n_live = next((j for j, t in enumerate(fed) if t in eos), len(fed))  # the pass fed EOS is not recorded
         n_live = min(n_live, len(decode))
         rows = (trace.request == row).nonzero().flatten()
         assert len(rows) == n_live and trace.step[rows].tolist() == list(range(n_live))
