@@ -34,7 +34,7 @@ V3_TASK_WEIGHTS = {"ocr": 0.32, "ocr_mix": 0.08, "mcq": 0.14, "mcq_hint": 0.10, 
                    "attr": 0.12}
 CURRICULUM_WEIGHTS = {"ocr": 0.45, "ocr_mix": 0.10, "mcq": 0.35, "mcq_mix": 0.10, "rag": 0.0}
 
-# defaults of train_tiny's flags per variant; v1 = the committed checkpoint's recipe
+# defaults of train_tiny's flags per variant; v4 = the committed checkpoint's recipe (v1 = the first one)
 VARIANTS: dict[str, dict[str, Any]] = {
     "v1": {"generator": "1", "aux": 0.005, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
            "expert_groups": 0},

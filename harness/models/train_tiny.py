@@ -14,7 +14,9 @@ What the loss is and why:
   receives there (column sums of softmax(QKᵀ) within its image, mean over heads — exactly VisionZip's
   importance) is pulled towards the image's content mask (patches with ink or a shape; the task suite draws
   plain backgrounds, so the mask is a pixel-range test). Without it the tower has no reason to put its
-  attention where the information is, and VisionZip's choice would be arbitrary.
+  attention where the information is, and VisionZip's choice would be arbitrary;
+- from recipe v4 (the default, ``--cells``), the *cell loss* (:mod:`harness.models.train_cells`): each glyph /
+  shape cell's visual token predicts its character / colour through the LM head — what made OCR learnable.
 
 The output directory is a harness checkpoint (:func:`harness.models.tiny.save_checkpoint`) whose
 ``harness_model.json`` records the training configuration, the generator version, the device, the time, the
@@ -354,8 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from harness.models.train_recipes import VARIANTS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", choices=sorted(VARIANTS), default="v1",
-                    help="training recipe (harness/models/train_recipes.py); v1 = the committed checkpoint's")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="v4",
+                    help="training recipe (harness/models/train_recipes.py); v4 = the committed checkpoint's")
     ap.add_argument("--generator", choices=("1", "2"), default=None, help="task-suite generator version")
     ap.add_argument("--curriculum", type=float, default=None, help="fraction of steps on visual tasks only")
     ap.add_argument("--expert-groups", type=int, default=None, help="grouped expert initialisation (0 = off)")

@@ -71,7 +71,8 @@ def test_variant_defaults_and_explicit_flags():
     from harness.models.train_recipes import V1_TASK_WEIGHTS
     from harness.models.train_tiny import parse_args
 
-    v1 = parse_args(["--out", "x"])  # the committed recipe, unchanged
+    assert parse_args(["--out", "x"]).variant == "v4"  # the default: the committed checkpoint's recipe
+    v1 = parse_args(["--variant", "v1", "--out", "x"])  # the first committed recipe, unchanged
     assert (v1.variant, v1.generator, v1.aux, v1.focus, v1.curriculum, v1.expert_groups) == ("v1", "1", 0.005, 0.1, 0.0, 0)
     assert v1.task_weights == V1_TASK_WEIGHTS
     v2 = parse_args(["--out", "x", "--variant", "v2-all", "--aux", "0.01"])

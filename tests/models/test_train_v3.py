@@ -53,7 +53,7 @@ def test_mcq_hint_is_the_mcq_request_with_its_answer_word_written_first(generato
 def test_v1_pool_is_unchanged_and_v3_adds_attr():
     from harness.models.train_tiny import parse_args, pool_counts
 
-    v1 = pool_counts(parse_args(["--out", "x"]))
+    v1 = pool_counts(parse_args(["--out", "x", "--variant", "v1"]))
     assert set(v1) == {"ocr", "ocr_mix", "mcq", "mcq_mix", "rag"}  # v1 / v2 draws and checkpoints as before
     v3 = parse_args(["--out", "x", "--variant", "v3"])
     assert {"attr", "mcq_hint"} <= set(pool_counts(v3)) and v3.generator == "2" and v3.focus == 0.1
