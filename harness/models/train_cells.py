@@ -39,6 +39,35 @@ def cell_targets(images: list[Any], tokenizer) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
 
+def option_targets(ids: np.ndarray, tokenizer) -> np.ndarray:
+    """[n, 2] int32 (position, letter token id) of each option line's word in a multiple-choice prompt: the word's
+    first token follows ``\\n``, the letter, ``.`` and ``Ġ`` (``harness.datasets.ccbench.build_prompt``'s layout).
+
+    The *option loss* (recipe v5) trains the language model's output at that position to be the option's letter:
+    the text-side counterpart of the cell loss. The MCQ answer needs "find the option whose word matches what is
+    seen, emit its letter"; with the letter already readable at the word, the second half becomes a copy
+    (docs/embedded_model_v4.md). Prompt positions carry no answer loss, so nothing else is trained there."""
+    vocab = tokenizer.get_vocab()
+    nl, dot, space = vocab.get("Ċ"), vocab.get("."), vocab.get("Ġ")
+    letters = {vocab[c]: vocab[c] for c in "ABCD" if c in vocab}
+    out = [(i + 4, ids[i + 1]) for i in range(len(ids) - 4)
+           if ids[i] == nl and ids[i + 1] in letters and ids[i + 2] == dot and ids[i + 3] == space]
+    return np.asarray(out, dtype=np.int32).reshape(-1, 2)
+
+
+def option_loss(logits, index, target):
+    """(loss, accuracy) of the letter at the option words: ``logits`` [B, L, V], ``index`` flat positions into
+    B·L, ``target`` the letters' token ids; zero loss when the batch has no option."""
+    import torch
+
+    if index.numel() == 0:
+        return logits.sum() * 0.0, float("nan")
+    picked = logits.reshape(-1, logits.shape[-1])[index.to(logits.device)].float()
+    target = target.to(logits.device).long()
+    loss = torch.nn.functional.cross_entropy(picked, target)
+    return loss, float((picked.argmax(-1) == target).float().mean())
+
+
 class CellProbe:
     """Captures the vision merger's output (the visual tokens the language model receives) during the forward
     pass and gives the cell loss: cross-entropy of ``lm_head(norm(token))`` against :func:`cell_targets`."""

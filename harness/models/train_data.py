@@ -140,7 +140,9 @@ def encode(example: Example, tokenizer, image_token_id: int) -> dict[str, Any]:
     for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]:
         ids.extend([t] * next(counts) if t == image_token_id else [t])
     target = tokenizer(example.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    from harness.models.train_cells import cell_targets
+    from harness.models.train_cells import cell_targets, option_targets
 
+    prompt_ids = np.asarray(ids, dtype=np.int32)
+    options = option_targets(prompt_ids, tokenizer) if example.task.startswith("mcq") else np.zeros((0, 2), np.int32)
     return {"task": example.task, "ids": np.asarray(ids + target, dtype=np.int32), "n_prompt": len(ids),
-            "images": arrays, "cells": cell_targets(example.images, tokenizer)}
+            "images": arrays, "cells": cell_targets(example.images, tokenizer), "options": options}

@@ -32,6 +32,9 @@ OCR_HEAVY_WEIGHTS = {"ocr": 0.40, "ocr_mix": 0.14, "mcq": 0.24, "mcq_mix": 0.08,
 # v1's share so the JSON format (the only thing v1/v2 learnt) is not starved
 V3_TASK_WEIGHTS = {"ocr": 0.32, "ocr_mix": 0.08, "mcq": 0.14, "mcq_hint": 0.10, "mcq_mix": 0.06, "rag": 0.18,
                    "attr": 0.12}
+# v5-mcq: v5 with more of the steps on the multiple-choice tasks (OCR needs few once the cell loss is on)
+V5_MCQ_TASK_WEIGHTS = {"ocr": 0.22, "ocr_mix": 0.08, "mcq": 0.22, "mcq_hint": 0.12, "mcq_mix": 0.08, "rag": 0.18,
+                       "attr": 0.10}
 CURRICULUM_WEIGHTS = {"ocr": 0.45, "ocr_mix": 0.10, "mcq": 0.35, "mcq_mix": 0.10, "rag": 0.0}
 
 # defaults of train_tiny's flags per variant; v4 = the committed checkpoint's recipe (v1 = the first one)
@@ -59,6 +62,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the same without v3's two MCQ scaffolding tasks: more of the steps on OCR and RAG (v1's task mix)
     "v4-plain": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V1_TASK_WEIGHTS, "curriculum": 0.0,
                  "expert_groups": 4, "cells": 0.5},
+    # v5: v4 + the option loss (train_cells.option_targets): each option word's position outputs its letter, so
+    # the MCQ answer's "emit the matching option's letter" becomes a copy (v4: MCQ and mcq_hint at chance)
+    "v5": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V3_TASK_WEIGHTS, "curriculum": 0.0,
+           "expert_groups": 4, "cells": 0.5, "options": 0.5},
+    "v5-mcq": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V5_MCQ_TASK_WEIGHTS, "curriculum": 0.0,
+               "expert_groups": 4, "cells": 0.5, "options": 0.5},
 }
 GROUP_NOISE = 0.35  # share of an expert's initial weights that is its own (the rest: its group's seed expert)
 

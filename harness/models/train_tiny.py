@@ -142,6 +142,10 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
            "image_grid_thw": t(np.asarray(grid, dtype=np.int64)), "content": t(content)}
     if all("cells" in e for e in examples):  # the cell loss's targets (train_cells.py), one per visual token
         out["cells"] = t(np.concatenate([e["cells"] for e in examples]).astype(np.int64))
+    if with_target and not left_pad and all("options" in e for e in examples):  # the option loss (train_cells.py)
+        idx = [i * length + int(p) for i, e in enumerate(examples) for p in e["options"][:, 0]]
+        tgt = [int(x) for e in examples for x in e["options"][:, 1]]
+        out["opt_index"], out["opt_target"] = t(np.asarray(idx, np.int64)), t(np.asarray(tgt, np.int64))
     if with_target and not left_pad and all("pos" in e for e in examples):
         pos = np.zeros((3, len(seqs), length), dtype=np.int64)
         for i, e in enumerate(examples):
@@ -371,6 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--aux", type=float, default=None, help="router load-balancing loss coefficient (v1: 0.005)")
     ap.add_argument("--cells", type=float, default=None,
                     help="weight of the cell loss (train_cells.py; v1-v3: 0, v4: 0.5)")
+    ap.add_argument("--options", type=float, default=None,
+                    help="weight of the option loss (train_cells.py; before v5: 0, v5: 0.5)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -383,7 +389,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
     args = ap.parse_args(argv)
     recipe = VARIANTS[args.variant]
-    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells"):
+    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options"):
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key, 0.0))
     args.task_weights = dict(recipe["task_weights"])
@@ -418,7 +424,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
 
     from harness.datasets import synthetic_tasks as st
     from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
-    from harness.models.train_cells import CellProbe
+    from harness.models.train_cells import CellProbe, option_loss
     from harness.models.train_recipes import group_experts, task_weights_at
     from harness.models.trained import TRAINED_SPEC, WEIGHTS_LABEL, sha256_file
 
@@ -512,6 +518,10 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         if cell_probe is not None:
             cells, cells_acc = cell_probe.loss(batch["cells"])
             loss = loss + args.cells * cells
+        opt_acc = None
+        if args.options:
+            letters, opt_acc = option_loss(out.logits, batch["opt_index"], batch["opt_target"])
+            loss = loss + args.options * letters
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -522,6 +532,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         logged = [(f"ce_{task}", ce), ("focus", float(focus)), ("mass", float(mass)), ("aux", aux)]
         if cells_acc is not None and cells_acc == cells_acc:  # not NaN: the batch had labelled cells
             logged.append(("cells_acc", cells_acc))
+        if opt_acc is not None and opt_acc == opt_acc:
+            logged.append(("options_acc", opt_acc))
         for k, v in logged:
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         if step % 50 == 0 or step == 1:
