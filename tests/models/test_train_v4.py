@@ -110,3 +110,47 @@ def test_probe_sees_the_merged_tokens_and_its_loss_trains_the_vision_tower(gener
     probe.remove()
     model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
     assert "tokens" not in probe.captured  # removed: nothing captured any more
+
+
+def test_option_targets_sit_on_each_option_word_with_its_letter(generator2, tok):
+    """Recipe v5's option loss: the position of each option's word (its first token) and that option's letter."""
+    from harness.models.train_cells import option_targets
+    from harness.models.train_data import encode, make_example
+
+    rng = random.Random(2)
+    seen_three = False
+    for _ in range(40):
+        ex = make_example("mcq", rng)
+        opts = dict(line.split(". ", 1) for line in ex.content[1]["text"].splitlines() if line[:3] in
+                    ("A. ", "B. ", "C. ", "D. "))
+        e = encode(ex, tok, 1)
+        got = e["options"]
+        assert [tok.convert_ids_to_tokens(int(x)) for x in got[:, 1]] == list(opts)  # A, B, C(, D) in order
+        for (pos, _), word in zip(got, opts.values()):
+            assert int(e["ids"][pos]) == tok(word, add_special_tokens=False)["input_ids"][0]
+            assert pos < e["n_prompt"]  # in the prompt, where no answer loss is
+        seen_three |= len(opts) == 3
+    assert seen_three
+    for task in ("ocr", "rag", "attr"):
+        assert encode(make_example(task, rng), tok, 1)["options"].shape == (0, 2)
+
+
+def test_option_loss_reads_the_logits_at_the_option_positions(generator2, tok):
+    import torch
+
+    from harness.models import train_tiny as tt
+    from harness.models.train_cells import option_loss
+    from harness.models.train_data import encode, make_example
+
+    rng = random.Random(3)
+    exs = [encode(make_example(t, rng), tok, 1) for t in ("mcq", "ocr", "mcq_hint")]
+    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    n = sum(len(e["options"]) for e in exs)
+    assert b["opt_index"].shape == (n,) and n >= 6
+    logits = torch.full((*b["input_ids"].shape, len(tok)), -10.0)
+    flat = logits.view(-1, len(tok))
+    flat[b["opt_index"], b["opt_target"]] = 10.0  # a model that gets every letter right
+    loss, acc = option_loss(logits, b["opt_index"], b["opt_target"])
+    assert acc == 1.0 and float(loss) < 1e-4
+    ids = b["input_ids"].reshape(-1)[b["opt_index"]]
+    assert all(tok.convert_ids_to_tokens(int(i)) not in "ABCD" for i in ids)  # the word, not the letter
