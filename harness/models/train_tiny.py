@@ -37,11 +37,12 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
+from harness.models.train_eval import evaluate, expert_usage, ocr_correct  # noqa: F401 (ocr_correct: importable here)
+from harness.models.train_vision import FocusProbe, dedup_vision_positions, pack_vision_attention
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
 POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000}
@@ -154,84 +155,6 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
     return out
 
 
-def _dedup_by_grid(fn, cacheable: bool):
-    """Wrap a per-image function of ``grid_thw`` (positions, interpolation indices): run it once per distinct
-    grid and concatenate the blocks in image order (the original loops over every image in Python)."""
-    import torch
-
-    cache: dict = {}
-
-    def cat(blocks, n_rows):
-        first = blocks[0]
-        dim = next(d for d in range(first.dim()) if all(b.shape[d] == n for b, n in zip(blocks, n_rows)))
-        return torch.cat(blocks, dim=dim)
-
-    def wrapped(grid_thw, *args, **kwargs):
-        rows = [tuple(int(v) for v in r) for r in grid_thw.tolist()]
-        parts = {}
-        for r in dict.fromkeys(rows):
-            if cacheable and r in cache:
-                parts[r] = cache[r]
-                continue
-            out = fn(torch.tensor([r], device=grid_thw.device, dtype=grid_thw.dtype), *args, **kwargs)
-            parts[r] = out
-            if cacheable:
-                cache[r] = out
-        sizes = [r[0] * r[1] * r[2] for r in rows]
-        outs = [parts[r] for r in rows]
-        if isinstance(outs[0], tuple):
-            return tuple(cat(list(x), sizes) for x in zip(*outs))
-        return cat(outs, sizes)
-
-    return wrapped
-
-
-def dedup_vision_positions(model) -> list[str]:
-    """Per-distinct-grid versions of the vision tower's position helpers, whichever this transformers version
-    has (module functions in ≥ 5.19, methods before). Returns what was wrapped. Training only."""
-    import types
-
-    mod = sys.modules[type(model.model.visual).__module__]
-    done = []
-    for name in ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids"):
-        if hasattr(mod, name):
-            setattr(mod, name, _dedup_by_grid(getattr(mod, name), cacheable=True))
-            done.append(name)
-    visual = model.model.visual
-    for name, cacheable in (("rot_pos_emb", True), ("fast_pos_embed_interpolate", False)):
-        if hasattr(visual, name):
-            orig = getattr(visual, name)
-            setattr(visual, name, types.MethodType(lambda self, g, _f=_dedup_by_grid(orig, cacheable): _f(g), visual))
-            done.append(name)
-    return done
-
-
-def pack_vision_attention(model) -> None:
-    """Every vision block attends over all images of the batch in one masked SDPA call (block-diagonal mask
-    from ``cu_seqlens``) instead of transformers' per-image loop — the same result, far fewer kernel launches
-    for a batch of hundreds of small images. Training only; the saved model is stock."""
-    import types
-
-    import torch
-    import torch.nn.functional as F
-
-    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-        n = hidden_states.shape[0]
-        q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = position_embeddings
-        q, k = rotary(q, k, cos, sin)
-        cu = cu_seqlens.long()
-        seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), cu[1:] - cu[:-1])
-        mask = (seg[:, None] == seg[None, :])[None, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, scale=self.scaling)
-        return self.proj(o[0].transpose(0, 1).reshape(n, -1))
-
-    for block in model.model.visual.blocks:
-        rotary = getattr(sys.modules[type(block.attn).__module__], "apply_rotary_pos_emb_vision")
-        block.attn.forward = types.MethodType(forward, block.attn)
-
-
 def mm_kwargs(model, batch: dict) -> dict:
     """``mm_token_type_ids`` where this transformers version wants it (≥ 5.2x), nothing where it does not."""
     import torch
@@ -239,120 +162,6 @@ def mm_kwargs(model, batch: dict) -> dict:
     if "mm_token_type_ids" not in inspect.signature(model.model.get_rope_index).parameters:
         return {}
     return {"mm_token_type_ids": (batch["input_ids"] == model.config.image_token_id).to(torch.int32)}
-
-
-class FocusProbe:
-    """Captures q/k of the last vision block during the forward pass and gives the attention-focus loss."""
-
-    def __init__(self, model):
-        self.attn = model.model.visual.blocks[-1].attn
-        self.rotary = getattr(sys.modules[type(self.attn).__module__], "apply_rotary_pos_emb_vision")
-        self.captured: dict[str, Any] = {}
-
-        def pre_hook(module, args, kwargs):
-            self.captured["cu"] = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
-            self.captured["pe"] = kwargs.get("position_embeddings", args[2] if len(args) > 2 else None)
-
-        def qkv_hook(module, args, output):
-            self.captured["qkv"] = output
-
-        self.handles = [self.attn.register_forward_pre_hook(pre_hook, with_kwargs=True),
-                        self.attn.qkv.register_forward_hook(qkv_hook)]
-
-    def received(self):
-        """[N] attention each patch receives (column sums within its image, mean over heads) and segment ids."""
-        import torch
-
-        qkv = self.captured.pop("qkv")
-        n = qkv.shape[0]
-        q, k, _ = qkv.reshape(n, 3, self.attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = self.captured["pe"]
-        q, k = self.rotary(q, k, cos, sin)
-        cu = self.captured["cu"].long()
-        seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=q.device), cu[1:] - cu[:-1])
-        logits = torch.einsum("nhd,mhd->hnm", q.float(), k.float()) * self.attn.scaling
-        logits = logits.masked_fill((seg[:, None] != seg[None, :])[None], float("-inf"))
-        return torch.softmax(logits, dim=-1).sum(dim=1).mean(dim=0), seg, cu
-
-    def loss(self, content):
-        """Cross-entropy of the content mask (as a distribution per image) against the received attention."""
-        import torch
-
-        recv, seg, cu = self.received()
-        sizes = (cu[1:] - cu[:-1]).float()
-        r = recv / sizes[seg]  # each image's distribution sums to 1
-        t = content.float()
-        per = torch.zeros(len(sizes), device=r.device).index_add_(0, seg, t)
-        t = t / per[seg].clamp(min=1)
-        ce = torch.zeros(len(sizes), device=r.device).index_add_(0, seg, -t * torch.log(r + 1e-8))
-        has = per > 0
-        # mass on content patches (a readable figure): mean over images of sum of r over content patches
-        mass = torch.zeros(len(sizes), device=r.device).index_add_(0, seg, r * content.float())
-        return ce[has].mean(), mass[has].mean()
-
-
-def ocr_correct(pred: str, answers: list[str]) -> bool:
-    """OCRBench's rule (substring after lower/strip; newline → space)."""
-    p = pred.lower().strip().replace("\n", " ")
-    return any(a.lower().strip().replace("\n", " ") in p for a in answers)
-
-
-def evaluate(model, tokenizer, pool: dict[str, list[dict]], device, max_new: int = 160, bs: int = 64) -> dict:
-    """Greedy held-out accuracy per task: OCR rule, MCQ letter, RAG exact JSON and exact image list."""
-    import re
-
-    import torch
-
-    model.eval()
-    out: dict[str, Any] = {}
-    for task, exs in pool.items():
-        right = 0
-        imgs_right = 0
-        for i in range(0, len(exs), bs):
-            chunk = exs[i:i + bs]
-            batch = collate(chunk, tokenizer.pad_token_id, device, left_pad=True, with_target=False)
-            with torch.no_grad():
-                gen = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                                     max_new_tokens=max_new if task == "rag" else 24, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id, **mm_kwargs(model, batch))
-            for e, row in zip(chunk, gen[:, batch["input_ids"].shape[1]:]):
-                pred = tokenizer.decode(row, skip_special_tokens=True)
-                want = tokenizer.decode(e["ids"][e["n_prompt"]:], skip_special_tokens=True)
-                if task.startswith("ocr"):
-                    right += ocr_correct(pred, [want])
-                elif task.startswith("mcq"):
-                    right += pred.strip()[:1] == want.strip()[:1]
-                else:
-                    right += pred.strip() == want.strip()
-                    imgs_right += re.findall(r"IMG#(\d+)", pred) == re.findall(r"IMG#(\d+)", want)
-        out[task] = round(right / max(len(exs), 1), 4)
-        if task == "rag":
-            out["rag_image_list"] = round(imgs_right / max(len(exs), 1), 4)
-    model.train()
-    return out
-
-
-def expert_usage(model, tokenizer, pool: dict[str, list[dict]], device, n: int = 64) -> dict:
-    """Share of top-k slots per expert (layer-mean) per task on held-out prompts: how experts specialise."""
-    import torch
-
-    model.eval()
-    usage = {}
-    for task, exs in pool.items():
-        batch = collate(exs[:n], tokenizer.pad_token_id, device)
-        with torch.no_grad():
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                        output_router_logits=True, **mm_kwargs(model, batch))
-        m = batch["attention_mask"].reshape(-1).bool()
-        counts = 0
-        for logits in out.router_logits:
-            top = logits.reshape(m.numel(), -1)[m].topk(model.config.text_config.num_experts_per_tok, -1).indices
-            counts = counts + torch.bincount(top.reshape(-1), minlength=logits.shape[-1]).float()
-        usage[task] = [round(float(x), 4) for x in (counts / counts.sum()).tolist()]
-    model.train()
-    return usage
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -125,6 +125,7 @@ def test_option_targets_sit_on_each_option_word_with_its_letter(generator2, tok)
                     ("A. ", "B. ", "C. ", "D. "))
         e = encode(ex, tok, 1)
         got = e["options"]
+        assert (option_targets(e["ids"][: e["n_prompt"]], tok) == got).all()  # = the prompt's own scan
         assert [tok.convert_ids_to_tokens(int(x)) for x in got[:, 1]] == list(opts)  # A, B, C(, D) in order
         for (pos, _), word in zip(got, opts.values()):
             assert int(e["ids"][pos]) == tok(word, add_special_tokens=False)["input_ids"][0]
