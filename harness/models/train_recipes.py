@@ -68,6 +68,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
            "expert_groups": 4, "cells": 0.5, "options": 0.5},
     "v5-mcq": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V5_MCQ_TASK_WEIGHTS, "curriculum": 0.0,
                "expert_groups": 4, "cells": 0.5, "options": 0.5},
+    # v6: v5 + the pointer loss (train_pointer.py): the answer position's attention (head 0, last layer) is trained
+    # onto the correct option's word — v5 showed the letter is readable there but the answer never looks
+    "v6": {"generator": "2", "aux": 0.001, "focus": 0.1, "task_weights": V3_TASK_WEIGHTS, "curriculum": 0.0,
+           "expert_groups": 4, "cells": 0.5, "options": 0.5, "pointer": 0.5},
 }
 GROUP_NOISE = 0.35  # share of an expert's initial weights that is its own (the rest: its group's seed expert)
 

@@ -147,6 +147,10 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
         idx = [i * length + int(p) for i, e in enumerate(examples) for p in e["options"][:, 0]]
         tgt = [int(x) for e in examples for x in e["options"][:, 1]]
         out["opt_index"], out["opt_target"] = t(np.asarray(idx, np.int64)), t(np.asarray(tgt, np.int64))
+        from harness.models.train_pointer import pointer_targets
+
+        ptr = [(i, *pointer_targets(e)) for i, e in enumerate(examples) if len(pointer_targets(e))]
+        out["ptr"] = t(np.asarray(ptr, np.int64).reshape(-1, 3))  # the pointer loss's (row, query, key)
     if with_target and not left_pad and all("pos" in e for e in examples):
         pos = np.zeros((3, len(seqs), length), dtype=np.int64)
         for i, e in enumerate(examples):
@@ -186,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight of the cell loss (train_cells.py; v1-v3: 0, v4: 0.5)")
     ap.add_argument("--options", type=float, default=None,
                     help="weight of the option loss (train_cells.py; before v5: 0, v5: 0.5)")
+    ap.add_argument("--pointer", type=float, default=None,
+                    help="weight of the pointer loss (train_pointer.py; before v6: 0, v6: 0.5)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -198,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
     args = ap.parse_args(argv)
     recipe = VARIANTS[args.variant]
-    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options"):
+    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options", "pointer"):
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key, 0.0))
     args.task_weights = dict(recipe["task_weights"])
@@ -294,6 +300,9 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             print("position helpers left unwrapped", flush=True)
     probe = FocusProbe(model)
     cell_probe = CellProbe(model) if args.cells else None
+    from harness.models import train_pointer
+
+    pointer_before = train_pointer.install(model) if args.pointer else None
     rng = np.random.default_rng(args.seed)
     tasks = list(args.task_weights)
     log = open(out_dir / "train_log.jsonl", "w", encoding="utf-8")
@@ -318,6 +327,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         idx = rng.choice(len(pool[task]), size=min(bs, len(pool[task])), replace=False)
         batch = collate([pool[task][i] for i in idx], tokenizer.pad_token_id, device)
         extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else mm_kwargs(model, batch)
+        pointed = pointer_before is not None and train_pointer.arm(batch)
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
                     output_router_logits=True, **extra)
@@ -327,6 +337,10 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         if cell_probe is not None:
             cells, cells_acc = cell_probe.loss(batch["cells"])
             loss = loss + args.cells * cells
+        ptr_mass = None
+        if pointed:
+            pointing, ptr_mass = train_pointer.loss(batch)
+            loss = loss + args.pointer * pointing
         opt_acc = None
         if args.options:
             letters, opt_acc = option_loss(out.logits, batch["opt_index"], batch["opt_target"])
@@ -343,6 +357,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             logged.append(("cells_acc", cells_acc))
         if opt_acc is not None and opt_acc == opt_acc:
             logged.append(("options_acc", opt_acc))
+        if ptr_mass is not None:
+            logged.append(("pointer_mass", ptr_mass))
         for k, v in logged:
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         if step % 50 == 0 or step == 1:
@@ -363,6 +379,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         h.remove()
     if cell_probe is not None:
         cell_probe.remove()
+    if pointer_before is not None:
+        train_pointer.uninstall(model, pointer_before)
 
     t_eval = time.time()
     model.eval()

@@ -155,3 +155,52 @@ def test_option_loss_reads_the_logits_at_the_option_positions(generator2, tok):
     assert acc == 1.0 and float(loss) < 1e-4
     ids = b["input_ids"].reshape(-1)[b["opt_index"]]
     assert all(tok.convert_ids_to_tokens(int(i)) not in "ABCD" for i in ids)  # the word, not the letter
+
+
+def test_pointer_attention_is_sdpa_and_its_rows_are_the_eager_attention(generator2, tok):
+    """Recipe v6's pointer loss reads head 0 of the last text layer at the answer position: installing it must not
+    change the model's output, and the row it captures must be the attention eager mode reports there."""
+    import torch
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from harness.models import train_pointer
+    from harness.models import train_tiny as tt
+    from harness.models.tiny import build_config
+    from harness.models.train_data import encode, make_example
+    from harness.models.trained import TRAINED_SPEC
+
+    cfg = build_config(dataclasses.replace(TRAINED_SPEC, seed=0), tok)
+    cfg.text_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3VLMoeForConditionalGeneration(cfg).float().eval()
+    rng = random.Random(4)
+    exs = []
+    for task in ("mcq", "ocr", "mcq_hint", "mcq"):
+        e = encode(make_example(task, rng), tok, cfg.image_token_id)
+        e["pos"] = tt.rope_positions(model, e["ids"], e["images"])
+        exs.append(e)
+    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    assert b["ptr"].shape == (3, 3) and b["ptr"][:, 0].tolist() == [0, 2, 3]  # the three MCQ rows, not the OCR one
+    for row, q, k in b["ptr"].tolist():
+        assert q == exs[row]["n_prompt"] - 1 and k < q
+        assert tok.convert_ids_to_tokens(int(exs[row]["ids"][k - 3])) == tok.convert_ids_to_tokens(
+            int(exs[row]["ids"][exs[row]["n_prompt"]]))  # the pointed word's letter is the answer
+
+    def forward(**kw):
+        with torch.no_grad():
+            return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], pixel_values=b["pixel_values"],
+                         image_grid_thw=b["image_grid_thw"], position_ids=b["position_ids"], **kw)
+
+    plain = forward().logits
+    before = train_pointer.install(model)
+    assert train_pointer.arm(b)
+    probed = forward().logits
+    weights = train_pointer._STATE["weights"]
+    _, mass = train_pointer.loss(b)
+    train_pointer.uninstall(model, before)
+    assert torch.allclose(plain, probed, atol=1e-5)
+    cfg.text_config._attn_implementation = "eager"
+    eager = forward(output_attentions=True).attentions[-1]  # [B, H, L, L]
+    want = eager[b["ptr"][:, 0], 0, b["ptr"][:, 1]]
+    assert torch.allclose(weights, want, atol=1e-5)
+    assert 0 < mass < 1
