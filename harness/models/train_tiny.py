@@ -149,7 +149,7 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
         out["opt_index"], out["opt_target"] = t(np.asarray(idx, np.int64)), t(np.asarray(tgt, np.int64))
         from harness.models.train_pointer import pointer_targets
 
-        ptr = [(i, *pointer_targets(e)) for i, e in enumerate(examples) if len(pointer_targets(e))]
+        ptr = [(i, *p) for i, p in enumerate(map(pointer_targets, examples)) if len(p)]
         out["ptr"] = t(np.asarray(ptr, np.int64).reshape(-1, 3))  # the pointer loss's (row, query, key)
     if with_target and not left_pad and all("pos" in e for e in examples):
         pos = np.zeros((3, len(seqs), length), dtype=np.int64)
