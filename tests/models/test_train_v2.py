@@ -12,14 +12,6 @@ import pytest
 from harness.datasets import synthetic_tasks as st
 
 
-@pytest.fixture
-def generator2():
-    before = st.generator_version()
-    st.use_generator("2")
-    yield
-    st.use_generator(before)
-
-
 def content_cells(img, threshold: int = 60) -> np.ndarray:
     """[rows, cols] bool: which 32 × 32 cells (LLM visual tokens) hold ink or a shape."""
     a = np.asarray(img.convert("RGB")).astype(int)

@@ -8,20 +8,10 @@ gradient reaches the patch embedding, the merger and the deepstack mergers.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
-import pytest
 
 from harness.datasets import synthetic_tasks as st
-
-
-@pytest.fixture
-def generator2():
-    before = st.generator_version()
-    st.use_generator("2")
-    yield
-    st.use_generator(before)
 
 
 def test_attr_example_is_the_mcq_question_without_options_answered_by_the_word(generator2):
@@ -71,27 +61,11 @@ def test_curriculum_with_a_task_outside_the_curriculum_mix():
     assert task_weights_at(r, 60, 100) == r["task_weights"]
 
 
-def test_training_batch_feeds_the_images_to_the_language_model(generator2):
+def test_training_batch_feeds_the_images_to_the_language_model(generator2, tiny_batch):
     import torch
-    from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from harness.models import train_tiny as tt
-    from harness.models.tiny import build_config, build_tokenizer
-    from harness.models.train_data import encode, make_example
-    from harness.models.trained import TRAINED_SPEC
-
-    spec = dataclasses.replace(TRAINED_SPEC, seed=0)
-    tok = build_tokenizer(spec)
-    cfg = build_config(spec, tok)
-    torch.manual_seed(0)
-    model = Qwen3VLMoeForConditionalGeneration(cfg).float().train()
-    rng = random.Random(0)
-    exs = []
-    for task in ("mcq", "ocr", "attr", "ocr_mix"):
-        e = encode(make_example(task, rng), tok, cfg.image_token_id)
-        e["pos"] = tt.rope_positions(model, e["ids"], e["images"])
-        exs.append(e)
-    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    t = tiny_batch(("mcq", "ocr", "attr", "ocr_mix"))
+    model, tok, cfg, exs, b = t.model, t.tok, t.cfg, t.exs, t.batch
     feats = model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
     assert int((b["input_ids"] == cfg.image_token_id).sum()) == sum(f.shape[0] for f in feats.pooler_output)
     for i, e in enumerate(exs):  # labels: the answer tokens only, unshifted (the model shifts)

@@ -7,7 +7,6 @@ see the merged tokens the language model receives, in the order the targets are 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import numpy as np
@@ -15,14 +14,6 @@ import pytest
 
 from harness.datasets import synthetic_tasks as st
 from harness.models.train_cells import IGNORE, CellProbe, cell_targets
-
-
-@pytest.fixture
-def generator2():
-    before = st.generator_version()
-    st.use_generator("2")
-    yield
-    st.use_generator(before)
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +71,11 @@ def test_variant_v4_sets_the_cell_loss_and_older_recipes_do_not():
     assert parse_args(["--variant", "v4", "--out", "x", "--cells", "0.2"]).cells == 0.2
 
 
-def test_probe_sees_the_merged_tokens_and_its_loss_trains_the_vision_tower(generator2, tok):
+def test_probe_sees_the_merged_tokens_and_its_loss_trains_the_vision_tower(generator2, tiny_batch):
     import torch
-    from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from harness.models import train_tiny as tt
-    from harness.models.tiny import build_config
-    from harness.models.train_data import encode, make_example
-    from harness.models.trained import TRAINED_SPEC
-
-    cfg = build_config(dataclasses.replace(TRAINED_SPEC, seed=0), tok)
-    torch.manual_seed(0)
-    model = Qwen3VLMoeForConditionalGeneration(cfg).float().train()
-    rng = random.Random(0)
-    exs = [encode(make_example(task, rng), tok, cfg.image_token_id) for task in ("ocr", "mcq", "ocr_mix")]
-    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    t = tiny_batch(("ocr", "mcq", "ocr_mix"))
+    model, cfg, b = t.model, t.cfg, t.batch
     assert b["cells"].shape[0] == int((b["input_ids"] == cfg.image_token_id).sum())  # one target per token
     probe = CellProbe(model)
     feats = model.model.get_image_features(b["pixel_values"], b["image_grid_thw"], return_dict=True)
@@ -157,29 +138,15 @@ def test_option_loss_reads_the_logits_at_the_option_positions(generator2, tok):
     assert all(tok.convert_ids_to_tokens(int(i)) not in "ABCD" for i in ids)  # the word, not the letter
 
 
-def test_pointer_attention_is_sdpa_and_its_rows_are_the_eager_attention(generator2, tok):
+def test_pointer_attention_is_sdpa_and_its_rows_are_the_eager_attention(generator2, tiny_batch):
     """Recipe v6's pointer loss reads head 0 of the last text layer at the answer position: installing it must not
     change the model's output, and the row it captures must be the attention eager mode reports there."""
     import torch
-    from transformers import Qwen3VLMoeForConditionalGeneration
 
     from harness.models import train_pointer
-    from harness.models import train_tiny as tt
-    from harness.models.tiny import build_config
-    from harness.models.train_data import encode, make_example
-    from harness.models.trained import TRAINED_SPEC
 
-    cfg = build_config(dataclasses.replace(TRAINED_SPEC, seed=0), tok)
-    cfg.text_config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = Qwen3VLMoeForConditionalGeneration(cfg).float().eval()
-    rng = random.Random(4)
-    exs = []
-    for task in ("mcq", "ocr", "mcq_hint", "mcq"):
-        e = encode(make_example(task, rng), tok, cfg.image_token_id)
-        e["pos"] = tt.rope_positions(model, e["ids"], e["images"])
-        exs.append(e)
-    b = tt.collate(exs, tok.pad_token_id, "cpu")
+    t = tiny_batch(("mcq", "ocr", "mcq_hint", "mcq"), seed=4, train=False)
+    model, tok, cfg, exs, b = t.model, t.tok, t.cfg, t.exs, t.batch
     assert b["ptr"].shape == (3, 3) and b["ptr"][:, 0].tolist() == [0, 2, 3]  # the three MCQ rows, not the OCR one
     for row, q, k in b["ptr"].tolist():
         assert q == exs[row]["n_prompt"] - 1 and k < q
