@@ -59,8 +59,9 @@ def _forward(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out
 
 
-def install(model) -> str:
-    """Switch the text decoder to the probing attention; returns the implementation to restore."""
+def install(model, layer: int = -1) -> str:
+    """Switch the text decoder to the probing attention, probing text layer ``layer`` (negative: from the end);
+    returns the implementation to restore."""
     global _REGISTERED
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -70,11 +71,14 @@ def install(model) -> str:
         AttentionMaskInterface.register(NAME, sdpa_mask)
         _REGISTERED = True
     cfg = model.config.text_config
+    n = cfg.num_hidden_layers
+    if not -n <= layer < n:
+        raise ValueError(f"pointer layer {layer} outside the {n} text layers")
     before = cfg._attn_implementation
     if before != "sdpa":
         raise ValueError(f"the pointer loss needs the text model on sdpa, not {before!r}")
     cfg._attn_implementation = NAME
-    _STATE["layer"] = cfg.num_hidden_layers - 1
+    _STATE["layer"] = layer % n
     return before
 
 

@@ -192,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight of the option loss (train_cells.py; before v5: 0, v5: 0.5)")
     ap.add_argument("--pointer", type=float, default=None,
                     help="weight of the pointer loss (train_pointer.py; before v6: 0, v6: 0.5)")
+    ap.add_argument("--pointer-layer", type=int, default=-1,
+                    help="text layer whose head 0 the pointer loss trains (-1 = the last, as in v6)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     cell_probe = CellProbe(model) if args.cells else None
     from harness.models import train_pointer
 
-    pointer_before = train_pointer.install(model) if args.pointer else None
+    pointer_before = train_pointer.install(model, args.pointer_layer) if args.pointer else None
     rng = np.random.default_rng(args.seed)
     tasks = list(args.task_weights)
     log = open(out_dir / "train_log.jsonl", "w", encoding="utf-8")

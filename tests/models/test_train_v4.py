@@ -171,3 +171,5 @@ def test_pointer_attention_is_sdpa_and_its_rows_are_the_eager_attention(generato
     want = eager[b["ptr"][:, 0], 0, b["ptr"][:, 1]]
     assert torch.allclose(weights, want, atol=1e-5)
     assert 0 < mass < 1
+    with pytest.raises(ValueError, match="outside"):
+        train_pointer.install(model, layer=cfg.text_config.num_hidden_layers)
