@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
-from harness.models.train_eval import evaluate, expert_usage, ocr_correct  # noqa: F401 (ocr_correct: importable here)
+from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_vision import FocusProbe, dedup_vision_positions, pack_vision_attention
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
