@@ -27,6 +27,7 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from harness.datasets.base import DatasetError
+    from harness.latency.device_lock import UnsafeLockDir
     from harness.outcome import console_summary
     from harness.run import TechniqueNotAvailable, run_experiment
     from harness.run_state import RunDirLocked
@@ -36,7 +37,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged) as e:
+    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged, UnsafeLockDir) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     # a short summary (key metrics, latency, warnings) rather than a JSON dump: the numbers are in summary.json

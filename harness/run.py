@@ -190,6 +190,12 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.run_state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
     validate_config(cfg)  # harness/validate.py: every key's range / enumeration, unknown keys, cross-key rules
+    from harness.latency.device_lock import DeviceLock, device_key
+
+    # latency.sequential: jobs take turns; built here, so an unsafe lock directory (UnsafeLockDir) stops the run
+    # before its state, W&B run or progress bar starts
+    device_lock = DeviceLock(device_key(str(cfg.engine.device)), sequential=bool(cfg.latency.sequential),
+                             timeout_s=cfg.latency.lock_timeout_s)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -214,10 +220,6 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
         live = _start_wandb(cfg, config, run_dir, state)
         progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
-        from harness.latency.device_lock import DeviceLock, device_key
-
-        device_lock = DeviceLock(device_key(str(cfg.engine.device)), sequential=bool(cfg.latency.sequential),
-                                 timeout_s=cfg.latency.lock_timeout_s)  # latency.sequential: jobs take turns
         try:
             with device_lock:
                 summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live, device_lock)

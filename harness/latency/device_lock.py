@@ -1,6 +1,6 @@
 """Jobs that share one device: take turns (``latency.sequential=true``) and notice when they did not.
 
-A latency job holds a lock file per device of this host (``<tmp>/harness-device-locks/<device>.lock``, a
+A latency job holds a lock file per device of this host (``<tmp>/harness-device-locks-<uid>/<device>.lock``, a
 ``flock``: the kernel drops it when its holder dies, so a killed job never blocks the next) from before its
 model loads until its last timed pass ends:
 
@@ -15,15 +15,25 @@ model loads until its last timed pass ends:
 The device is named without touching CUDA (the lock is taken before the model loads): ``cpu``, or ``cuda`` with
 the job's ``CUDA_VISIBLE_DEVICES`` (Slurm gives each job its own GPUs, so their keys differ and they do not wait
 for each other) and the configured index. Only the standard library is imported.
+
+Why the lock directory is private (issue 26): a shared ``/tmp/harness-device-locks`` could be created first by
+another local user, who could then plant a link at a lock path and make a run truncate (``ftruncate``) or create
+any file the run may write. So the directory is per user (``harness-device-locks-<uid>``, created ``0o700``) and
+is refused — :class:`UnsafeLockDir`, exit 2 with one line — unless it is a real directory (not a link) owned by
+this user and writable by nobody else; lock files are opened with ``O_NOFOLLOW``, created ``0o600``, and refused
+unless they are regular files owned by this user. Jobs of *different* users therefore do not see each other's
+locks (they never could safely); ``HARNESS_DEVICE_LOCK_DIR`` is held to the same rules.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -46,10 +56,54 @@ def device_key(engine_device: str, env: dict[str, str] | None = None) -> str:
     return f"cuda-visible[{visible if visible is not None else 'all'}]-{index}"
 
 
+class UnsafeLockDir(RuntimeError):
+    """The lock directory (or a lock file in it) could be controlled by another user: the job stops (exit 2)."""
+
+
+def lock_dir(env: dict[str, str] | None = None) -> Path:
+    """This user's lock directory: ``$HARNESS_DEVICE_LOCK_DIR``, else ``<tmp>/harness-device-locks-<uid>``."""
+    env = os.environ if env is None else env
+    return Path(env.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / f"harness-device-locks-{os.getuid()}")
+
+
+def check_private_dir(root: Path) -> None:
+    """Refuse a directory another user could write into (or has swapped for a link): see the module docstring."""
+    hint = f"remove it, or set {LOCK_DIR_ENV} to a directory only you can write"
+    try:
+        st = os.lstat(root)
+    except OSError as e:
+        raise UnsafeLockDir(f"device lock directory {root} cannot be checked ({e.strerror}): {hint}") from e
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise UnsafeLockDir(f"device lock directory {root} is {what}: {hint}")
+    if st.st_uid != os.getuid():
+        raise UnsafeLockDir(f"device lock directory {root} is owned by uid {st.st_uid}, not by you "
+                            f"(uid {os.getuid()}): {hint}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeLockDir(f"device lock directory {root} is writable by other users "
+                            f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 700 it, or {hint}")
+
+
 def _lock_path(key: str) -> Path:
-    root = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "harness-device-locks")
-    root.mkdir(parents=True, exist_ok=True)
+    root = lock_dir()
+    if not os.path.lexists(root):
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:  # created meanwhile, by a sibling job or by someone else: checked below
+            pass
+    check_private_dir(root)
     return root / (re.sub(r"[^A-Za-z0-9_.,\[\]-]+", "_", key) + ".lock")
+
+
+def open_lock_file(path: Path) -> int:
+    """A descriptor of the lock file, never through a link and only if it is this user's regular file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise UnsafeLockDir(f"device lock file {path} is not a regular file of yours: remove it")
+    return fd
 
 
 class DeviceLock:
@@ -78,8 +132,10 @@ class DeviceLock:
         try:
             import fcntl
 
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._fd = open_lock_file(self.path)
         except (ImportError, OSError) as e:
+            if isinstance(e, OSError) and e.errno == errno.ELOOP:  # O_NOFOLLOW met a link planted at the lock path
+                raise UnsafeLockDir(f"device lock file {self.path} is a symbolic link: remove it") from e
             log.warning("device lock %s unavailable (%s): latency jobs are neither serialised nor checked",
                         self.path, e)
             self.available = False
@@ -124,8 +180,14 @@ class DeviceLock:
     def holder(self) -> str | None:
         """Who holds the lock exclusively, as its holder wrote it (pid, host, since), if readable."""
         try:
-            info = json.loads(self.path.read_text() or "{}")
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                info = json.loads(os.read(fd, 4096).decode() or "{}")
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict):
             return None
         return f"pid {info['pid']} on {info.get('host')} (since {info.get('since')})" if info.get("pid") else None
 
