@@ -12,7 +12,10 @@ Three layouts are read, chosen by the file extension, by what a folder holds, or
   set to ``HME100k`` for the handwritten-formula type (the one rule that needs it) and ``unknown`` otherwise.
 * ``hf`` — the Hugging Face layout (``echo840/OCRBench``): ``question, question_type, answer, image,
   dataset``, from a ``save_to_disk`` folder, a folder of parquet/arrow files or one such file. Needs the
-  optional ``datasets`` library.
+  optional ``datasets`` library. An image cell without bytes (``{bytes: null, path}``) names a file, which is
+  resolved like ``image_path`` above, under the data root (``dataset.image_root``, default: the dataset's
+  folder) and can never leave it: an absolute path or a ``..`` escape is the row's ``bad_image_path`` fault
+  (a data file must not make the harness read arbitrary files of the machine, issue 26).
 
 Upstream ``id`` is not unique (857 distinct values in 1,000 rows), so a sample's ``uid`` is its 0-based row
 position (``json``, ``hf``) or the TSV ``index`` (VLMEvalKit's own key, which equals the position there).
@@ -282,17 +285,14 @@ def _hf_dataset(path: Path, split: str | None):
 
 
 def hf_image_bytes(value: Any) -> bytes | None:
-    """The encoded bytes of a Hugging Face image cell ({bytes, path} dict, raw bytes or a PIL image)."""
+    """The encoded bytes a Hugging Face image cell carries ({bytes, path} dict, raw bytes or a PIL image); a
+    cell that only names a file is :func:`hf_image_input`'s business (its path must stay under the data root)."""
     if value is None:
         return None
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        if value.get("path") and Path(value["path"]).is_file():
-            return Path(value["path"]).read_bytes()
-        return None
+        return bytes(value["bytes"]) if value.get("bytes") else None
     if hasattr(value, "save"):  # a decoded PIL image
         buf = io.BytesIO()
         value.save(buf, format="PNG")
@@ -300,28 +300,45 @@ def hf_image_bytes(value: Any) -> bytes | None:
     return None
 
 
-def hf_row_to_sample(pos: int, row: dict, where: str, dataset: str) -> Sample:
+def hf_image_input(value: Any, key: str, data_root: Path | None) -> tuple[ImageInput, str | None]:
+    """The image of a Hugging Face cell and its error (None: usable). A cell that names a file instead of
+    carrying bytes is resolved under ``data_root`` with :func:`~harness.datasets.base.resolve_under`, the check
+    every other layout's image paths pass: absolute, ``..``-escaping, NUL-holding or non-string paths — and any
+    path when no data root is known — are the row's ``bad_image_path`` :class:`RowFault`."""
+    if isinstance(value, dict) and not value.get("bytes") and value.get("path") is not None:
+        rel = value["path"]
+        if data_root is None:
+            raise RowFault("bad_image_path", f"rejected image path {rel!r}: no data root to resolve it under")
+        try:
+            file = resolve_under(data_root, rel)
+        except PathEscapeError as e:
+            raise RowFault("bad_image_path", f"rejected image path: {e}") from e
+        error = None if file.is_file() else f"image file missing: {file} (image cell path {rel!r} under {data_root})"
+        return ImageInput(source=SOURCE, path=file, key=key), error
+    data = hf_image_bytes(value)
+    return ImageInput(source=SOURCE, data=data, key=key), None if data else f"image of row {key} is missing"
+
+
+def hf_row_to_sample(pos: int, row: dict, where: str, dataset: str, data_root: Path | None = None) -> Sample:
     """One Hugging Face row → one sample (pure: testable without the ``datasets`` library); a defective row
-    is a data-error sample."""
+    is a data-error sample. ``data_root`` is where image cells that name a file may point (None: nowhere)."""
+    key = f"{Path(where).name}:row={pos}"
     try:
         question, qtype = text_field(row, "question"), text_field(row, "question_type")
         dataset_name = text_field(row, "dataset")
         answers = normalise_answers(require(row, "answer"), "answer")
+        image, error = hf_image_input(row.get("image"), key, data_root)
     except RowFault as fault:
         return error_sample(str(pos), dataset, f"{where}: row {pos}", fault, row, "question_type", position=pos)
-    key = f"{Path(where).name}:row={pos}"
-    data = hf_image_bytes(row.get("image"))
-    error = None if data else f"image of row {key} is missing"
     return make_sample(
         uid=str(pos), dataset=dataset, question=question, answers=answers, dataset_name=dataset_name, qtype=qtype,
-        image=ImageInput(source=SOURCE, data=data, key=key), error=error, error_reason="image_missing",
-        position=pos,
+        image=image, error=error, error_reason="image_missing", position=pos,
     )
 
 
-def iter_hf(path: Path, split: str | None, dataset: str) -> Iterator[Sample]:
+def iter_hf(path: Path, split: str | None, dataset: str, data_root: Path | None = None) -> Iterator[Sample]:
     for pos, row in enumerate(_hf_dataset(path, split)):
-        yield hf_row_to_sample(pos, row, str(path), dataset)
+        yield hf_row_to_sample(pos, row, str(path), dataset, data_root)
 
 
 # --- entry point ----------------------------------------------------------------------------------
@@ -338,7 +355,8 @@ def load(cfg, root: Path) -> Iterator[Sample]:
     elif fmt == "tsv":
         samples = iter_tsv_samples(file, name, key)
     else:
-        samples = iter_hf(file, cfg_get(cfg, "split"), name)
+        data_root = image_root_of(cfg, root, file if file.is_dir() else file.parent)  # where path cells may point
+        samples = iter_hf(file, cfg_get(cfg, "split"), name, data_root)
     limit = cfg_get(cfg, "limit")
     for n, sample in enumerate(samples):
         if limit is not None and n >= limit:
