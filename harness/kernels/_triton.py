@@ -1,0 +1,31 @@
+"""Where a Triton kernel of this package can run: one check instead of a copy in every kernel module.
+
+Why a module of its own: every kernel dispatches the same way — the Triton kernel on a CUDA tensor, the
+Triton interpreter on a CPU tensor when ``TRITON_INTERPRET=1`` was set before ``triton`` was imported (how CI
+tests kernels on machines without a GPU), and the kernel's torch reference everywhere else.
+Imports: torch only (triton is imported by the kernel modules, never here).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["interpreting", "triton_runs"]
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET`` set to a non-zero value)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_runs(device: torch.device | str, kernel: object | None = None) -> bool:
+    """Can a Triton kernel run on tensors of ``device``? CUDA: yes. CPU: only in the interpreter, and then
+    only if ``kernel`` (a ``@triton.jit`` function, when given) was built as an interpreted function — a
+    kernel module imported before ``TRITON_INTERPRET`` was set holds compiled kernels, which need a GPU."""
+    if torch.device(device).type == "cuda":
+        return True
+    if not interpreting():
+        return False
+    return kernel is None or type(kernel).__name__ == "InterpretedFunction"

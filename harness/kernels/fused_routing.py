@@ -1,0 +1,351 @@
+"""MoE routing for an engine's ``custom_routing_function`` in one launch: softmax, top-k, renormalisation,
+``moe.top_k`` truncation, SERE's re-route and the statistics counters.
+
+Why (issue 23). Inside vLLM the harness's routing function ran a chain of ~25 small torch ops per MoE layer
+(the stock top-k, the truncation, the decode-row mask, the re-route kernel, ~15 counter ops, a concat, a
+cast). Under vLLM's CUDA graphs no Python runs, but every one of those kernels still runs: ~70 µs per layer,
+~3.5 ms per step on Qwen3-30B-A3B shapes — SERE made single-request decode 1.86× slower and plain top-2 was
+slower than stock top-8. vLLM's own softmax top-k is one kernel. This op is one kernel too, for decode-sized
+steps (T <= :data:`FUSED_MAX_TOKENS`, which covers every step vLLM captures in a graph by default):
+
+    one program (grid 1), row tiles of BLOCK_T tokens × BLOCK_E experts
+    pass 1, per tile: logits → fp32 softmax → top-k by k rounds of "largest, lowest id on ties" →
+             renormalise → (TRUNC) the first K' slots renormalised, slots K'.. = (row's first expert,
+             weight 0) → weights stored; P |= experts of the first k_primary slots of decode rows;
+             statistics' expert sets accumulated as [BLOCK_E] flags
+    pass 2 (SERE), per tile: for each secondary slot j in [k_primary, width): source not in P, not
+             protected, decode row → the source's similarity row restricted to P, best, lowest id
+             attaining it, move iff best is finite and >= rho → ids stored
+    end:     (STATS) the counters [calls, rows, before, after, primary, moved, secondary] += this call,
+             in place (grid 1: no atomics)
+
+P is a reduction over the whole step and pass 2 needs all of it, hence one program; a step that fits one tile
+keeps everything in registers (no store/reload between the passes). Longer steps (prefill: eager, never in a
+graph at vLLM's default capture sizes) go to the torch reference, whose ops spread over the GPU
+(:func:`fused_routing`).
+
+Semantics: :func:`fused_routing_reference` (plain torch, beside the kernel), which equals the composition of
+the engine's stock top-k, ``harness.techniques.moe_topk.truncate_routing`` + ``pad_routing`` and
+``harness.techniques.sere.reroute`` (tested in tests/kernels/test_fused_routing.py). Weights are rounded to
+the logits' dtype (as transformers' router returns them) and returned as float32, ids as int32 (what vLLM's
+fused-MoE kernels take). Fixed shapes, no host synchronisation: capturable in a CUDA graph; registered as
+``torch.ops.harness.fused_moe_routing`` for ``torch.compile``.
+
+Counter layout (int64 [7], one vector per layer and statistic): :data:`COUNTERS`. SERE's counters count the
+decode rows' re-routing (before = distinct experts of the re-routed columns, after = after re-routing,
+primary = |P|); ``moe.top_k``'s count the truncated rows (before = the stock top-k's experts, after = the
+truncated routing's, primary = the experts of its first K' columns, moved = slots changed).
+Imports: torch and triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from harness.kernels._triton import triton_runs
+from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
+
+__all__ = ["COUNTERS", "FUSED_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
+           "fused_routing_triton"]
+
+#: steps up to this many tokens run the one-launch kernel; longer ones (eager prefill) the torch reference
+FUSED_MAX_TOKENS = 1024
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _column(tile, slots, j):
+    """Column ``j`` of an int [BLOCK_T, BLOCK_K] tile."""
+    return tl.sum(tl.where(slots[None, :] == j, tile, 0), axis=1)
+
+
+@triton.jit
+def _flags(hit, rows):
+    """[BLOCK_E] int32: experts hit on any of ``rows`` (hit [BLOCK_T, BLOCK_E] bool, rows [BLOCK_T] bool)."""
+    return tl.max(tl.where(hit & rows[:, None], 1, 0), axis=0)
+
+
+@triton.jit
+def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt, s_wk,
+               TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+               RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
+               HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr):
+    """Pass 1 on rows [t0, t0 + BLOCK_T): ids [BLOCK_T, BLOCK_K] int32 (returned), weights stored, and the
+    [BLOCK_E] flag vectors the counters and pass 2 need."""
+    rows = t0 + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    slots = tl.arange(0, BLOCK_K)
+    if HAS_DEC:
+        dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
+    else:
+        dec = rows < 0
+    if HAS_REAL:
+        real = row_ok & (tl.load(real_ptr + rows, mask=row_ok, other=0) != 0)
+    else:
+        real = row_ok
+    if TRUNC_ALL:
+        tr = row_ok
+    else:
+        tr = dec
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + e[None, :] * s_le,
+                mask=row_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.where(e_ok[None, :], x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    rem = tl.where(e_ok[None, :], p, -1.0)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    prim = tl.zeros([BLOCK_E], dtype=tl.int32)      # P: first KP slots of decode rows
+    s_before = tl.zeros([BLOCK_E], dtype=tl.int32)  # SERE: first WIDTH slots of decode rows
+    k_before = tl.zeros([BLOCK_E], dtype=tl.int32)  # top-K: all slots of the counted truncated rows
+    k_after = tl.zeros([BLOCK_E], dtype=tl.int32)   # top-K: first KT slots of them (= after and primary)
+    counted = real & tr
+    for j in tl.static_range(TOPK):
+        best = tl.max(rem, axis=1)
+        idx = tl.min(tl.where(rem == best[:, None], e[None, :], BLOCK_E), axis=1)
+        hit = e[None, :] == idx[:, None]
+        ids = tl.where(slots[None, :] == j, idx[:, None], ids)
+        vals = tl.where(slots[None, :] == j, best[:, None], vals)
+        rem = tl.where(hit, -1.0, rem)
+        if SERE:
+            if j < KP:
+                prim = tl.maximum(prim, _flags(hit, dec))
+            if j < WIDTH:
+                s_before = tl.maximum(s_before, _flags(hit, dec))
+        if TRUNC:
+            k_before = tl.maximum(k_before, _flags(hit, counted))
+            if j < KT:
+                k_after = tl.maximum(k_after, _flags(hit, counted))
+    k_ok = slots < TOPK
+    if RENORM:
+        w = vals / tl.sum(tl.where(k_ok[None, :], vals, 0.0), axis=1)[:, None]
+    else:
+        w = vals
+    if TRUNC:
+        head = slots < KT
+        hv = tl.where(head[None, :], vals, 0.0)
+        if RENORM:
+            tw = hv / tl.sum(hv, axis=1)[:, None]
+        else:
+            tw = hv
+        w = tl.where(tr[:, None], tw, w)
+        first = _column(ids, slots, 0)
+        ids = tl.where(tr[:, None] & (slots[None, :] >= KT), first[:, None], ids)
+    w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(w_ptr + rows[:, None].to(tl.int64) * s_wt + slots[None, :] * s_wk, w,
+             mask=row_ok[:, None] & k_ok[None, :])
+    n_dec = tl.sum(dec.to(tl.int64), axis=0)
+    n_tr = tl.sum(counted.to(tl.int64), axis=0)
+    return ids, dec, prim, s_before, k_before, k_after, n_dec, n_tr
+
+
+@triton.jit
+def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                  KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_PROT: tl.constexpr):
+    """Pass 2 on one tile: SERE's re-route of the secondary slots [KP, WIDTH) of the decode rows ``dec``.
+    Returns the new ids, the moved-slot count and the flags of the unmoved sources (for ``after``)."""
+    e = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    cand = prim > 0
+    moved = tl.zeros([BLOCK_T], dtype=tl.int64)
+    kept = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(KP, WIDTH):
+        src = _column(ids, slots, j)
+        hit = e[None, :] == src[:, None]
+        in_p = tl.max(tl.where(hit & cand[None, :], 1, 0), axis=1) > 0
+        ok = dec & (in_p == 0)
+        if HAS_PROT:
+            ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
+        sim = tl.load(sim_ptr + src[:, None].to(tl.int64) * s_se + e[None, :] * s_sp,
+                      mask=ok[:, None] & cand[None, :], other=float("-inf")).to(tl.float32)
+        sim = tl.where(sim == sim, sim, float("-inf"))
+        best = tl.max(sim, axis=1)
+        target = tl.min(tl.where(sim == best[:, None], e[None, :], BLOCK_E), axis=1)
+        move = ok & (best > float("-inf")) & (best >= rho)
+        ids = tl.where((slots[None, :] == j) & move[:, None], target[:, None], ids)
+        moved += move.to(tl.int64)
+        kept = tl.maximum(kept, _flags(hit, dec & (move == 0)))
+    return ids, tl.sum(moved, axis=0), kept
+
+
+@triton.jit
+def _add_counters(ptr, rows, before, after, primary, moved, secondary_per_row):
+    o = tl.arange(0, 8)
+    vals = tl.where(o == 0, (rows > 0).to(tl.int64), 0)
+    vals = tl.where(o == 1, rows, vals)
+    vals = tl.where(o == 2, tl.sum(before.to(tl.int64), axis=0), vals)
+    vals = tl.where(o == 3, tl.sum(after.to(tl.int64), axis=0), vals)
+    vals = tl.where(o == 4, tl.sum(primary.to(tl.int64), axis=0), vals)
+    vals = tl.where(o == 5, moved, vals)
+    vals = tl.where(o == 6, rows * secondary_per_row, vals)
+    old = tl.load(ptr + o, mask=o < 7, other=0)
+    tl.store(ptr + o, old + vals, mask=o < 7)
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles"])  # one compilation per tile size, not per step length
+def _fused_routing_kernel(
+    logits_ptr, dec_ptr, real_ptr, sim_ptr, prot_ptr, w_ptr, ids_ptr, sere_cnt_ptr, topk_cnt_ptr,
+    T, n_tiles, E, rho, s_lt, s_le, s_se, s_sp, s_wt, s_wk, s_it, s_ik,
+    TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
+    RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
+    HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, HAS_PROT: tl.constexpr,
+    SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+):
+    slots = tl.arange(0, BLOCK_K)
+    k_ok = slots < TOPK
+    zero_e = tl.zeros([BLOCK_E], dtype=tl.int32)
+    n_dec = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+    n_tr = n_dec
+    moved = n_dec
+    if SINGLE:
+        ids, dec, prim, s_before, k_before, k_after, n_dec, n_tr = _topk_tile(
+            logits_ptr, dec_ptr, real_ptr, w_ptr, 0, T, E, s_lt, s_le, s_wt, s_wk,
+            TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL)
+        kept = zero_e
+        if SERE:
+            ids, moved, kept = _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                             KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+        rows = tl.arange(0, BLOCK_T)
+        tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
+                 mask=(rows[:, None] < T) & k_ok[None, :])
+    else:
+        prim = zero_e
+        s_before = zero_e
+        k_before = zero_e
+        k_after = zero_e
+        kept = zero_e
+        for tile in range(0, n_tiles):
+            t0 = tile * BLOCK_T
+            ids, dec, p_t, sb_t, kb_t, ka_t, nd_t, nt_t = _topk_tile(
+                logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt, s_wk,
+                TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL)
+            prim = tl.maximum(prim, p_t)
+            s_before = tl.maximum(s_before, sb_t)
+            k_before = tl.maximum(k_before, kb_t)
+            k_after = tl.maximum(k_after, ka_t)
+            n_dec += nd_t
+            n_tr += nt_t
+            rows = t0 + tl.arange(0, BLOCK_T)
+            tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
+                     mask=(rows[:, None] < T) & k_ok[None, :])
+        if SERE:
+            tl.debug_barrier()  # pass 1's stores are visible to every thread of the program
+            for tile in range(0, n_tiles):
+                rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+                row_ok = rows < T
+                ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
+                ids = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
+                if HAS_DEC:
+                    dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
+                else:
+                    dec = rows < 0
+                ids, m_t, kept_t = _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                                 KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+                moved += m_t
+                kept = tl.maximum(kept, kept_t)
+                tl.store(ptrs, ids, mask=row_ok[:, None] & k_ok[None, :])
+    if SERE_STATS:
+        _add_counters(sere_cnt_ptr, n_dec, s_before, tl.maximum(prim, kept), prim, moved, WIDTH - KP)
+    if TOPK_STATS:
+        _add_counters(topk_cnt_ptr, n_tr, k_before, k_after, k_after, n_tr * (TOPK - KT), TOPK - KT)
+
+
+def _tile_rows(num_tokens: int, block_e: int) -> int:
+    """Rows per tile: the whole step when it is small (no store/reload between the passes), else tiles of
+    ~4K logits (registers of one program)."""
+    cap = max(1, 4096 // block_e)
+    return max(1, min(triton.next_power_of_2(max(num_tokens, 1)), cap))
+
+
+def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
+                         real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
+                         topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
+                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-launch kernel (module doc); arguments as :func:`fused_routing_reference`. ``block_t`` /
+    ``num_warps`` override the tiling (the benchmark sweeps them)."""
+    if logits.dim() != 2:
+        raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
+    t, num_experts = logits.shape
+    if spec.top_k > num_experts:
+        raise ValueError(f"routing: top_k={spec.top_k} with {num_experts} experts")
+    dev = logits.device
+    weights = torch.empty((t, spec.top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, spec.top_k), dtype=torch.int32, device=dev)
+    if t == 0:
+        return weights, ids
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_t = block_t or _tile_rows(t, block_e)
+    sere = spec.k_primary is not None
+    trunc = spec.trunc_k is not None
+    sim = spec.similarity if sere else None
+    if sim is not None and (sim.device != dev or sim.dtype != torch.float32):
+        sim = sim.to(device=dev, dtype=torch.float32)
+    if sere and tuple(sim.shape) != (num_experts, num_experts):
+        raise ValueError(f"routing: similarity {tuple(sim.shape)} for {num_experts} experts")
+    prot = spec.protected if sere else None
+    dummy = ids
+    n_tiles = triton.cdiv(t, block_t)
+    _fused_routing_kernel[(1,)](
+        logits, decode_rows if decode_rows is not None else dummy, real_rows if real_rows is not None else dummy,
+        sim if sim is not None else dummy, prot if prot is not None else dummy, weights, ids,
+        sere_counters if sere_counters is not None else dummy, topk_counters if topk_counters is not None else dummy,
+        t, n_tiles, num_experts, float(spec.rho), logits.stride(0), logits.stride(1),
+        sim.stride(0) if sim is not None else 0, sim.stride(1) if sim is not None else 0,
+        weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+        TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(spec.top_k),
+        SINGLE=n_tiles == 1, RENORM=spec.renormalize, TRUNC=trunc, TRUNC_ALL=spec.trunc_all,
+        SERE=sere, HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None, HAS_PROT=prot is not None,
+        SERE_STATS=sere and sere_counters is not None, TOPK_STATS=trunc and topk_counters is not None,
+        num_warps=num_warps or (4 if block_t * block_e <= 2048 else 8),
+    )
+    return weights, ids
+
+
+# -------------------------------------------------------------------------------------------- dispatch
+
+
+@torch.library.custom_op("harness::fused_moe_routing", mutates_args=("sere_counters", "topk_counters"))
+def _routing_op(logits: torch.Tensor, top_k: int, renormalize: bool, trunc_k: int, trunc_all: bool,
+                k_primary: int, rho: float, similarity: torch.Tensor | None, protected: torch.Tensor | None,
+                decode_rows: torch.Tensor | None, real_rows: torch.Tensor | None,
+                sere_counters: torch.Tensor | None, topk_counters: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = RoutingSpec(top_k, renormalize, trunc_k=trunc_k or None, trunc_all=trunc_all,
+                       k_primary=k_primary or None, rho=rho, similarity=similarity, protected=protected)
+    return _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
+
+
+@_routing_op.register_fake
+def _routing_fake(logits, top_k, renormalize, trunc_k, trunc_all, k_primary, rho, similarity, protected,
+                  decode_rows, real_rows, sere_counters, topk_counters):
+    t = logits.shape[0]
+    return (logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32))
+
+
+def _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters):
+    if logits.shape[0] <= FUSED_MAX_TOKENS and triton_runs(logits.device, _fused_routing_kernel):
+        return fused_routing_triton(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
+    return fused_routing_reference(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
+
+
+def fused_routing(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
+                  real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
+                  topk_counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the custom op under ``torch.compile``; the one-launch kernel where Triton runs and the step
+    is decode-sized; the torch reference otherwise (CPU engines, long prefill steps — eager, never in a graph
+    at vLLM's default capture sizes)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.harness.fused_moe_routing(
+            logits, spec.top_k, spec.renormalize, spec.trunc_k or 0, spec.trunc_all, spec.k_primary or 0,
+            spec.rho, spec.similarity, spec.protected, decode_rows, real_rows, sere_counters, topk_counters)
+    return _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)

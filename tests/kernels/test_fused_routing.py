@@ -1,0 +1,152 @@
+"""The one-launch routing op (harness.kernels.fused_routing): the kernel equals its torch reference (Triton's
+interpreter on CPU), and the reference equals the composition of the algorithms it fuses — the stock top-k,
+``moe.top_k``'s truncation + padding and SERE's re-route — with the counters of the engines' statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
+                                           fused_routing_triton)
+from harness.techniques.moe_topk import pad_routing, truncate_routing
+from harness.techniques.sere import reroute
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(t: int, e: int, seed: int, dtype=torch.float32, levels: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(t, e, generator=g) * 2).to(dtype)
+    sim = torch.randint(0, levels + 1, (e, e), generator=g) / levels      # ties and values equal to rho
+    sim.fill_diagonal_(1.0)
+    sim[0, 1] = float("nan")
+    protected = torch.rand(e, generator=g) < 0.2
+    decode = torch.rand(t, generator=g) < 0.7
+    real = torch.ones(t, dtype=torch.bool)
+    real[-1:] = t < 2               # a padding row (when there are several)
+    return [x.to(DEVICE) for x in (logits, sim, protected, decode, real)]
+
+
+def composed(logits, spec: RoutingSpec, decode):
+    """The same routing from the project's separate algorithms (the chain the vLLM plugin used to run)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    vals, ids = torch.topk(probs, spec.top_k, dim=-1)
+    weights = vals / vals.sum(-1, keepdim=True) if spec.renormalize else vals
+    weights = weights.to(logits.dtype)
+    if spec.trunc_k is not None:
+        rows = torch.ones_like(decode) if spec.trunc_all else decode
+        w_k, ids_k = truncate_routing(logits, ids, spec.trunc_k, spec.renormalize)
+        pw, pids = pad_routing(w_k, ids_k, spec.top_k)
+        weights = torch.where(rows[:, None], pw, weights)
+        ids = torch.where(rows[:, None], pids, ids)
+    if spec.k_primary is not None:
+        w = spec.width
+        head = reroute(ids[:, :w].contiguous(), spec.similarity, spec.k_primary, spec.rho, spec.protected, decode)
+        ids = torch.cat([head, ids[:, w:]], dim=1)
+    return weights.float(), ids.int()
+
+
+SPECS = {
+    "stock": dict(),
+    "stock-norenorm": dict(renormalize=False),
+    "sere-k2": dict(k_primary=2, rho=0.0),
+    "sere-k1-rho": dict(k_primary=1, rho=0.5, protect=True),
+    "top2": dict(trunc_k=2),
+    "top3-all": dict(trunc_k=3, trunc_all=True),
+    "top4-sere-k2": dict(trunc_k=4, k_primary=2, rho=0.25, protect=True),
+}
+
+
+def spec_of(name, sim, protected, top_k=8):
+    kw = dict(SPECS[name])
+    protect = kw.pop("protect", False)
+    renorm = kw.pop("renormalize", True)
+    return RoutingSpec(top_k, renorm, similarity=sim if "k_primary" in kw else None,
+                       protected=protected if protect else None, **kw)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_equals_the_composed_algorithms(name, dtype):
+    logits, sim, protected, decode, _ = make_case(37, 32, seed=3, dtype=dtype)
+    spec = spec_of(name, sim, protected)
+    w, ids = fused_routing_reference(logits, spec, decode)
+    cw, cids = composed(logits, spec, decode)
+    assert torch.equal(ids, cids)
+    torch.testing.assert_close(w, cw, rtol=0, atol=0)
+
+
+# (T, E): one tile (B=1, small batches), several tiles (the store/reload path), E not a power of two
+SHAPES = [(1, 16), (5, 32), (16, 128), (70, 64), (9, 60)]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}".format(*s))
+def test_kernel_matches_reference(shape, name):
+    t, e = shape
+    logits, sim, protected, decode, real = make_case(t, e, seed=t * 131 + e)
+    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
+    want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    want_k = torch.zeros_like(want_s)
+    got_s, got_k = torch.zeros_like(want_s), torch.zeros_like(want_s)
+    ww, wid = fused_routing_reference(logits, spec, decode, real, want_s, want_k)
+    kwargs = {"block_t": 16} if t > 16 else {}  # several tiles: pass 2 reloads what pass 1 stored
+    gw, gid = fused_routing_triton(logits, spec, decode, real, got_s, got_k, **kwargs)
+    assert gid.dtype == torch.int32 and gw.dtype == torch.float32
+    assert torch.equal(gid, wid), f"\n{gid}\n{wid}"
+    torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
+    assert got_s.tolist() == want_s.tolist()
+    assert got_k.tolist() == want_k.tolist()
+
+
+def test_counters_accumulate_and_count_what_moved():
+    """Two calls add up; SERE moves slots and shrinks the union; top-K counts its padded slots as moved."""
+    logits, sim, protected, decode, real = make_case(16, 32, seed=11)
+    spec = RoutingSpec(8, True, trunc_k=4, k_primary=1, rho=0.0, similarity=sim)
+    s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    k = torch.zeros_like(s)
+    for _ in range(2):
+        fused_routing(logits, spec, decode, real, s, k)
+    c = dict(zip(COUNTERS, s.tolist()))
+    n = int(decode.sum())
+    assert c["calls"] == 2 and c["rows"] == 2 * n
+    assert c["moved"] > 0 and c["after"] < c["before"]
+    assert c["secondary"] == 2 * n * (4 - 1)
+    kc = dict(zip(COUNTERS, k.tolist()))
+    assert kc["rows"] == 2 * int((decode & real).sum()) and kc["moved"] == kc["rows"] * (8 - 4)
+    assert kc["after"] <= kc["before"]
+
+
+def test_no_decode_row_is_the_stock_routing():
+    """A prefill step (no decode row): SERE and decode-scope truncation change nothing, count nothing."""
+    logits, sim, protected, _, real = make_case(12, 32, seed=5)
+    none = torch.zeros(12, dtype=torch.bool, device=DEVICE)
+    stock = fused_routing(logits, RoutingSpec(8, True), none)
+    s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    got = fused_routing(logits, RoutingSpec(8, True, trunc_k=2, k_primary=1, similarity=sim), none, real, s)
+    assert torch.equal(got[1], stock[1]) and torch.equal(got[0], stock[0])
+    assert s.tolist() == [0] * len(COUNTERS)
+
+
+def test_spec_refuses_what_cannot_run():
+    with pytest.raises(ValueError):
+        RoutingSpec(8, True, k_primary=2)                       # SERE without a similarity
+    with pytest.raises(ValueError):
+        RoutingSpec(0, True)
+    assert RoutingSpec(8, True, trunc_k=8).trunc_k is None        # K' >= k: no truncation
+    assert RoutingSpec(8, True, trunc_k=2, k_primary=2, similarity=torch.eye(8)).k_primary is None
+
+
+def test_custom_op_under_compile():
+    """``torch.compile`` goes through the registered op (opaque, counters mutated) and gives the same routing."""
+    logits, sim, protected, decode, real = make_case(6, 16, seed=2)
+    spec = RoutingSpec(4, True, k_primary=1, rho=0.0, similarity=sim)
+    eager_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    want = fused_routing(logits, spec, decode, real, eager_s)
+
+    comp_s = torch.zeros_like(eager_s)
+    fn = torch.compile(lambda x: fused_routing(x, spec, decode, real, comp_s), backend="eager", fullgraph=True)
+    got = fn(logits)
+    assert torch.equal(got[1], want[1])
+    assert comp_s.tolist() == eager_s.tolist()
