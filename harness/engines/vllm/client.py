@@ -20,6 +20,11 @@ is out, gives TTFT; the usage message has no choices and is no chunk); ``output_
 and TPOT = (E2E − TTFT)/(output tokens − 1), as ``vllm bench serve``'s ``calculate_metrics`` does. So the
 ITL list has one entry per chunk after the first, the gap between the role chunk and the first content
 chunk included — ``vllm bench serve``'s convention. The HTTP client is aiohttp (a vLLM dependency).
+
+**Key**: a server with an API key (``--api-key`` / ``VLLM_API_KEY``) answers only requests that carry it as
+``Authorization: Bearer <key>`` — vLLM's ``/v1`` routes and the harness's ``/harness`` ones alike
+(:mod:`harness.engines.vllm.endpoint_guard`); :func:`auth_headers` is that header, for every request the
+harness sends.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ import time
 from typing import Any
 
 from harness.engines.base import Request
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that proves the request comes from whoever holds the server's key (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def image_url(image: Any) -> str:

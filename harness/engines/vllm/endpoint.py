@@ -12,9 +12,12 @@ plugin exposes them:
   "served_model_name", "max_model_len", "dtype", "pid", "env": describe_env() in the API server process,
   "workers": [harness_plugin_state() of each worker]}``. ``workers`` is what the engine really installed
   (the routing wrappers in place, the settings they close over); ``env`` is what the server was started with.
-- ``POST /harness/stats?reset=false``: ``{"sere": [per worker] | null, "moe": [per worker] | null}`` — the
-  same statistics the offline engine reads with ``LLM.collective_rpc`` (``reset=true`` clears them after
-  reading, as after the warm-up).
+- ``POST /harness/stats``: ``{"sere": [per worker] | null, "moe": [per worker] | null}`` — the
+  same statistics the offline engine reads with ``LLM.collective_rpc`` (the JSON body ``{"reset": true}``
+  clears them after reading, as after the warm-up; a bodiless POST only reads).
+
+Both routes follow :mod:`harness.engines.vllm.endpoint_guard`: the server's API key when it has one, no
+request from a web page of another site, a reset only from an explicit JSON body (issue 26).
 
 vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` names them (it then loads only the general plugins it
 names too): ``VLLM_PLUGINS=moe_vlm_harness,moe_vlm_harness_endpoint`` (:func:`plugins_allowlist`).
@@ -24,6 +27,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from harness.engines.vllm.endpoint_guard import Refused, guard, server_keys, stats_reset
+
+try:  # FastAPI injects the request by this annotation; vLLM's venv has it, the main venv need not
+    from starlette.requests import Request
+except ImportError:  # pragma: no cover - the routes are only attached inside vllm serve
+    Request = Any  # type: ignore[misc,assignment]
 
 PLUGIN_NAME = "moe_vlm_harness"  # the general plugin's entry-point name (pyproject.toml)
 ENDPOINT_NAME = "moe_vlm_harness_endpoint"  # this plugin's
@@ -65,6 +75,7 @@ class HarnessEndpoint:
     def __init__(self) -> None:
         self.engine_client: Any = None
         self.args: Any = None
+        self.keys: list[str] = server_keys(None)  # until init_state hands over the server's arguments
 
     def attach_router(self, app: Any) -> None:
         from fastapi import APIRouter
@@ -76,8 +87,24 @@ class HarnessEndpoint:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         self.engine_client, self.args = engine_client, args
+        self.keys = server_keys(args)
 
-    async def techniques(self) -> dict[str, Any]:
+    @staticmethod
+    def _refusal(e: Refused) -> Any:
+        from starlette.responses import JSONResponse
+
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse({"error": e.detail}, status_code=e.status, headers=headers)
+
+    async def techniques(self, request: Request) -> Any:
+        try:
+            guard(request.headers, self.keys)
+        except Refused as e:
+            return self._refusal(e)
+        return await self.techniques_report()
+
+    async def techniques_report(self) -> dict[str, Any]:
+        """The ``GET /harness/techniques`` answer (module doc)."""
         from harness import __version__
         from harness.engines.vllm.plugin import STATE_METHOD
         from harness.engines.vllm.settings import describe_env
@@ -100,7 +127,16 @@ class HarnessEndpoint:
                 "pid": os.getpid(),
                 "env": describe_env(), "workers": await _rpc(self.engine_client, STATE_METHOD)}
 
-    async def stats(self, reset: bool = False) -> dict[str, Any]:
+    async def stats(self, request: Request) -> Any:
+        try:
+            guard(request.headers, self.keys)
+            reset = stats_reset(request.headers, request.query_params, await request.body())
+        except Refused as e:
+            return self._refusal(e)
+        return await self.read_stats(reset)
+
+    async def read_stats(self, reset: bool = False) -> dict[str, Any]:
+        """The workers' statistics, cleared after reading when ``reset`` (module doc)."""
         from harness.engines.vllm.plugin import STATS_METHOD
         from harness.engines.vllm.topk import MOE_STATS_METHOD
 

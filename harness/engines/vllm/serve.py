@@ -11,13 +11,20 @@ every server process through its entry point; ``VLLM_PLUGINS`` also names the ha
 (:mod:`harness.engines.vllm.endpoint`), so the server can be asked what it runs. The harness waits for
 ``GET /health`` (the server answers once the engine is up; a server that exits first fails with the tail
 of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL). stdout+stderr go
-to ``vllm_serve.log`` in the run directory, kept.
+to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only the variables
+the harness hands the server (its technique variables and ``VLLM_PLUGINS``), secret-looking values masked
+(:mod:`harness.redact`): a run directory is shared and uploaded, and the environment may hold tokens (issue 26).
+The server is protected by an API key — ``VLLM_API_KEY`` if the user set one, else a random one per server —
+given to it in its environment (never on the command line, which every local user can read with ``ps``); vLLM
+then guards ``/v1`` with it and the harness endpoint guards ``/harness``
+(:mod:`harness.engines.vllm.endpoint_guard`).
 
-**URL** — :meth:`VLLMServer.attach`: nothing is started or stopped; ``/health`` must answer.
+**URL** — :meth:`VLLMServer.attach`: nothing is started or stopped; ``/health`` must answer. The key the
+server was started with is read from ``VLLM_API_KEY`` (none: requests carry no key).
 
 Either way :meth:`VLLMServer.techniques` is ``GET /harness/techniques`` (None when the server has no
 harness endpoint: a stock server, or one started without ``VLLM_PLUGINS``) and :meth:`VLLMServer.stats`
-is ``POST /harness/stats``. Only the standard library is used here (urllib), so the control path needs no
+is ``POST /harness/stats`` (a JSON body ``{"reset": bool}``). Only the standard library is used here (urllib), so the control path needs no
 HTTP client package.
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,10 +43,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from harness.engines.vllm.client import auth_headers
 from harness.engines.vllm.endpoint import STATS_PATH, TECHNIQUES_PATH, plugins_allowlist
 from harness.engines.vllm.settings import ALL_ENV
+from harness.redact import mask_argv, mask_env
 
 LOG_NAME = "vllm_serve.log"
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: ``vllm serve`` reads it when --api-key is not given
 #: Engine arguments that are not ``vllm serve`` flags (the model is positional; stats are on by default).
 _NOT_FLAGS = ("model", "disable_log_stats")
 
@@ -66,10 +77,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def http_json(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> Any:
-    """One JSON request (stdlib). Raises ``urllib.error.HTTPError`` on a non-2xx status."""
+def http_json(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0,
+              api_key: str | None = None) -> Any:
+    """One JSON request (stdlib), with the server's key when it has one. Raises ``urllib.error.HTTPError`` on a
+    non-2xx status."""
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **auth_headers(api_key)})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
@@ -92,6 +106,13 @@ def server_env(techniques_env: dict[str, str], base: dict[str, str] | None = Non
     return env
 
 
+def log_header(cmd: list[str], env: dict[str, str], techniques_env: dict[str, str]) -> str:
+    """The first lines ``vllm_serve.log`` gets: the command and the variables the harness hands the server (its
+    technique variables and ``VLLM_PLUGINS``; not the rest of the environment), secrets masked (module doc)."""
+    shown = mask_env(env, [*techniques_env, "VLLM_PLUGINS"])
+    return "$ " + " ".join(mask_argv(cmd)) + "\n# " + " ".join(f"{k}={v}" for k, v in shown.items()) + "\n"
+
+
 def _tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
@@ -103,9 +124,11 @@ class VLLMServer:
     """A ``vllm serve`` the harness started (``proc`` set) or found (``proc`` None). See the module doc."""
 
     def __init__(self, url: str, proc: subprocess.Popen | None = None, log_path: Path | None = None,
-                 command: list[str] | None = None, startup_s: float | None = None) -> None:
+                 command: list[str] | None = None, startup_s: float | None = None,
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.proc, self.log_path, self.command, self.startup_s = proc, log_path, command, startup_s
+        self.api_key = api_key  # sent with every request; never recorded (describe() leaves it out)
         self._model: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -121,13 +144,13 @@ class VLLMServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / LOG_NAME
         env = server_env(techniques_env)
+        env[API_KEY_ENV] = env.get(API_KEY_ENV) or secrets.token_urlsafe(32)  # nobody else may drive or reset it
         with open(log_path, "ab") as log:
-            log.write(("$ " + " ".join(cmd) + "\n# " + " ".join(f"{k}={env[k]}" for k in sorted(env)
-                       if k.startswith("HARNESS_") or k == "VLLM_PLUGINS") + "\n").encode())
+            log.write(log_header(cmd, env, techniques_env).encode())
             log.flush()
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        server = cls(f"http://{host}:{port}", proc, log_path, cmd)
+        server = cls(f"http://{host}:{port}", proc, log_path, cmd, api_key=env[API_KEY_ENV])
         try:
             server.wait_healthy(timeout_s)
         except BaseException:
@@ -137,8 +160,9 @@ class VLLMServer:
         return server
 
     @classmethod
-    def attach(cls, url: str, timeout_s: float = 30.0) -> "VLLMServer":
-        server = cls(url)
+    def attach(cls, url: str, timeout_s: float = 30.0, api_key: str | None = None) -> "VLLMServer":
+        """A running server; ``api_key`` (default ``$VLLM_API_KEY``) is the key it was started with."""
+        server = cls(url, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
         server.wait_healthy(timeout_s)
         return server
 
@@ -179,23 +203,24 @@ class VLLMServer:
     def model(self) -> str:
         """The served model name (``/v1/models``' first id): what chat requests name."""
         if self._model is None:
-            models = http_json(self.url + "/v1/models")
+            models = http_json(self.url + "/v1/models", api_key=self.api_key)
             self._model = str(models["data"][0]["id"])
         return self._model
 
     def techniques(self) -> dict[str, Any] | None:
         """``GET /harness/techniques``; None when the server has no harness endpoint (404)."""
         try:
-            return http_json(self.url + TECHNIQUES_PATH)
+            return http_json(self.url + TECHNIQUES_PATH, api_key=self.api_key)
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 return None
             raise
 
     def stats(self, reset: bool = False) -> dict[str, Any] | None:
-        """``POST /harness/stats``: per-worker SERE / ``moe.top_k`` statistics (None without the endpoint)."""
+        """``POST /harness/stats``: per-worker SERE / ``moe.top_k`` statistics (None without the endpoint); a
+        reset is asked for in the JSON body, the only form the endpoint accepts."""
         try:
-            return http_json(self.url + STATS_PATH + ("?reset=true" if reset else "?reset=false"), method="POST")
+            return http_json(self.url + STATS_PATH, method="POST", body={"reset": bool(reset)}, api_key=self.api_key)
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 return None
@@ -203,5 +228,6 @@ class VLLMServer:
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "started_by_harness": self.started_here, "log": str(self.log_path) if
-                self.log_path else None, "command": self.command,
+                self.log_path else None, "command": mask_argv(self.command) if self.command else None,
+                "api_key": self.api_key is not None,
                 "startup_s": round(self.startup_s, 3) if self.startup_s is not None else None}

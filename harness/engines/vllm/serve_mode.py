@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.engines.base import Generation, Request
-from harness.engines.vllm.client import chat_messages, chat_payload, stream_chat
+from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, stream_chat
 from harness.engines.vllm.load import drive_load, load_settings
 from harness.techniques.moe_topk import setting as _get
 
@@ -171,7 +171,8 @@ class ServeMode:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                         headers=auth_headers(self._server.api_key)) as session:
             return await fn(session)
 
     def _serve_warmup(self, request: Request) -> None:
