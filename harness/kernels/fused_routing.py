@@ -102,10 +102,7 @@ def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt,
     rem = tl.where(e_ok[None, :], p, -1.0)
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    prim = tl.zeros([BLOCK_E], dtype=tl.int32)      # P: first KP slots of decode rows
-    s_before = tl.zeros([BLOCK_E], dtype=tl.int32)  # SERE: first WIDTH slots of decode rows
-    k_before = tl.zeros([BLOCK_E], dtype=tl.int32)  # top-K: all slots of the counted truncated rows
-    k_after = tl.zeros([BLOCK_E], dtype=tl.int32)   # top-K: first KT slots of them (= after and primary)
+    rank = tl.full([BLOCK_T, BLOCK_E], BLOCK_K, dtype=tl.int32)   # slot an expert was selected in (BLOCK_K: none)
     counted = real & tr
     for j in tl.static_range(TOPK):
         best = tl.max(rem, axis=1)
@@ -114,15 +111,12 @@ def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt,
         ids = tl.where(slots[None, :] == j, idx[:, None], ids)
         vals = tl.where(slots[None, :] == j, best[:, None], vals)
         rem = tl.where(hit, -1.0, rem)
-        if SERE:
-            if j < KP:
-                prim = tl.maximum(prim, _flags(hit, dec))
-            if j < WIDTH:
-                s_before = tl.maximum(s_before, _flags(hit, dec))
-        if TRUNC:
-            k_before = tl.maximum(k_before, _flags(hit, counted))
-            if j < KT:
-                k_after = tl.maximum(k_after, _flags(hit, counted))
+        rank = tl.where(hit, j, rank)
+    # the expert sets, one cross-row reduction each (not one per slot: those cost ~0.3 µs apiece)
+    prim = _flags(rank < KP, dec)            # P: first KP slots of decode rows
+    s_before = _flags(rank < WIDTH, dec)     # SERE: the re-routed columns of decode rows
+    k_before = _flags(rank < TOPK, counted)  # top-K: all slots of the counted truncated rows
+    k_after = _flags(rank < KT, counted)     # top-K: its first KT slots (= after and primary)
     k_ok = slots < TOPK
     if RENORM:
         w = vals / tl.sum(tl.where(k_ok[None, :], vals, 0.0), axis=1)[:, None]
@@ -156,7 +150,7 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
     slots = tl.arange(0, BLOCK_K)
     cand = prim > 0
     moved = tl.zeros([BLOCK_T], dtype=tl.int64)
-    kept = tl.zeros([BLOCK_E], dtype=tl.int32)
+    kept_rows = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(KP, WIDTH):
         src = _column(ids, slots, j)
         hit = e[None, :] == src[:, None]
@@ -172,8 +166,8 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
         move = ok & (best > float("-inf")) & (best >= rho)
         ids = tl.where((slots[None, :] == j) & move[:, None], target[:, None], ids)
         moved += move.to(tl.int64)
-        kept = tl.maximum(kept, _flags(hit, dec & (move == 0)))
-    return ids, tl.sum(moved, axis=0), kept
+        kept_rows = tl.where(hit & (move == 0)[:, None], 1, kept_rows)
+    return ids, tl.sum(moved, axis=0), _flags(kept_rows > 0, dec)
 
 
 @triton.jit
