@@ -177,6 +177,13 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("moe.top_k", lambda cfg: _moe_top_k(cfg) is not None, _technique_engine,
               lambda cfg: f"null with engine={cfg.engine.name} (moe.top_k is implemented in "
               f"{', '.join(TECHNIQUE_ENGINES)})"),
+    # SERE re-routes the experts ranked k+1..top-K of each token; with sere.k >= moe.top_k it has none, and the
+    # run used to go on as plain top-K labelled "SERE" (moved_fraction=None): refused (issue 26)
+    CrossRule("sere.k", lambda cfg: _sere_on(cfg) and _moe_top_k(cfg) is not None,
+              lambda cfg: cfg.sere.k < _moe_top_k(cfg),
+              lambda cfg: f"an integer below moe.top_k={_moe_top_k(cfg)} (SERE keeps k of the top-"
+              f"{_moe_top_k(cfg)} experts and re-routes the rest; 0 or null = off, which leaves plain top-"
+              f"{_moe_top_k(cfg)})"),
     CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
               "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
     # --- real-shape models and synthetic load (issue 17) ---
@@ -385,11 +392,6 @@ def validate_config(cfg: Any) -> list[str]:
             continue
         if not rule.check.ok(value):
             raise refusal(rule.key, value, rule.check.text())
-    k, top_k = _select(cfg, "sere.k"), _moe_top_k(cfg)
-    if k not in (None, _MISSING) and top_k is not None and k >= top_k:
-        notes.append(f"sere.k={k} >= moe.top_k={top_k}: SERE has no secondary slot to re-route, so this run is "
-                     f"plain top-{top_k} (harness.techniques.moe_topk)")
-        print(f"note: {notes[-1]}", file=sys.stderr)
     for rule in CROSS_RULES:
         value = _select(cfg, rule.key)
         if value is _MISSING:

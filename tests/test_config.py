@@ -145,6 +145,16 @@ OFFLOAD_CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("offload.warm_after_tokens=-1",), "offload.warm_after_tokens"),
     ((LRU, "offload.capacity=4", "+offload.params.threshold=0.7"), None),  # policy parameters are free-form
     (("+offload.capcity=4",), "offload.capcity"),
+    # issue 26: found after the model loaded, or never
+    ((LRU, "offload.capacity_gb=inf"), "offload.capacity_gb"),  # was OverflowError after the weights loaded
+    ((LRU, "offload.capacity=4", "offload.gpu_budget_gb=inf"), "offload.gpu_budget_gb"),
+    (("offload.capacity=4",), "offload.capacity"),  # no policy: was accepted and ignored
+    (("offload.capacity_gb=1",), "offload.capacity_gb"),
+    (("offload.policy=none", "offload.capacity=4"), "offload.capacity"),  # all resident: nothing to size
+    (("offload.record_trace=results/traces/t1",), "offload.record_trace"),  # no policy: nothing recorded
+    (("offload.policy=none", "offload.record_trace=/dev/full"), "offload.record_trace"),  # wrote /dev/full.pt
+    (("offload.policy=none", "offload.record_trace=/proc/self/trace"), "offload.record_trace"),
+    (("offload.policy=none", "offload.record_trace=results/traces/t1"), None),
 ]
 # offload.lease / offload.threshold (issue 15, lease policy: harness/offload/lease.py, docs/offload_lease.md)
 LEASE = ("offload.policy=lease", "offload.capacity=4")
@@ -408,7 +418,9 @@ def test_open_clip_model_without_open_clip_is_refused_before_the_model(compose_c
     (["moe.scope=prefill"], "moe.scope"),
     (["moe.top_k=2"], None),
     (["moe.top_k=3", "sere.k=2"], None),  # SERE on a top-3 model
-    (["moe.top_k=2", "sere.k=2"], None),  # SERE has nothing to move: a note, not a refusal (sweeps go on)
+    (["moe.top_k=2", "sere.k=2"], "sere.k"),  # SERE has nothing to move (issue 26: was a note, ran as plain top-2)
+    (["moe.top_k=2", "sere.k=3"], "sere.k"),  # was accepted, recording moved_fraction=None
+    (["moe.top_k=2", "sere.k=0"], None),  # SERE off, as documented: plain top-2
     (["scoring.stopwords=/no/such/list.txt"], "scoring.stopwords"),
     (["scoring.stopwords=none"], None),
     (["scoring.mcq_extraction=fuzzy"], "scoring.mcq_extraction"),
@@ -426,11 +438,14 @@ def test_moe_and_scoring_choices(compose_cfg, overrides, key):
         assert key is None, overrides
 
 
-def test_sere_at_or_above_moe_top_k_is_noted(compose_cfg):
-    from harness.validate import validate_config
+def test_sere_at_or_above_moe_top_k_is_refused(compose_cfg):
+    from harness.validate import ConfigError, validate_config
 
-    notes = validate_config(compose_cfg(["moe.top_k=2", "sere.k=2"]))
-    assert any("plain top-2" in n for n in notes)
+    with pytest.raises(ConfigError, match=r"^sere.k=3 is not allowed: expected an integer below moe.top_k=2 "):
+        validate_config(compose_cfg(["moe.top_k=2", "sere.k=3"]))
+    cfg = compose_cfg(["moe.top_k=2", "sere.k=0"])  # 0 is off, as README and the refusal say: plain top-2
+    validate_config(cfg)
+    assert cfg.sere.k is None and cfg.moe.top_k == 2
 
 
 def test_model_facts_are_read_from_the_checkpoint_config(tmp_path):
