@@ -83,6 +83,9 @@ def start_server(cfg: Any, model_path: str, model_id: str, oc_dir: Path):
     args = engine_args(cfg, model_path, server_device(python))
     server = VLLMServer.start(model_path, args, plugin_env(sere, None, moe), oc_dir,
                               timeout_s=float(cfg.load.server_timeout_s), python=python)
+    # the server answers only with its API key (issue 26): OpenCompass's processes read it from their environment
+    # (``key="ENV"`` in the model entry), so it is never written into the config file in the run directory
+    os.environ["OPENAI_API_KEY"] = server.api_key or "EMPTY"
     try:
         server.harness_report = check_server_techniques(server, sere, None, moe)
     except BaseException:
@@ -96,7 +99,7 @@ def model_entry(cfg: Any, server: Any, model_path: str, model_name: str) -> dict
     """``models = [...]`` entry: OpenCompass's OpenAI-compatible model type aimed at the server."""
     oc = cfg.opencompass
     max_out = oc.max_out_len if oc.max_out_len is not None else cfg.generation.max_new_tokens
-    return {"type": MODEL_TYPE, "abbr": oc.model_abbr or model_name, "path": server.model, "key": "EMPTY",
+    return {"type": MODEL_TYPE, "abbr": oc.model_abbr or model_name, "path": server.model, "key": "ENV",
             "openai_api_base": server.url + "/v1", "tokenizer_path": str(model_path), "temperature": 0.0,
             "max_seq_len": int(oc.max_seq_len), "max_out_len": int(max_out), "batch_size": int(cfg.engine.batch_size),
             "query_per_second": 1000, "retry": 2, "run_cfg": {"num_gpus": 0, "num_procs": 1},

@@ -196,3 +196,28 @@ def test_attach_takes_the_key_from_vllm_api_key(monkeypatch):
     assert serve.VLLMServer.attach("http://h:1").api_key == "from-env"
     monkeypatch.delenv("VLLM_API_KEY")
     assert serve.VLLMServer.attach("http://h:1").api_key is None
+
+
+@pytest.mark.parametrize("key,says", [(None, "VLLM_API_KEY is not set"), ("k", "is not the server's")])
+def test_a_refused_key_says_what_to_do(monkeypatch, key, says):
+    import urllib.error
+
+    def urlopen(req, timeout):
+        raise urllib.error.HTTPError(req.full_url, 401, "Unauthorized", {}, None)
+
+    monkeypatch.setattr(serve.urllib.request, "urlopen", urlopen)
+    with pytest.raises(PermissionError, match=f"401 Unauthorized: the server has an API key and .*{says}"):
+        serve.VLLMServer("http://127.0.0.1:1", api_key=key).techniques()
+
+
+def test_opencompass_gets_the_servers_key_through_its_environment_only():
+    """``python -m harness.opencompass engine=vllm``: the generated OpenCompass config names ``key="ENV"``
+    (OpenCompass then reads ``OPENAI_API_KEY``), never the key itself: the config lies in the run directory."""
+    from harness.opencompass.vllm_route import model_entry
+
+    oc = SimpleNamespace(max_out_len=None, model_abbr=None, max_seq_len=4096)
+    cfg = SimpleNamespace(opencompass=oc, generation=SimpleNamespace(max_new_tokens=8),
+                          engine=SimpleNamespace(batch_size=2), seed=0)
+    server = SimpleNamespace(model="m", url="http://127.0.0.1:1", api_key="secret-key-1")
+    entry = model_entry(cfg, server, "/m", "tiny")
+    assert entry["key"] == "ENV" and "secret-key-1" not in repr(entry)

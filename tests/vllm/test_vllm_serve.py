@@ -36,10 +36,12 @@ def served(request, tiny_model_path, artifacts, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(f"serve-{request.param}")
     sere = _sere_cfg(artifacts) if request.param == "sere" else None
     trace = run_dir / "trace.jsonl"
-    eng = VLLMEngine(tiny_model_path, engine_cfg(max_model_len=512), gen_cfg(MAX_NEW), max_images_per_prompt=2,
-                     load_cfg=_load("auto"), sere_cfg=sere, sere_trace=str(trace) if sere else None,
-                     run_dir=str(run_dir))
-    yield SimpleNamespace(setting=request.param, engine=eng, run_dir=run_dir, sere_cfg=sere, trace=trace)
+    with pytest.MonkeyPatch.context() as env:  # the user's key: the started server takes it, an attach sends it
+        env.setenv("VLLM_API_KEY", f"test-key-{request.param}")
+        eng = VLLMEngine(tiny_model_path, engine_cfg(max_model_len=512), gen_cfg(MAX_NEW), max_images_per_prompt=2,
+                         load_cfg=_load("auto"), sere_cfg=sere, sere_trace=str(trace) if sere else None,
+                         run_dir=str(run_dir))
+        yield SimpleNamespace(setting=request.param, engine=eng, run_dir=run_dir, sere_cfg=sere, trace=trace)
     eng.close()
 
 
@@ -116,6 +118,10 @@ def test_a_running_server_is_measured_with_its_own_techniques(served, tiny_model
     url = served.engine._server.url
     text, _ = requests_text_images
     wrong = None if served.setting == "sere" else SimpleNamespace(k=2, rho=0.1, protect=0)
+    with pytest.MonkeyPatch.context() as env:  # issue 26: without the server's key nothing is answered
+        env.delenv("VLLM_API_KEY")
+        with pytest.raises(PermissionError, match="401 Unauthorized: the server has an API key"):
+            VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(MAX_NEW), load_cfg=_load(url), sere_cfg=served.sere_cfg)
     with pytest.raises(ValueError, match="sere.k: config"):
         VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(MAX_NEW), load_cfg=_load(url), sere_cfg=wrong)
     remote = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(MAX_NEW), load_cfg=_load(url),
@@ -139,5 +145,6 @@ def test_the_harness_stops_its_server_and_keeps_the_log(served):
     assert proc.poll() is not None and not healthy(url)
     log = (served.run_dir / LOG_NAME).read_text()
     assert log.startswith("$ ") and "serve" in log.splitlines()[0] and "VLLM_PLUGINS=" in log
+    assert f"test-key-{served.setting}" not in log  # the server's key stays out of its log (issue 26)
     if served.setting == "sere":
         assert "HARNESS_SERE_K=2" in log

@@ -84,8 +84,15 @@ def http_json(url: str, method: str = "GET", body: dict | None = None, timeout: 
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **auth_headers(api_key)})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:  # say what to do, not just "Unauthorized"
+            why = "the key in VLLM_API_KEY is not the server's" if api_key else "VLLM_API_KEY is not set"
+            raise PermissionError(f"{url}: 401 Unauthorized: the server has an API key and {why}; set "
+                                  f"{API_KEY_ENV} to the key it was started with (docs/vllm.md)") from e
+        raise
     return json.loads(raw) if raw else None
 
 
