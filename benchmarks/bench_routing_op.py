@@ -54,7 +54,8 @@ def similarity(num_experts: int, seed: int = 0) -> torch.Tensor:
 def build_variants(tokens: int, layers: int, device: str):
     """name -> (fn(layer) -> None, check) with per-layer inputs / counters; check() asserts correctness."""
     from harness.engines.vllm.routing import stock_topk
-    from harness.kernels.fused_routing import COUNTERS, RoutingSpec, fused_routing, fused_routing_reference
+    from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
+                                               fused_routing_triton)
     from harness.kernels.reroute import reroute_triton
     from harness.techniques.sere_graphs import RoutingCounters, StepRows, route
 
@@ -93,13 +94,16 @@ def build_variants(tokens: int, layers: int, device: str):
         (w, new.to(torch.int32))
     variants["old_sere2"] = (old, None)
 
-    def fused(spec, stats: bool, topk_stats: bool = False):
+    def fused(spec, stats: bool, topk_stats: bool = False, **tiling):
         sc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if stats else None for _ in range(layers)]
         tc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if topk_stats else None
               for _ in range(layers)]
 
         def fn(i):
-            fused_routing(logits[i], spec, dec[:tokens], None, sc[i], tc[i])
+            if tiling:   # a tiling other than the default (the sweep rows)
+                fused_routing_triton(logits[i], spec, dec[:tokens], None, sc[i], tc[i], **tiling)
+            else:
+                fused_routing(logits[i], spec, dec[:tokens], None, sc[i], tc[i])
 
         def check():
             # float32 logits: bf16 logits tie often, and torch.topk on CUDA breaks ties in no stated order
@@ -116,6 +120,11 @@ def build_variants(tokens: int, layers: int, device: str):
     variants["fused_sere2_nostats"] = fused(RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim), False)
     variants["fused_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True)
     variants["fused_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True)
+    sere2 = RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim)
+    variants["fused_sere2_w4"] = fused(sere2, True, num_warps=4)      # tiling sweep (default: 4 warps up to 8 rows)
+    if tokens >= 64:
+        variants["fused_sere2_t64"] = fused(sere2, True, block_t=64, num_warps=8)
+        variants["fused_stock_t64"] = fused(RoutingSpec(K, True), False, block_t=64, num_warps=8)
     return variants
 
 
