@@ -17,7 +17,7 @@ def _md_escape(s: Any) -> str:
 
 def _speedup(r: Mapping[str, Any], short: str) -> str:
     """``1.43×``, ``1.02× n.s.`` (intervals overlap), ``+ partial/full`` when partial and full latency meet."""
-    from harness.report import _fmt
+    from harness.report_rows import _fmt
 
     text = _fmt(r.get(f"{short}_speedup"), "{:.2f}×")
     if r.get(f"{short}_speedup") is None:
@@ -30,7 +30,7 @@ def _speedup(r: Mapping[str, Any], short: str) -> str:
 
 
 def _mean_ci(r: Mapping[str, Any], short: str) -> str:
-    from harness.report import _fmt
+    from harness.report_rows import _fmt
 
     mean, lo, hi = r.get(f"{short}_mean"), r.get(f"{short}_ci_lo"), r.get(f"{short}_ci_hi")
     return _fmt(mean) + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "")
@@ -48,7 +48,7 @@ def _passes(r: Mapping[str, Any]) -> str:
 def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: Sequence[Path], *, title: str,
              sources: Sequence[str], skipped: Sequence[tuple[Path, str]] = (),
              pending: Mapping[str, Any] | None = None) -> str:
-    from harness.report import LATENCY_AXES, QUALITY, _fmt, pareto_front, quality_metrics_for
+    from harness.report_rows import LATENCY_AXES, QUALITY, _fmt, pareto_front, quality_metrics_for
     from harness.report_status import unfinished_lines
 
     metrics = [m for m in QUALITY if any(r.get(m) is not None for r in rows)]

@@ -100,7 +100,7 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
     """The figure of :func:`plot_quality_vs_latency` (not saved), or None when no panel has this latency."""
     from matplotlib.lines import Line2D
 
-    from harness.report import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
+    from harness.report_rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
 
     plt = _pyplot()
     name, long = next((n, lng) for s, n, lng in LATENCY_AXES if s == short)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report import LATENCY_AXES, QUALITY, Panel
+from harness.report_rows import LATENCY_AXES, QUALITY, Panel
 
 
 def wandb_summary_key(metric: str) -> str:
