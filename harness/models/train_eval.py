@@ -23,7 +23,7 @@ def evaluate(model, tokenizer, pool: dict[str, list[dict]], device, max_new: int
 
     import torch
 
-    from harness.models.train_tiny import collate, mm_kwargs
+    from harness.models.train_data import collate, mm_kwargs
 
     model.eval()
     out: dict[str, Any] = {}
@@ -59,7 +59,7 @@ def expert_usage(model, tokenizer, pool: dict[str, list[dict]], device, n: int =
     """Share of top-k slots per expert (layer-mean) per task on held-out prompts: how experts specialise."""
     import torch
 
-    from harness.models.train_tiny import collate, mm_kwargs
+    from harness.models.train_data import collate, mm_kwargs
 
     model.eval()
     usage = {}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import multiprocessing as mp
@@ -41,12 +40,12 @@ from pathlib import Path
 import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
+from harness.models.train_data import CONTENT_RANGE, collate, mm_kwargs  # noqa: F401 (batches: train_data.py)
 from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_vision import FocusProbe, dedup_vision_positions, pack_vision_attention
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
 POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000}
-CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
 
 _TOK = None
 _IMAGE_TOKEN = None
@@ -109,63 +108,6 @@ def build_pool(tok_dir: str, image_token_id: int, counts: dict[str, int], split:
     for (task, *_), res in zip(jobs, results):
         out[task].extend(res)
     return out
-
-
-def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, with_target: bool = True):
-    """Padded ids / mask / labels, ``pixel_values`` (the processor's normalisation), grid, content mask."""
-    import torch
-
-    from harness.models.train_data import PATCH, patchify
-
-    seqs = [e["ids"] if with_target else e["ids"][: e["n_prompt"]] for e in examples]
-    length = max(len(s) for s in seqs)
-    ids = np.full((len(seqs), length), pad_id, dtype=np.int64)
-    mask = np.zeros((len(seqs), length), dtype=np.int64)
-    labels = np.full((len(seqs), length), -100, dtype=np.int64)
-    for i, (s, e) in enumerate(zip(seqs, examples)):
-        off = length - len(s) if left_pad else 0
-        ids[i, off:off + len(s)] = s
-        mask[i, off:off + len(s)] = 1
-        if with_target:
-            labels[i, off + e["n_prompt"]:off + len(s)] = s[e["n_prompt"]:]
-    patches, grid = [], []
-    for e in examples:
-        for a in e["images"]:
-            patches.append(patchify(a))
-            grid.append([1, a.shape[0] // PATCH, a.shape[1] // PATCH])
-    pix = np.concatenate(patches)
-    t = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
-    pix_t = t(pix)
-    per_channel = pix_t.reshape(len(pix), 3, -1)
-    content = ((per_channel.amax(-1).short() - per_channel.amin(-1).short()).amax(-1) > CONTENT_RANGE).cpu().numpy()
-    pixel_values = (pix_t.float() / 255.0 - 0.5) / 0.5
-    out = {"input_ids": t(ids), "attention_mask": t(mask), "labels": t(labels), "pixel_values": pixel_values,
-           "image_grid_thw": t(np.asarray(grid, dtype=np.int64)), "content": t(content)}
-    if all("cells" in e for e in examples):  # the cell loss's targets (train_cells.py), one per visual token
-        out["cells"] = t(np.concatenate([e["cells"] for e in examples]).astype(np.int64))
-    if with_target and not left_pad and all("options" in e for e in examples):  # the option loss (train_cells.py)
-        idx = [i * length + int(p) for i, e in enumerate(examples) for p in e["options"][:, 0]]
-        tgt = [int(x) for e in examples for x in e["options"][:, 1]]
-        out["opt_index"], out["opt_target"] = t(np.asarray(idx, np.int64)), t(np.asarray(tgt, np.int64))
-        from harness.models.train_pointer import pointer_targets
-
-        ptr = [(i, *p) for i, p in enumerate(map(pointer_targets, examples)) if len(p)]
-        out["ptr"] = t(np.asarray(ptr, np.int64).reshape(-1, 3))  # the pointer loss's (row, query, key)
-    if with_target and not left_pad and all("pos" in e for e in examples):
-        pos = np.zeros((3, len(seqs), length), dtype=np.int64)
-        for i, e in enumerate(examples):
-            pos[:, i, : e["pos"].shape[1]] = e["pos"]
-        out["position_ids"] = t(pos)
-    return out
-
-
-def mm_kwargs(model, batch: dict) -> dict:
-    """``mm_token_type_ids`` where this transformers version wants it (≥ 5.2x), nothing where it does not."""
-    import torch
-
-    if "mm_token_type_ids" not in inspect.signature(model.model.get_rope_index).parameters:
-        return {}
-    return {"mm_token_type_ids": (batch["input_ids"] == model.config.image_token_id).to(torch.int32)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
