@@ -23,7 +23,7 @@ the MoE router something to specialise on.
 Train / held-out split: every item has a *key* (the OCR text, the RAG query + notes, the MCQ question +
 layout); ``sha1(key) % 8 == 0`` is held-out, and each split rejects the other's keys, so no held-out
 answer is ever trained on. The bundled ``*_sample`` datasets are drawn from the held-out split
-(``python -m harness.datasets.synthetic_tasks bundle``), so is every sensitivity test's data.
+(``python -m harness.datasets.synthetic_bundle bundle``), so is every sensitivity test's data.
 
 Only PIL and the standard library (plus the loaders' prompt builders) are imported: the training script runs
 on a GPU machine without Hydra.
@@ -403,36 +403,7 @@ def _fake_rag(rng: random.Random) -> tuple[str, str, list[str], list[list[str]]]
     return query, qtype, docs, kinds
 
 
-def bundle(root: str | None = None, version: str | None = None) -> list:
-    """Regenerate the three bundled ``*_sample`` datasets from the held-out split of generator ``version``
-    (default: the active one) and record that version in ``GENERATOR``; returns their data files."""
-    import shutil
-    from pathlib import Path
+if __name__ == "__main__":  # the bundling moved to harness.datasets.synthetic_bundle; the old command still works
+    from harness.datasets.synthetic_bundle import main
 
-    from harness.datasets.synthetic import make_rag_igbench_sample
-    from harness.datasets.synthetic_ocr_cc import make_ccbench_sample, make_ocrbench_sample
-
-    base = Path(root) if root else Path(__file__).parent / "bundled"
-    if version is not None:
-        use_generator(version)
-    base.mkdir(parents=True, exist_ok=True)
-    (base / "GENERATOR").write_text(generator_version() + "\n", encoding="utf-8")
-    for name in ("rag_igbench_sample/images", "ocrbench_sample/images"):
-        shutil.rmtree(base / name, ignore_errors=True)  # no stale images of an older generator
-    return [make_rag_igbench_sample(base / "rag_igbench_sample"), make_ocrbench_sample(base / "ocrbench_sample"),
-            make_ccbench_sample(base / "ccbench_sample")]
-
-
-if __name__ == "__main__":
-    import sys
-
-    args = sys.argv[1:]
-    version = None
-    if "--generator" in args:
-        i = args.index("--generator")
-        version = args[i + 1]
-        del args[i:i + 2]
-    if args[:1] != ["bundle"]:
-        raise SystemExit("usage: python -m harness.datasets.synthetic_tasks bundle [ROOT] [--generator 1|2]")
-    for path in bundle(*args[1:2], version=version):
-        print(path)
+    raise SystemExit(main(prog="harness.datasets.synthetic_tasks"))

@@ -78,7 +78,9 @@ def adopt(src: Path, dst: Path, docs: Path, bundle_root: Path | None = None) -> 
     generator = str(info["generator_version"])
     bundled_version = st._bundled_version() if bundle_root is None else None
     if bundle_root is not None or generator != bundled_version:
-        paths = st.bundle(str(bundle_root) if bundle_root else None, version=generator)
+        from harness.datasets.synthetic_bundle import bundle
+
+        paths = bundle(str(bundle_root) if bundle_root else None, version=generator)
         print(f"bundled samples regenerated with generator {generator}: {[str(p) for p in paths]}")
     if docs.exists() and old_sha and old_sha != info["sha256"]:
         text = docs.read_text(encoding="utf-8")

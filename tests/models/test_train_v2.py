@@ -54,7 +54,9 @@ def test_generator_choice_changes_items_and_split_keys_stay_disjoint(generator2)
 
 
 def test_bundle_records_its_generator_version(tmp_path, generator2):
-    st.bundle(str(tmp_path))
+    from harness.datasets.synthetic_bundle import bundle
+
+    bundle(str(tmp_path))
     assert (tmp_path / "GENERATOR").read_text().strip() == "2"
     assert st.generator_version() == "2"
 

@@ -126,7 +126,9 @@ def test_trained_model_loads_and_answers_the_rag_format():
 def test_bundled_samples_are_the_held_out_split_regenerated(tmp_path):
     import filecmp
 
-    st.bundle(str(tmp_path))
+    from harness.datasets.synthetic_bundle import bundle
+
+    bundle(str(tmp_path))
     bundled = CHECKPOINT.parents[2] / "datasets" / "bundled"
     for name in ("rag_igbench_sample", "ocrbench_sample", "ccbench_sample"):
         cmp = filecmp.dircmp(tmp_path / name, bundled / name)
