@@ -187,14 +187,25 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
               "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
     # --- real-shape models and synthetic load (issue 17) ---
-    CrossRule("model.shapes.arch", _shapes, lambda cfg: cfg.engine.name == "hf",
-              "null with an engine other than hf (shapes models are built by the HF engine)"),
+    # engine=vllm: the text shapes model only, from a written config.json with vLLM's dummy weights (the VL one
+    # needs a multimodal processor inside vLLM: not implemented); not through vllm serve (load.endpoint)
+    CrossRule("model.shapes.arch", _shapes,
+              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and _text_only_shapes(cfg)),
+              lambda cfg: ("qwen3_30b_a3b with engine=vllm (the text model, vLLM dummy weights; the VL shapes model "
+                           "runs with engine=hf)") if _vllm(cfg) else
+              "null with an engine other than hf or vllm (shapes models are built by the HF engine, or loaded by "
+              "vLLM with dummy weights)"),
+    CrossRule("load.endpoint", lambda cfg: _shapes(cfg) and _vllm(cfg) and cfg.load.get("endpoint") is not None,
+              lambda cfg: False, "null with model.shapes.arch (vllm serve loads a checkpoint directory; load.qps "
+              "alone runs the shapes model in AsyncLLM)"),
     CrossRule("model.weights", _shapes, lambda cfg: cfg.model.weights == "random-init",
               "random-init with model.shapes.arch set (its weights are random)"),
     CrossRule("engine.device_map", lambda cfg: _shapes(cfg) and _select(cfg, "engine.device_map", None) is not None,
               lambda cfg: False, "null with model.shapes.arch (a shapes model is built on engine.device)"),
-    CrossRule("dataset.name", lambda cfg: cfg.dataset.name == "synthetic_load", lambda cfg: cfg.engine.name == "hf",
-              "not synthetic_load with an engine other than hf (its token-id prompts need the HF tokenizer-free path)"),
+    CrossRule("dataset.name", lambda cfg: cfg.dataset.name == "synthetic_load",
+              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and _shapes(cfg)),
+              "not synthetic_load with an engine other than hf, except engine=vllm with a shapes model (its "
+              "token-id prompts need a tokenizer-free path)"),
     CrossRule("dataset.n_images", lambda cfg: cfg.dataset.name == "synthetic_load" and _text_only_shapes(cfg),
               lambda cfg: cfg.dataset.n_images == 0, "0 with a text-only model (model.shapes.arch=qwen3_30b_a3b)"),
     CrossRule("generation.ignore_eos", lambda cfg: cfg.dataset.name == "synthetic_load",

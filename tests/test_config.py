@@ -339,7 +339,12 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((SHP, LOAD, "model.shapes.arch=qwen3_moe"), "model.shapes.arch"),
     ((SHP, LOAD, "model.shapes.num_layers=0"), "model.shapes.num_layers"),
     ((SHP, LOAD, "model.weights=real"), "model.weights"),
-    ((SHP, LOAD, "engine=vllm"), "model.shapes.arch"),
+    ((SHP, LOAD, "engine=vllm"), None),  # the text shapes model with vLLM's dummy weights (docs/vllm.md)
+    ((SHP, LOAD, "engine=vllm", "sere.k=2", "moe.top_k=3"), None),
+    ((SHP, LOAD, "engine=vllm", "load.qps=4"), None),  # AsyncLLM in process
+    ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=auto"), "load.endpoint"),  # vllm serve: a checkpoint
+    ((SHPVL, LOAD, "engine=vllm"), "model.shapes.arch"),  # the VL shapes model needs a processor in vLLM
+    ((LOAD, "generation=synthetic_load", "engine=vllm"), "dataset.name"),  # token ids: shapes models only
     ((SHP, LOAD, "engine.device_map=auto"), "engine.device_map"),
     (("engine.decode_path=fast",), "engine.decode_path"),
     (("engine.decode_path=compiled",), None),

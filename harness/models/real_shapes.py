@@ -143,6 +143,26 @@ def shapes_config(arch: str, num_layers: int | None = None, text: dict[str, Any]
             "tie_word_embeddings": False}
 
 
+def text_parameters(config: dict[str, Any]) -> int:
+    """Parameters of the text model of a :func:`shapes_config` dict, counted from the config (an engine that
+    never builds the model in this process — vLLM's dummy weights — reports this): embeddings, untied head,
+    per layer the q/k/v/o projections, q/k norms, two RMS norms and either the MoE block (router + experts) or
+    the dense MLP (``mlp_only_layers`` / ``decoder_sparse_step``), final norm. Qwen3-30B-A3B: 30.53 B."""
+    t = config.get("text_config") or config
+    h, v, hd = int(t["hidden_size"]), int(t["vocab_size"]), int(t["head_dim"])
+    nq, nkv, e = int(t["num_attention_heads"]), int(t["num_key_value_heads"]), int(t["num_experts"])
+    attn = h * nq * hd + 2 * h * nkv * hd + nq * hd * h + ((nq + 2 * nkv) * hd + h if t.get("attention_bias") else 0)
+    per_layer_common = attn + 2 * hd + 2 * h
+    moe = h * e + 3 * e * int(t["moe_intermediate_size"]) * h
+    dense = 3 * h * int(t["intermediate_size"])
+    step, dense_layers = int(t.get("decoder_sparse_step", 1) or 1), set(t.get("mlp_only_layers") or [])
+    total = v * h * (1 if t.get("tie_word_embeddings") else 2) + h
+    for layer in range(int(t["num_hidden_layers"])):
+        sparse = layer not in dense_layers and e > 0 and (layer + 1) % step == 0
+        total += per_layer_common + (moe if sparse else dense)
+    return total
+
+
 def _plain(value: Any) -> Any:
     """Plain dicts / lists / scalars from OmegaConf containers (transformers' strict config fields refuse them)."""
     from collections.abc import Mapping, Sequence

@@ -82,7 +82,7 @@ class VLLMEngine(ServeMode, LoadMode):
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None, *,
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
                  sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
-                 moe_cfg: Any = None, run_dir: str | None = None):
+                 moe_cfg: Any = None, run_dir: str | None = None, shapes_cfg: Any = None):
         from harness import compat
         from harness.techniques.moe_topk import moe_settings
 
@@ -91,9 +91,19 @@ class VLLMEngine(ServeMode, LoadMode):
         self.load_cfg = load_cfg
         remote = self.endpoint not in (None, "auto")  # a running server: its techniques (serve_mode)
         self.visionzip = None if remote else resolve_visionzip(visionzip_cfg)
-        from transformers import AutoProcessor
+        self.shapes = None  # model.shapes.arch: a config.json + vLLM's dummy weights (harness/engines/vllm/shapes.py)
+        if shapes_cfg is not None and _get(shapes_cfg, "arch"):
+            if self.endpoint is not None:
+                raise NotImplementedError("model.shapes.arch with load.endpoint: the vllm serve mode loads a "
+                                          "checkpoint directory; use load.qps without load.endpoint (AsyncLLM)")
+            if self.visionzip is not None:
+                raise NotImplementedError("visionzip.keep < 1 with the text-only shapes model in engine=vllm")
+            from harness.engines.vllm.shapes import shapes_for_vllm
 
-        self.model_path = str(model_path)
+            self.shapes = shapes_for_vllm(shapes_cfg, run_dir)
+        self.model_path = str(self.shapes.directory if self.shapes is not None else model_path)
+        if self.shapes is not None:
+            self.prompt_length = self._token_prompt_length  # the latency protocol's per-shape warm-up plan
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
         self.trust_remote_code = trust_remote_code
@@ -103,15 +113,20 @@ class VLLMEngine(ServeMode, LoadMode):
         self.max_images = int(max_images_per_prompt or _get(engine_cfg, "limit_images", None) or 64)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
-        self.processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
-        tok = self.processor.tokenizer
-        self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>") if "<|image_pad|>" in tok.get_vocab() \
-            else None
-        from transformers import AutoConfig
+        if self.shapes is not None:  # no tokenizer, no processor on disk: token-id prompts, ids decoded as ids
+            self.processor, self.image_token_id = self.shapes.processor, None
+        else:
+            from transformers import AutoConfig, AutoProcessor
 
-        hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
-        self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
-        self.sere = None if remote else resolve_sere(sere_cfg, self.model_path, model_id)
+            self.processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+            tok = self.processor.tokenizer
+            self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>") if "<|image_pad|>" in tok.get_vocab() \
+                else None
+            hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+            self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
+        self.ignore_eos = bool(_get(generation_cfg, "ignore_eos", False))  # generation=synthetic_load
+        self.sere = None if remote else resolve_sere(sere_cfg, self.model_path, model_id, shapes=self.shapes,
+                                                     seed=self.seed)
         from harness.engines.vllm.settings import MoeSettings
 
         self.moe = MoeSettings(*moe) if moe is not None and not remote else None  # HARNESS_MOE_* (vllm.topk)
@@ -194,6 +209,9 @@ class VLLMEngine(ServeMode, LoadMode):
             disable_log_stats=False,
             seed=self.seed,
         )
+        if self.shapes is not None:  # model = the written config's directory, dummy weights, no tokenizer
+            args.update(self.shapes.engine_args())
+            args.pop("limit_mm_per_prompt")  # the text-only model has no multimodal inputs
         if self.visionzip is not None:
             # the plugin's Qwen3-VL-MoE subclass; multimodal pruning on = vLLM's runner recomputes mRoPE
             # positions from the kept tokens (the rate itself only concerns videos, which are refused)
@@ -236,7 +254,11 @@ class VLLMEngine(ServeMode, LoadMode):
             "mode": "load" if self.load_mode else "offline",
             "cpu_overrides": self.cpu_overrides or None,
             "transformers_version": package_version("transformers"),
+            "ignore_eos": self.ignore_eos,
         }
+        if self.shapes is not None:
+            info["shapes"] = self.shapes.describe()
+            info["tokenizer_free"] = True
         if self.visionzip is not None:
             vz = self.visionzip
             info["visionzip"] = {"keep": vz.keep, "scope": vz.scope, "contextual": vz.contextual,
@@ -249,7 +271,8 @@ class VLLMEngine(ServeMode, LoadMode):
         if self.sere is not None:
             info["sere"] = {"k": self.sere.k, "rho": self.sere.rho, "similarity": self.sere.similarity_path,
                             "protection": self.sere.protection_path, "protect": self.sere.protect,
-                            "where": "vllm plugin custom_routing_function, decode rows only"}
+                            "where": "vllm plugin custom_routing_function, decode rows only",
+                            **({"calibrated_on": self.sere.calibrated_on} if self.sere.calibrated_on else {})}
         if self.moe is not None:
             info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope,
                            "where": "vllm plugin custom_routing_function (zero-weight padded slots)"}
@@ -267,11 +290,18 @@ class VLLMEngine(ServeMode, LoadMode):
     def sampling_params(self, max_tokens: int | None = None, **kwargs: Any):
         from vllm import SamplingParams
 
+        if self.ignore_eos:  # every request decodes exactly max_tokens (synthetic_load: TPOT over a known count)
+            kwargs.setdefault("ignore_eos", True)
+        if self.shapes is not None:  # skip_tokenizer_init: nothing to detokenize with (decode() maps the ids)
+            kwargs.setdefault("detokenize", False)
         return SamplingParams(temperature=0.0, max_tokens=int(max_tokens or self.gen_cfg.max_new_tokens),
                               seed=self.seed, **kwargs)
 
     def prompt(self, request: Request) -> dict[str, Any]:
-        """The vLLM prompt of a request: the chat-templated text (as the HF engine builds it) + images."""
+        """The vLLM prompt of a request: the chat-templated text (as the HF engine builds it) + images; for a
+        shapes model the token ids of the HF engine's tokenizer-free path (no chat template)."""
+        if self.shapes is not None:
+            return self.shapes.prompt(request)
         parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
                  for p in request.content]
         text = self.processor.apply_chat_template(
@@ -282,6 +312,12 @@ class VLLMEngine(ServeMode, LoadMode):
             out["multi_modal_data"] = {"image": [img.convert("RGB") if getattr(img, "mode", "RGB") != "RGB"
                                                  else img for img in request.images]}
         return out
+
+    def _token_prompt_length(self, batch: list[Request]) -> int:
+        """The longest prompt of ``batch`` in tokens: the latency protocol's planned warm-up key (one warm-up per
+        shape). Offered as ``prompt_length`` only for token-id prompts (a shapes model); otherwise vLLM's renderer
+        decides the length and the protocol learns the shapes from the warm-up's generations, as before."""
+        return max(len(self.prompt(r)["prompt_token_ids"]) for r in batch)
 
     def warmup(self, batch: list[Request]) -> list[Generation] | None:
         """One short untimed generation (first-call allocations, lazy initialisation); SERE statistics
@@ -395,6 +431,8 @@ class VLLMEngine(ServeMode, LoadMode):
             self._loop = None
         if self._server is not None:
             self._server.stop()  # only a server the harness started; its log stays in the run directory
+        if self.shapes is not None:
+            self.shapes.cleanup()  # a temporary config directory only (a run directory keeps what ran)
         self._restore_env()
         import gc
 

@@ -34,6 +34,7 @@ class SereSetup:
     protection_path: str | None
     protect: int | None
     trace_path: str | None = None
+    calibrated_on: str | None = None  # what a similarity computed here was calibrated on (a shapes model)
 
     def env(self) -> dict[str, str]:
         from harness.engines.vllm.settings import SereSettings
@@ -42,11 +43,44 @@ class SereSetup:
                             self.trace_path).env()
 
 
-def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) -> SereSetup | None:
+def calibration_model(model_path: str, shapes: Any = None, seed: int = 0):
+    """(model, tokenizer) that SERE's calibration runs on (``auto`` device): the checkpoint's HF model, or for a
+    shapes model (``harness.engines.vllm.shapes.VllmShapes``) the HF engine's random-init model of the same
+    config (``build_shapes_model``, seeded) with the byte-level ``ShapesTokenizer`` — what the HF shapes path
+    calibrates on. vLLM's dummy weights are other random values: both are random, the similarity of random
+    experts is as meaningless for quality as the routing itself (docs/vllm.md)."""
+    from harness.techniques.sere_calibration import load_model_for_calibration
+
+    if shapes is None:
+        return load_model_for_calibration(str(model_path))
+    from harness.engines.hf import resolve_device, resolve_dtype
+    from harness.models.real_shapes import build_shapes_model
+
+    device = resolve_device("auto")
+    return build_shapes_model(shapes.config, device, resolve_dtype("auto", device), seed=seed), shapes.tokenizer
+
+
+def _release_memory() -> None:
+    """Give a deleted calibration model's memory back before vLLM reserves its share of the device."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None, *, shapes: Any = None,
+                 seed: int = 0) -> SereSetup | None:
     """Artifacts for ``sere`` (None when ``sere.k`` is null). ``sere.similarity`` / ``sere.protection`` are
-    used as given; a missing one is computed once with the HF model (``auto`` device) through the project's
-    calibration caches (``harness.techniques.sere_calibration.similarity_for``,
-    ``sere_protection.protection_for``), and the cache file is what the plugin reads."""
+    used as given; a missing one is computed once with the HF model (``auto`` device; a shapes model: the
+    random-init HF model of its config, :func:`calibration_model`) through the project's calibration caches
+    (``harness.techniques.sere_calibration.similarity_for``, ``sere_protection.protection_for``), and the
+    cache file is what the plugin reads."""
     k = _get(sere_cfg, "k")
     if k is None:
         return None
@@ -55,22 +89,21 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
     sim_path = _get(sere_cfg, "similarity") or _get(sere_cfg, "similarity_path")
     prot_path = _get(sere_cfg, "protection") or _get(sere_cfg, "protection_path")
     model_id = model_id or str(model_path)
+    calibrated_on = None
     if not sim_path or (protect > 0 and not prot_path):
-        from harness.techniques.sere_calibration import (
-            load_model_for_calibration,
-            load_similarity,
-            similarity_cache_path,
-            similarity_for,
-        )
+        from harness.techniques.sere_calibration import load_similarity, similarity_cache_path, similarity_for
 
         from harness.engines.hf_sere import calibration_kwargs
 
         data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
-        model, tokenizer = load_model_for_calibration(str(model_path))
+        model, tokenizer = calibration_model(model_path, shapes, seed)
         if sim_path:
             similarity, _ = load_similarity(sim_path)
         else:
             similarity = similarity_for(model, tokenizer, model_id, **data)
+            if shapes is not None:
+                calibrated_on = (f"HF random-init model of the shapes config (seed {seed}); vLLM runs its own dummy "
+                                 "weights: both random, routing near-uniform")
             sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
                                                  text_field=data["text_field"]))
         if protect > 0 and not prot_path:
@@ -81,12 +114,13 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None) ->
                                                   data["text_path"], data["max_tokens"],
                                                   text_field=data["text_field"]))
         del model
+        _release_memory()
     for path in (sim_path, prot_path):
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"SERE artifact {path} does not exist")
     return SereSetup(k=int(k), rho=rho, similarity_path=str(sim_path),
                      protection_path=str(prot_path) if prot_path else None,
-                     protect=protect if (prot_path and protect > 0) else None)
+                     protect=protect if (prot_path and protect > 0) else None, calibrated_on=calibrated_on)
 
 
 def resolve_visionzip(vz_cfg: Any):

@@ -1,0 +1,148 @@
+"""Real-shape models in ``engine=vllm``: a ``config.json`` and vLLM's dummy weights, token-id prompts.
+
+``model=qwen3_30b_a3b_shapes engine=vllm`` (and ``_4l`` / ``_tiny``) loads no checkpoint: the engine writes the
+shapes ``config.json`` (:func:`harness.models.real_shapes.shapes_config`, the same dict the HF engine builds its
+model from) into a run-local directory and starts ``LLM(model=that_dir, load_format="dummy",
+skip_tokenizer_init=True)``: vLLM fills every weight with its own dummy initialiser (uniform in ±1e-3, fixed seed),
+no tokenizer and no processor are read. Prompts go to vLLM as token ids, built exactly as the HF engine's
+tokenizer-free path builds them (:mod:`harness.engines.hf_direct`): ``synthetic_tokens`` parts → the same seeded
+ids, text parts → the byte-level :class:`~harness.models.real_shapes.ShapesTokenizer`; no chat template. Output ids
+are decoded with the same tokenizer (the answer text is the ids).
+
+Only the text model: the Qwen3-VL shapes model needs a multimodal processor inside vLLM (placeholder expansion,
+image patches), which a tokenizer-free config directory does not give; it is refused with that reason.
+
+Weights: random, and *not* the HF engine's random weights (vLLM's dummy loader, not ``normal_(0, 0.02)``); routing
+of random weights is near-uniform, unlike a trained model. ``summary.json`` says ``weights: random-init``.
+No vLLM import here: the pure parts are tested in the main venv.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from harness.models.real_shapes import ARCHS, ShapesProcessor, ShapesTokenizer, shapes_config, text_parameters
+
+#: where in a run directory the config of the model vLLM loads is written (kept: it is what ran)
+CONFIG_DIR_NAME = "vllm_shapes_model"
+
+#: recorded in ``describe()["shapes"]["init"]``
+DUMMY_INIT = "vLLM load_format=dummy (uniform in [-1e-3, 1e-3], vLLM's fixed seed)"
+
+
+def _plain(d: Any) -> dict[str, Any]:
+    return {str(k): v for k, v in dict(d or {}).items()}
+
+
+def config_from_cfg(shapes_cfg: Any) -> dict[str, Any]:
+    """The ``config.json`` dict of ``model.shapes`` (what ``shapes_model_for_engine`` builds in HF)."""
+    get = (lambda k: shapes_cfg.get(k)) if isinstance(shapes_cfg, dict) else (lambda k: getattr(shapes_cfg, k, None))
+    return shapes_config(get("arch"), get("num_layers"), _plain(get("text")), _plain(get("vision")))
+
+
+def write_config_dir(config: dict[str, Any], directory: str | Path) -> Path:
+    """Write ``config.json`` (and nothing else: no weights, no tokenizer) into ``directory``; returns it. The
+    dtype vLLM uses is the engine's (``engine.dtype``, always passed explicitly)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(directory / "config.json")
+    return directory
+
+
+def model_config_view(config: dict[str, Any]) -> SimpleNamespace:
+    """An attribute view of a text ``config.json`` dict, for :func:`harness.engines.hf_direct.synthetic_ids`
+    (which reads ``vocab_size`` and the special ids as a transformers config has them)."""
+    return SimpleNamespace(**config)
+
+
+def prompt_token_ids(request: Any, config: dict[str, Any], tokenizer: ShapesTokenizer) -> list[int]:
+    """The prompt ids of one request, as the HF engine's tokenizer-free path builds them (module doc)."""
+    from harness.engines.hf_direct import synthetic_ids
+
+    view = model_config_view(config)
+    ids: list[int] = []
+    for part in request.content:
+        kind = part.get("type")
+        if kind == "synthetic_tokens":
+            ids += synthetic_ids(part["n"], part.get("seed", 0), view)
+        elif kind == "text":
+            ids += list(tokenizer(part["text"], add_special_tokens=False)["input_ids"])
+        elif kind == "image":
+            raise ValueError(f"request {request.uid}: an image part for the text-only shapes model "
+                             f"(engine=vllm runs only qwen3_30b_a3b shapes)")
+        else:
+            raise ValueError(f"request {request.uid}: unknown content part type {kind!r}")
+    if not ids:
+        raise ValueError(f"request {request.uid}: empty prompt")
+    return ids
+
+
+@dataclass
+class VllmShapes:
+    """The shapes model of one vLLM engine: its config, where it was written, its tokenizer."""
+
+    arch: str
+    config: dict[str, Any]
+    directory: Path
+    temporary: bool
+    tokenizer: ShapesTokenizer = field(init=False)
+    processor: ShapesProcessor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.processor = ShapesProcessor(int(self.config["vocab_size"]))
+        self.tokenizer = self.processor.tokenizer
+
+    def engine_args(self) -> dict[str, Any]:
+        """What ``LLM(...)`` / ``AsyncEngineArgs`` get on top of the engine's usual arguments."""
+        return {"model": str(self.directory), "load_format": "dummy", "skip_tokenizer_init": True}
+
+    def prompt(self, request: Any) -> dict[str, Any]:
+        return {"prompt_token_ids": prompt_token_ids(request, self.config, self.tokenizer)}
+
+    def describe(self) -> dict[str, Any]:
+        """``run.engine_settings.shapes`` (the HF engine's fields where they apply)."""
+        return {"arch": self.arch, "checkpoint_shapes_of": ARCHS[self.arch]["checkpoint"],
+                "num_layers": self.config["num_hidden_layers"], "hidden_size": self.config["hidden_size"],
+                "parameters": text_parameters(self.config), "weights": "random-init", "init": DUMMY_INIT,
+                "load_format": "dummy", "tokenizer": "ShapesTokenizer (byte-level; skip_tokenizer_init)"}
+
+    def cleanup(self) -> None:
+        if self.temporary:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def hydra_run_dir() -> str | None:
+    """The current Hydra run's output directory, when this process is inside one."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - not a Hydra run (tests, scripts)
+        return None
+
+
+def shapes_for_vllm(shapes_cfg: Any, run_dir: str | None = None) -> VllmShapes:
+    """Write the config of ``model.shapes`` where vLLM will load it: ``<run dir>/vllm_shapes_model`` (the given
+    run directory, else the Hydra run's), else a temporary directory removed when the engine closes."""
+    config = config_from_cfg(shapes_cfg)
+    arch = str(shapes_cfg.get("arch") if isinstance(shapes_cfg, dict) else shapes_cfg.arch)
+    if "text_config" in config:
+        raise NotImplementedError(
+            f"model.shapes.arch={arch} with engine=vllm: the VL shapes model needs a multimodal processor inside "
+            "vLLM, which a tokenizer-free config directory does not give (not implemented); use engine=hf, or "
+            "model=qwen3_30b_a3b_shapes for the text model (docs/vllm.md)")
+    base = run_dir or hydra_run_dir()
+    if base:
+        directory, temporary = Path(base) / CONFIG_DIR_NAME, False
+    else:
+        directory, temporary = Path(tempfile.mkdtemp(prefix="harness-vllm-shapes-")), True
+    write_config_dir(config, directory)
+    return VllmShapes(arch=arch, config=config, directory=directory, temporary=temporary)

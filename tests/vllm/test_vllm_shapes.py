@@ -1,0 +1,108 @@
+"""``python -m harness model=qwen3_30b_a3b_shapes_tiny engine=vllm dataset=synthetic_load`` end to end: the shapes
+config written to the run directory, vLLM's dummy weights, token-id prompts of exact lengths, exactly
+``dataset.output_tokens`` decoded, the latency protocol (warm-up per shape, repeats), ``weights: random-init``;
+SERE (with ``moe.top_k``) engaged on it; load mode (AsyncLLM) on it. One engine start per run (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT, OUTPUT, N = 48, 6, 4
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, vocab_size=2048)  # the preset's
+COMMON = ("model=qwen3_30b_a3b_shapes_tiny", "engine=vllm", "dataset=synthetic_load", "engine.dtype=float32",
+          "wandb.mode=disabled", "scoring.clip_model=null", "cache.enabled=false", "engine.gpu_memory_utilization=0.1",
+          "engine.max_model_len=1024", f"dataset.prompt_tokens={PROMPT}", f"dataset.output_tokens={OUTPUT}",
+          f"dataset.num_requests={N}", "engine.batch_size=2")
+
+
+def run(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "harness", f"hydra.run.dir={run_dir}", *COMMON, *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shapes") / "base"
+    return (d, *run(d, "latency.repeats=2"))
+
+
+@pytest.fixture(scope="module")
+def sere(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shapes") / "sere"
+    return (d, *run(d, "sere.k=2", "sere.rho=0", "moe.top_k=3"))
+
+
+def _exact_shapes(records, n=N):
+    assert len(records) == n and not any(r["error"] for r in records)
+    for r in records:
+        assert r["prompt_tokens"] == PROMPT and r["output_tokens"] == OUTPUT and r["visual_tokens"] == 0
+        ids = [int(t) for t in r["answer"].split()]  # ShapesTokenizer.decode: the ids as text
+        assert len(ids) == OUTPUT and all(0 <= t < 2048 for t in ids)
+
+
+def test_shapes_model_runs_with_dummy_weights(base):
+    from harness.models.real_shapes import shapes_config, text_parameters
+
+    run_dir, summary, records = base
+    _exact_shapes(records)
+    run = summary["run"]
+    assert run["engine"] == "vllm" and run["weights"] == "random-init" and run["model"]["weights"] == "random-init"
+    shapes = run["engine_settings"]["shapes"]
+    assert shapes["weights"] == "random-init" and shapes["load_format"] == "dummy"
+    assert shapes["arch"] == "qwen3_30b_a3b" and shapes["num_layers"] == 2
+    written = json.loads((run_dir / "vllm_shapes_model" / "config.json").read_text())
+    want = shapes_config("qwen3_30b_a3b", 2, TINY_TEXT)
+    assert written == want and shapes["parameters"] == text_parameters(want)
+    assert sorted(p.name for p in (run_dir / "vllm_shapes_model").iterdir()) == ["config.json"]
+    assert run["engine_settings"]["ignore_eos"] is True and run["dtype"] == "float32"
+
+
+def test_latency_protocol_on_the_shapes_model(base):
+    _, summary, _ = base
+    lat = summary["latency"]
+    proto = lat["protocol"]
+    assert proto["warmup"] == "per_shape" and proto["warmup_batches"] == 1  # one shape: 2 requests x 48 tokens
+    assert proto["shapes_warmed"] == [{"batch_size": 2, "prompt_bucket": 64, "technique": "baseline"}]
+    assert lat["repeats"] == 2 and proto["passes_timed"] == 2 and proto["batches_excluded"] == 0
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert lat[key]["n"] > 0 and lat[key]["p50"] > 0
+    assert summary["metrics"]["errors"] == 0
+
+
+def test_sere_and_top_k_engage_on_the_shapes_model(sere, base):
+    _, summary, records = sere
+    _exact_shapes(records)
+    settings = summary["run"]["engine_settings"]
+    assert settings["sere"]["k"] == 2 and Path(settings["sere"]["similarity"]).is_file()
+    assert "random-init" in settings["sere"]["calibrated_on"]
+    assert settings["moe"]["top_k"] == 3
+    stats = summary["sere"]
+    assert stats["steps"] > 0 and stats["moved_fraction"] > 0  # rho 0: every secondary slot re-routed
+    assert stats["expert_union_after"] < stats["expert_union_before"]
+    assert stats["engagement"]["ok"], stats["engagement"]
+    assert stats["engagement"]["decode_tokens"] == N * (OUTPUT - 1)
+    assert "moe" in summary and summary["moe"].get("error") is None
+    # same prompts as the baseline run (token ids of the HF engine's tokenizer-free path)
+    assert [r["prompt_tokens"] for r in records] == [r["prompt_tokens"] for r in base[2]]
+
+
+def test_load_mode_on_the_shapes_model(tmp_path):
+    summary, records = run(tmp_path / "load", "load.qps=8", "load.num_requests=4", "load.warmup=1")
+    _exact_shapes(records)
+    assert summary["load"]["completed"] == 4 and summary["latency"]["failed"] == 0
+    assert all(r["itl_ms"] and len(r["itl_ms"]) <= OUTPUT - 1 for r in records)  # streamed: one gap per chunk
+    assert summary["run"]["engine_settings"]["shapes"]["weights"] == "random-init"
