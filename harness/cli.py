@@ -17,11 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from harness.config import register_configs
+from harness.paths import CONF_DIR  # noqa: F401 (also importable as harness.cli.CONF_DIR)
 
 register_configs()
-
-# Absolute, so the configs are found whatever the working directory and however the module is started.
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -29,7 +27,8 @@ def main(cfg: DictConfig) -> None:
     from harness.datasets.base import DatasetError
     from harness.latency.device_lock import UnsafeLockDir
     from harness.outcome import console_summary
-    from harness.run import TechniqueNotAvailable, run_experiment
+    from harness.engines.base import TechniqueNotAvailable
+    from harness.run import run_experiment
     from harness.run_state import RunDirLocked
     from harness.techniques.sere_graphs import SereNotEngaged
     from harness.validate import ConfigError

@@ -20,6 +20,10 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
+# The Hydra config directory, absolute, so the configs are found whatever the working directory and however a
+# command is started (``python -m harness``, ``python -m harness.opencompass``, the ``python -m`` tools).
+CONF_DIR = str(PACKAGE_DIR / "conf")
+
 
 def cache_home() -> Path:
     """``$HARNESS_CACHE`` or ``~/.cache/moe-vlm-harness``: built models, calibration artefacts, generations."""

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.engines.base import TechniqueNotAvailable  # noqa: F401 (also importable from here)
+from harness.models.load import resolve_model  # noqa: F401 (also importable from here)
 from harness.results import SamplesLog, run_block, utc_now, write_json
 from harness.validate import validate_config, validate_model
 
@@ -30,10 +32,6 @@ def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: d
         mark_failed(run_dir, state, str(e), sere_engagement=technique_stats["sere"]["engagement"])
         log.error("SERE not engaged: %s", e)
         raise
-
-
-class TechniqueNotAvailable(RuntimeError):
-    """A technique was enabled in the config but is not implemented for this engine yet."""
 
 
 def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,33 +76,6 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
         "requests_replayed": sum(1 for r in records if r.get("visionzip") and r.get("cached")),
         "importance_ms_partial": any(r.get("visionzip") and r.get("cached") for r in records),
     }
-
-
-def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
-    """The checkpoint path to load and the ``run.model`` block (the embedded model is built on first use)."""
-    if model_cfg.embedded and model_cfg.weights == "trained-synthetic":  # the committed trained checkpoint
-        from harness.models.trained import trained_checkpoint
-
-        path, info = trained_checkpoint()
-        return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": info["sha256"][:12],
-                           "weights": "trained-synthetic", "weights_meaning": info["meaning"]}
-    shapes = model_cfg.get("shapes") if hasattr(model_cfg, "get") else getattr(model_cfg, "shapes", None)
-    if shapes is not None and shapes.get("arch"):  # a real checkpoint's shapes, random weights built on the device
-        from harness.models.real_shapes import ARCHS, shapes_config
-
-        config = shapes_config(shapes.arch, shapes.num_layers, dict(shapes.text or {}), dict(shapes.vision or {}))
-        return f"shapes:{shapes.arch}", {"name": model_cfg.name, "path": None, "weights": "random-init",
-                                         "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
-    if model_cfg.embedded:
-        from harness.models.tiny import TinyModelSpec, ensure_tiny_model
-
-        spec = TinyModelSpec(seed=model_cfg.seed)
-        path = ensure_tiny_model(spec)
-        return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": spec.fingerprint(),
-                           "weights": "random-init"}
-    if not model_cfg.path:
-        raise ValueError(f"model {model_cfg.name!r}: model.path is not set")
-    return model_cfg.path, {"name": model_cfg.name, "path": model_cfg.path, "weights": model_cfg.weights}
 
 
 def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, latency_cfg: Any = None,

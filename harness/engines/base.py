@@ -13,6 +13,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 
+class TechniqueNotAvailable(RuntimeError):
+    """A technique was enabled in the config but is not implemented for this engine yet."""
+
+
 @dataclass
 class Request:
     """One prompt: ordered content parts (text / image index) and the decoded images they point to."""

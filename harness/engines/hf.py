@@ -23,28 +23,8 @@ from typing import Any
 
 from harness.engines.base import Generation, Request, generate_splitting
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolve_dtype(dtype: str, device: str):
-    """``auto`` → bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow or unsupported on many CPUs)."""
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"engine.dtype={dtype!r}: expected auto or one of {sorted(_DTYPES)}")
-    return getattr(torch, _DTYPES[dtype])
+# resolve_device / resolve_dtype live in harness.models.load (a technique or tool needs them without the engine)
+from harness.models.load import _DTYPES, resolve_device, resolve_dtype  # noqa: F401
 
 
 def resolve_experts_implementation(name: str | None, device: str) -> str | None:

@@ -1,8 +1,8 @@
 """``moe.top_k`` in the Hugging Face engine: every router keeps its K highest experts (plain top-K truncation).
 
 The definition is :mod:`harness.techniques.moe_topk` (the router's K highest ids, weights recomputed from
-the router logits and renormalised as the router does). The mechanism is SERE's (:mod:`harness.engines.hf_sere`),
-so both behave alike where it matters for comparing them:
+the router logits and renormalised as the router does). The mechanism is SERE's — both stand on the shared
+base :mod:`harness.engines.hf_routing` — so both behave alike where it matters for comparing them:
 
 - the same three hooks per MoE block (block pre-hook: is this a decode step; gate hook: rewrite the router's
   ``(logits, weights, ids)``; block post-hook: lower the flag), and the same decode rule (``S == 1``);
@@ -12,8 +12,8 @@ so both behave alike where it matters for comparing them:
 - statistics over live rows (finished rows of a static batch excluded, as for SERE): distinct experts per
   layer and decode step before (the router's top-k) and after (its top-K), per batch size; read once by
   :meth:`TopKHandle.stats` into ``summary.json`` ``moe``;
-- the handle is a ``SereHandle`` for ``hf_graphs`` (the CUDA-graph decoder replays its device counters the
-  same way), kept in its own per-block slot ``_harness_topk``.
+- the handle is a ``RoutingHandle``, as SERE's is, for ``hf_graphs`` (the CUDA-graph decoder replays its
+  device counters the same way), kept in its own per-block slot ``_harness_topk``.
 
 **With SERE** (``moe.top_k=K'`` and ``sere.k=K``, :mod:`harness.techniques.moe_topk`): install top-K first,
 then SERE. Forward hooks run in registration order and each sees the output the previous one returned, so
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from harness.engines.hf_sere import SereHandle, _Layer, attach, refuse_if_installed
+from harness.engines.hf_routing import RoutedLayer, RoutingHandle, attach, refuse_if_installed
+from harness.models.moe_blocks import find_moe_blocks
 from harness.techniques.moe_topk import SCOPES, pad_routing, truncate_routing
-from harness.techniques.sere_calibration import find_moe_blocks
 
 __all__ = ["TopKHandle", "install_topk", "topk_from_config"]
 
@@ -49,7 +49,7 @@ def router_renormalizes(gate: torch.nn.Module) -> bool:
     return True if flag is None else bool(flag)
 
 
-class TopKHandle(SereHandle):
+class TopKHandle(RoutingHandle):
     """Installed top-K hooks: ``top_k``, ``scope``, ``stats()``, ``reset_stats()``, ``remove()``."""
 
     kind = "moe.top_k"
@@ -62,7 +62,7 @@ class TopKHandle(SereHandle):
         self.top_k = top_k
         self.scope = scope
 
-    def _rewrite(self, st: _Layer, output: Any, live: torch.Tensor | None) -> Any:
+    def _rewrite(self, st: RoutedLayer, output: Any, live: torch.Tensor | None) -> Any:
         logits, _, ids = output[0], output[1], output[2]
         k = ids.shape[-1]
         if self.top_k >= k:
@@ -78,7 +78,7 @@ class TopKHandle(SereHandle):
 
     def stats(self) -> dict[str, Any]:
         """``summary.json`` ``moe``: ``top_k``, ``scope``, ``renormalize``, and the expert-union statistics
-        of :meth:`SereHandle.stats` (live rows; before = the router's top-k, after = its top-K)."""
+        of :meth:`RoutingHandle.stats` (live rows; before = the router's top-k, after = its top-K)."""
         full = super().stats()
         out: dict[str, Any] = {"top_k": self.top_k, "scope": self.scope,
                                "renormalize": sorted({st.renormalize for st in self.layers}) == [True]}
@@ -102,7 +102,7 @@ def install_topk(model: torch.nn.Module, top_k: int, scope: str = "decode", *, c
                            "(hooks run in the order they were installed)")
     handle = TopKHandle(top_k, scope, collect_stats)
     for ref in blocks:
-        handle.layers.append(_Layer(ref.layer, ref.block, ref.block.gate, ref.num_experts, None, None,
+        handle.layers.append(RoutedLayer(ref.layer, ref.block, ref.block.gate, ref.num_experts, None, None,
                                     renormalize=router_renormalizes(ref.block.gate)))
     attach(handle, model, eos_token_ids)
     return handle

@@ -196,7 +196,7 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
     condition, so a run stopped from outside keeps what it measured."""
     import traceback
 
-    from harness.engines.hf import resolve_device
+    from harness.models.load import resolve_device
     from harness.models.trained import checkpoint_info, sha256_file
 
     ckpt = Path(ckpt)

@@ -77,7 +77,7 @@ class OffloadRuntime:
 
     def __init__(self, model: torch.nn.Module, cfg: Any, device: str, batch_size: int = 1):
         from harness.offload.store import ExpertStore, Mover
-        from harness.techniques.sere_calibration import find_moe_blocks
+        from harness.models.moe_blocks import find_moe_blocks
 
         self.cfg = cfg
         self.device = torch.device(device)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from harness.offload.trace import RoutingTrace
-from harness.techniques.sere_calibration import find_moe_blocks
+from harness.models.moe_blocks import find_moe_blocks
 
 __all__ = ["TraceRecorder"]
 

@@ -22,7 +22,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 def main(cfg: DictConfig) -> None:
     from harness.opencompass.runner import OpenCompassFailed, run_opencompass
     from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
-    from harness.run import TechniqueNotAvailable
+    from harness.engines.base import TechniqueNotAvailable
     from harness.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -25,7 +25,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 def check_engine(cfg: Any) -> None:
     """The HF route (the project's model class) and the vLLM route (``vllm serve`` + ``OpenAISDK``,
     :mod:`harness.opencompass.vllm_route`)."""
-    from harness.run import TechniqueNotAvailable
+    from harness.engines.base import TechniqueNotAvailable
 
     if cfg.engine.name not in ("hf", "vllm"):
         raise TechniqueNotAvailable(
@@ -122,7 +122,7 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.metrics.latency import latency_summary
     from harness.opencompass.config_gen import write_config
     from harness.results import run_block, utc_now, write_json
-    from harness.run import resolve_model
+    from harness.models.load import resolve_model
     from harness.tracking import log_run, sweep_info
     from harness.validate import validate_config, validate_model
 

@@ -37,7 +37,7 @@ HISTOGRAMS = {"ttft_ms": "vllm:time_to_first_token_seconds", "tpot_ms": "vllm:re
 
 def vllm_python(cfg: Any) -> str:
     """The vLLM venv's interpreter (module doc); a clear error when it is missing."""
-    from harness.run import TechniqueNotAvailable
+    from harness.engines.base import TechniqueNotAvailable
 
     path = (cfg.opencompass.get("vllm_python") or os.environ.get("HARNESS_VLLM_PYTHON")
             or str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python"))

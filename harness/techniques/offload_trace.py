@@ -56,7 +56,7 @@ def record(overrides: list[str], out: str, progress: bool = True) -> tuple[Path,
     from harness.envinfo import collect_environment
     from harness.offload.trace import save_trace
     from harness.offload.trace_record import TraceRecorder
-    from harness.run import resolve_model
+    from harness.models.load import resolve_model
 
     cfg = compose([*overrides, "engine.name=hf", "engine.cuda_graphs=false"])
     if cfg.offload.policy is not None:

@@ -54,11 +54,19 @@ import logging
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from harness.models.load import load_model_for_calibration  # noqa: F401 (lives with the model loading)
+from harness.models.moe_blocks import (  # noqa: F401 (model-structure helpers, re-exported)
+    _LAYER_RE,
+    MoeBlockRef,
+    _is_moe_block,
+    find_moe_blocks,
+    model_fingerprint,
+)
 
 __all__ = [
     "ALGO_VERSION", "DEFAULT_TEXT_PATH", "MoeBlockRef", "calibration_sequences", "collect_moe_inputs",
@@ -77,64 +85,6 @@ DATA_SUFFIXES = (".txt", ".md", ".jsonl", ".json")
 logger = logging.getLogger("harness.sere_calibration")
 _META_KEY = "harness_sere"
 _GRAM_BUDGET_BYTES = 256 << 20  # per dense chunk: E x T x max(H, 2I) float64 values
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding the MoE blocks
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MoeBlockRef:
-    """One MoE block of a model: its decoder-layer index, module name and the module itself."""
-
-    layer: int
-    name: str
-    block: torch.nn.Module
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.block.experts.gate_up_proj.shape[0])
-
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def _is_moe_block(module: torch.nn.Module) -> bool:
-    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
-    w = getattr(experts, "gate_up_proj", None)
-    return isinstance(gate, torch.nn.Module) and isinstance(experts, torch.nn.Module) \
-        and isinstance(w, torch.Tensor) and w.dim() == 3
-
-
-def find_moe_blocks(model: torch.nn.Module) -> list[MoeBlockRef]:
-    """Every MoE block (``.gate`` + ``.experts`` with a 3-D ``gate_up_proj``), ordered by layer.
-
-    The key is the decoder-layer index from the module name (``model.language_model.layers.7.mlp`` -> 7);
-    when names carry no unique index, the blocks are numbered 0, 1, ... in module order.
-    """
-    found = [(name, m) for name, m in model.named_modules() if _is_moe_block(m)]
-    parsed = []
-    for name, _ in found:
-        hits = _LAYER_RE.findall(name)
-        parsed.append(int(hits[-1]) if hits else None)
-    if found and None not in parsed and len(set(parsed)) == len(parsed):
-        refs = [MoeBlockRef(i, n, m) for i, (n, m) in zip(parsed, found, strict=True)]
-    else:
-        refs = [MoeBlockRef(i, n, m) for i, (n, m) in enumerate(found)]
-    return sorted(refs, key=lambda r: r.layer)
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Identity of a MoE model's routing: sha256 over its MoE layer indices, expert-weight shapes and
-    router weights (upcast to float32, so a bf16 and an fp32 load of one checkpoint agree). Cheap
-    (routers are E x H) and different for any two differently-trained or differently-seeded models."""
-    h = hashlib.sha256()
-    for ref in find_moe_blocks(model):
-        ex = ref.block.experts
-        h.update(f"{ref.layer}:{tuple(ex.gate_up_proj.shape)}:{tuple(ex.down_proj.shape)};".encode())
-        w = getattr(ref.block.gate, "weight", None)
-        if isinstance(w, torch.Tensor) and w.device.type != "meta":
-            h.update(w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -539,20 +489,6 @@ def similarity_for(model: torch.nn.Module, tokenizer: Any, model_id: str, cache_
 # ---------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------
-def load_model_for_calibration(path: str, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer) for a local directory or hub id: image-text-to-text when the config has a
-    vision part, causal LM otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-
-    from harness.engines.hf import resolve_device, resolve_dtype
-
-    dev = resolve_device(device)
-    cfg = AutoConfig.from_pretrained(path)
-    cls = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=resolve_dtype(dtype, dev)).to(dev).eval()
-    return model, AutoTokenizer.from_pretrained(path)
-
-
 def add_common_args(parser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or hub id")
     parser.add_argument("--out", required=True, help="output .safetensors file")

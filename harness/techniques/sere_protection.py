@@ -284,7 +284,8 @@ def protection_for(model: torch.nn.Module, tokenizer: Any, model_id: str, simila
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from harness.techniques.sere_calibration import add_common_args, load_model_for_calibration, load_similarity
+    from harness.models.load import load_model_for_calibration
+    from harness.techniques.sere_calibration import add_common_args, load_similarity
 
     parser = argparse.ArgumentParser(prog="python -m harness.techniques.sere_protection",
                                      description="Rank experts by SERE re-routing damage; protect the top n.")

@@ -33,9 +33,9 @@ def case(t, e, k, kp, seed, with_live, with_prot, invalid):
 @pytest.fixture(autouse=True)
 def _auto_takes_the_kernel_under_the_interpreter(monkeypatch):
     """These tests check the kernel: "auto" takes it under the interpreter here (off by default on CPU)."""
-    import harness.engines.hf_sere as hf_sere
+    import harness.engines.hf_routing as hf_routing  # the hook mechanism SERE stands on reads the flag there
 
-    monkeypatch.setattr(hf_sere, "INTERPRETER_AUTO", True)
+    monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", True)
 
 
 def record(impl, kp, e, passes):
@@ -120,14 +120,14 @@ def test_auto_uses_the_kernel_for_decode_sized_passes_only(monkeypatch):
     """``stats_impl="auto"``: the kernel for decode batches; a pass above FUSED_MAX_TOKENS rows keeps the torch ops."""
     import harness.kernels.sere_stats as stats_mod
 
-    import harness.engines.hf_sere as hf_sere
+    import harness.engines.hf_routing as hf_routing
 
     monkeypatch.setattr(stats_mod, "FUSED_MAX_TOKENS", 8)
     handle = SereHandle(2, 0.4, "all", True, None)
     small_cpu = torch.zeros(8, 4, dtype=torch.long)
-    monkeypatch.setattr(hf_sere, "INTERPRETER_AUTO", False)
+    monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", False)
     assert not handle._fused_stats(small_cpu)             # CPU by default: the torch ops
-    monkeypatch.setattr(hf_sere, "INTERPRETER_AUTO", True)
+    monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", True)
     small = torch.zeros(8, 4, dtype=torch.long, device=DEVICE)
     large = torch.zeros(9, 4, dtype=torch.long, device=DEVICE)
     assert handle._fused_stats(small) and not handle._fused_stats(large)

@@ -126,7 +126,7 @@ def compare(out: dict[str, Any]) -> list[dict[str, Any]]:
 def _requests(dataset: str, limit: int) -> list:
     from hydra import compose, initialize_config_dir
 
-    from harness.cli import CONF_DIR
+    from harness.paths import CONF_DIR
     from harness.config import register_configs
     from harness.datasets import load_samples
     from harness.engines.base import Request
