@@ -180,11 +180,15 @@ class ScoringConfig:
     """Scoring options (the definitions are in ``harness.metrics``)."""
 
     rouge_variant: str = "reference"  # "reference" (jieba words minus stopwords, sets) | "rouge_score"
-    # Rouge-1 stopwords: "project" (harness/metrics/cn_stopwords.txt) | "none" | a file path (e.g. the
-    # reference's score/cn_stopwords.txt, for paper-exact Rouge-1)
-    stopwords: str = "project"
-    # CCBench/MCQ answer extraction: "vlmevalkit" (VLMEvalKit's exact rule, comparable) | "lenient"
+    # Rouge-1 stopwords: null or "public" (the public scorer's list, harness/metrics/cn_stopwords_public.txt) |
+    # "project" (harness/metrics/cn_stopwords.txt) | "none" | a file path (docs/scoring.md)
+    stopwords: Optional[str] = None
+    # CCBench/MCQ answer extraction: "vlmevalkit" (VLMEvalKit's current rule) | "vlmevalkit_2025" (its rule
+    # before 2025-08-04) | "lenient" (docs/scoring.md)
     mcq_extraction: str = "vlmevalkit"
+    # RAG-IGBench references citing an image outside the candidates: "score" (as the public scorer, counted
+    # in data_errors) | "error" (strict: scored 0, out of *_valid_only)
+    reference_faults: str = "score"
     clip_model: Optional[str] = None  # e.g. "ViT-L-14"; None = skip the CLIP score
     clip_pretrained: Optional[str] = None  # e.g. "openai" or a local checkpoint path
     embed_model: Optional[str] = None  # e.g. "TencentBAC/Conan-embedding-v1"; None = skip alignment

@@ -39,16 +39,20 @@ class Scorer:
 
     def __init__(self, scoring_cfg: Any):
         from harness.metrics.mcq import EXTRACTION_RULES
-        from harness.metrics.rag_igbench import resolve_stopwords
+        from harness.metrics.rag_igbench import REFERENCE_FAULT_CHOICES, resolve_stopwords
 
         self.cfg = scoring_cfg
         self._clip = self._embed = None
-        self.stopwords_choice = str(getattr(scoring_cfg, "stopwords", None) or "project")
+        self.stopwords_choice = str(getattr(scoring_cfg, "stopwords", None) or "public")
         self.stopwords = resolve_stopwords(self.stopwords_choice)  # a missing file fails here, not per sample
         self.mcq_extraction = str(getattr(scoring_cfg, "mcq_extraction", None) or "vlmevalkit")
         if self.mcq_extraction not in EXTRACTION_RULES:
             raise ValueError(f"scoring.mcq_extraction={self.mcq_extraction!r}: expected one of "
                              f"{', '.join(EXTRACTION_RULES)}")
+        self.reference_faults = str(getattr(scoring_cfg, "reference_faults", None) or "score")
+        if self.reference_faults not in REFERENCE_FAULT_CHOICES:
+            raise ValueError(f"scoring.reference_faults={self.reference_faults!r}: expected one of "
+                             f"{', '.join(REFERENCE_FAULT_CHOICES)}")
 
     @property
     def clip(self):
@@ -123,7 +127,34 @@ class Scorer:
                 "embed_model": embed_model, "embed_weights": embed_weights,
                 "allow_random_scorers": bool(getattr(self.cfg, "allow_random_scorers", False)),
                 "stopwords": self.stopwords_choice, "stopword_count": len(self.stopwords),
-                "mcq_extraction": self.mcq_extraction}
+                "mcq_extraction": self.mcq_extraction, **self.conformance()}
+
+    def conformance(self) -> dict[str, Any]:
+        """Which public rule, revision and population each score follows, and every departure from them by
+        its option name (``summary.json`` ``run.scoring``; docs/scoring.md has the table)."""
+        from harness.metrics import mcq
+        from harness.metrics import rag_igbench as rb
+
+        return {"mcq_extraction_source": mcq.RULE_SOURCES[self.mcq_extraction],
+                "reference_faults": self.reference_faults,
+                "rag_igbench_source": rb.PUBLIC_SCORER_REVISION,
+                "rag_igbench_population": ("public: samples the public scorer scores, reference faults included"
+                                           if self.reference_faults == "score" else
+                                           "strict: reference faults are errors (out of *_valid_only)"),
+                "departures": self.departures()}
+
+    def departures(self) -> list[str]:
+        """The options of this run that depart from the public definitions, as ``key=value`` (empty: none)."""
+        out = []
+        if self.mcq_extraction != "vlmevalkit":
+            out.append(f"scoring.mcq_extraction={self.mcq_extraction}")
+        if self.reference_faults != "score":
+            out.append(f"scoring.reference_faults={self.reference_faults}")
+        if self.stopwords_choice != "public":
+            out.append(f"scoring.stopwords={self.stopwords_choice}")
+        if str(getattr(self.cfg, "rouge_variant", "reference")) != "reference":
+            out.append(f"scoring.rouge_variant={self.cfg.rouge_variant}")
+        return out
 
     def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
         if sample.task == "rag_igbench":
@@ -139,6 +170,7 @@ class Scorer:
                 error=error,
                 rouge_variant=self.cfg.rouge_variant,
                 stopwords=self.stopwords,
+                reference_faults=self.reference_faults,
             )
         if sample.task == "ocrbench":
             from harness.metrics.ocrbench import score_one

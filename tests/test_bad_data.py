@@ -361,9 +361,10 @@ CASES: list[Case] = [
          RowFaults({"102": "wrong_type"}, 3, "item 0 must be a string"), "silent"),
     Case("rag-row-array", "a row that is a JSON array, not an object", lambda t: rag(t, lambda r: r.__setitem__(
         1, [1, 2, 3])), RowFaults({"line2": "not_an_object"}, 3, "not an object"), "stop"),
+    # a reference fault loads (issue 30): the scorer flags and scores it (scoring.reference_faults), see below
     Case("rag-reference-img7-of-2", "the reference answer places IMG#7, the row has 2 images",
          lambda t: rag(t, set_(2, "gt_clean_answer", "看图 ![图](IMG#7)")),
-         RowFaults({"103": "reference_image_out_of_range"}, 3, "IMG#7 but the row has 2 candidate images"), "silent"),
+         RowFaults({}, 3, check=lambda samples: _reference_fault_loads(samples)), "silent"),
     Case("rag-no-reference", "neither gt_clean_answer nor gt_answer", lambda t: rag(t, delete(0, "gt_clean_answer")),
          RowFaults({"101": "missing_field"}, 3, "neither 'gt_clean_answer' nor 'gt_answer'"), "stop"),
     Case("rag-reference-number", "gt_clean_answer given as a number", lambda t: rag(t, set_(0, "gt_clean_answer", 5)),
@@ -450,6 +451,12 @@ def _missing_image_check(samples):
 CASES[[c.id for c in CASES].index("rag-missing-image-file")].expect.check = _missing_image_check
 
 
+def _reference_fault_loads(samples):
+    """The row with a reference citing IMG#7 of 2 loads as it is: the scorer judges it, not the loader."""
+    s = {x.uid: x for x in samples}["103"]
+    assert s.error is None and s.content and s.reference == {"answer": "看图 ![图](IMG#7)", "n_candidates": 2}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_defective_file(case: Case, tmp_path):
     cfg, faulty = case.build(tmp_path)
@@ -490,7 +497,7 @@ def test_corpus_is_large_and_covers_every_loader():
     assert {c.id.split("-")[0] for c in files} == {c.id.split("-")[0] for c in rows} == {"rag", "ocr", "cc", "mix"}
     from harness.datasets.faults import REASONS
 
-    used = {r for c in rows for r in c.expect.bad.values()} | {"image_missing"}
+    used = {r for c in rows for r in c.expect.bad.values()} | {"image_missing", "reference_image_out_of_range"}
     assert used <= set(REASONS) and len(used) >= 15
 
 
@@ -498,15 +505,21 @@ def test_corpus_is_large_and_covers_every_loader():
 
 
 def test_a_reference_citing_img7_of_2_is_the_datas_fault_not_the_models():
-    """A model that copies a defective reference is never charged with ``hallucinated_image``."""
+    """Strict (``reference_faults="error"``): a model that copies a defective reference is never charged with
+    ``hallucinated_image``. Default (``score``, the public scorer's treatment): the sample is flagged and
+    judged as the public scorer judges it — the copy places IMG#7 of 2, a hallucination there."""
     from harness.metrics import rag_igbench as rb
 
     ref = "看图 ![图](IMG#7)"
-    s = rb.score_sample(json.dumps({"answer": ref}, ensure_ascii=False), ref, n_candidates=2)
+    copy = json.dumps({"answer": ref}, ensure_ascii=False)
+    s = rb.score_sample(copy, ref, n_candidates=2, reference_faults="error")
     assert s["reference_fault"] is True and s["hallucinated_image"] is False
     assert "reference" in s["reason"] and s["rouge1"] == 0.0
     m = rb.aggregate([s, rb.score_sample(json.dumps({"answer": "![x](IMG#3)"}), "![y](IMG#1)", n_candidates=2)])
     assert m["hallucinated_image"] == 1 and m["reference_faults"] == 1 and m["errors"] == 1
+    d = rb.score_sample(copy, ref, n_candidates=2)
+    assert d["reference_fault"] is True and d["error"] is None and "IMG#7" in d["reference_fault_reason"]
+    assert d["hallucinated_image"] is True and rb.aggregate([d])["reference_faults"] == 1
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -585,18 +598,37 @@ def test_rag_run_scores_good_rows_and_counts_data_errors_by_reason(tmp_path, mon
     assert m["data_errors"] == {"total": 6, "by_reason": {
         "documents_images_mismatch": 1, "image_missing": 1, "missing_field": 2, "reference_image_out_of_range": 1,
         "wrong_type": 1}}
-    assert m["hallucinated_image"] == 0 and m["errors"] == 7
+    # 204 (reference IMG#7 of 2) is generated and scored as the public scorer does (scoring.reference_faults=score,
+    # the default): the scripted copy places IMG#7 of 2, a hallucination there; counted in data_errors by its
+    # reference fault all the same
+    assert m["hallucinated_image"] == 1 and m["errors"] == 6 and m["reference_faults"] == 1
     assert m["rouge1"] == pytest.approx(1 / 8) and m["rouge1_valid_only"] == pytest.approx(1.0)
     recs = read_samples(tmp_path)
     assert recs["101"]["error"] is None and recs["101"]["error_kind"] is None
     assert recs["102"]["error_kind"] == "engine" and recs["102"]["error_reason"] is None
     assert recs["103"]["error_kind"] == "data" and recs["103"]["error_reason"] == "image_missing"
     for uid, reason in (("200", "missing_field"), ("201", "wrong_type"), ("202", "documents_images_mismatch"),
-                        ("203", "missing_field"), ("204", "reference_image_out_of_range")):
+                        ("203", "missing_field")):
         rec = recs[uid]
         assert rec["error_kind"] == "data" and rec["error_reason"] == reason, rec
         assert "data.jsonl:" in rec["error"] and rec["scores"]["rouge1"] == 0.0 and rec["prompt_tokens"] is None
         assert rec["scores"]["hallucinated_image"] is False
+    rec = recs["204"]
+    assert rec["error"] is None and rec["prompt_tokens"] is not None and rec["scores"]["reference_fault"] is True
+    assert "IMG#7" in rec["scores"]["reference_fault_reason"] and rec["scores"]["hallucinated_image"] is True
+    assert summary["run"]["scoring"]["reference_faults"] == "score"
+
+    # the strict treatment: the same sample is an error, never the model's hallucination
+    shutil.rmtree(tmp_path / "run")
+    summary = run_scripted(tmp_path, monkeypatch, [f"dataset.path={path}", "dataset.image_root=null",
+                                                   "scoring.reference_faults=error"], answers, fail={"102"})
+    m = summary["metrics"]
+    assert m["n_scored"] == 1 and m["hallucinated_image"] == 0 and m["errors"] == 7 and m["reference_faults"] == 1
+    assert m["data_errors"]["by_reason"]["reference_image_out_of_range"] == 1 and m["data_errors"]["total"] == 6
+    rec = read_samples(tmp_path)["204"]
+    assert rec["scores"]["reference_fault"] is True and rec["scores"]["hallucinated_image"] is False
+    assert rec["scores"]["error"].startswith("reference_fault") and rec["scores"]["rouge1"] == 0.0
+    assert summary["run"]["scoring"]["departures"] == ["scoring.reference_faults=error"]
 
 
 def test_ocrbench_and_ccbench_runs_score_good_rows_and_count_data_errors(tmp_path, monkeypatch):

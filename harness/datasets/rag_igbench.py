@@ -37,7 +37,6 @@ from harness.datasets.faults import (
     string_items,
     text_field,
 )
-from harness.metrics.rag_igbench import image_ids  # the scorer's reading of IMG#k (standard library only)
 
 PROMPTS = Path(__file__).parent / "prompts"
 _IMG_TAG = re.compile(r"<img>(.*?)</img>", re.DOTALL)
@@ -117,9 +116,10 @@ def row_to_sample(row: Any, image_root: Path, language: str, dataset: str) -> Sa
 
     ``documents`` a list of strings, ``images`` a list of image lists aligned with it (one per note: a note
     without images has ``[]``), ``query`` and the reference answer non-empty strings, ``id`` an integer or a
-    string, every image a URL or a path inside the image root, and every ``IMG#k`` of the reference inside
-    1..candidates (else the reference could never be matched, and a model copying it would be flagged for
-    the data's mistake)."""
+    string, every image a URL or a path inside the image root. A reference that places an ``IMG#k`` outside
+    1..candidates is *not* refused here: the scorer flags it (``reference_fault``, counted in
+    ``metrics.data_errors``) and scores it as the public scorer does or, with
+    ``scoring.reference_faults=error``, as an error (``harness.metrics.rag_igbench.score_sample``)."""
     if not isinstance(row, dict):
         raise RowFault("not_an_object", f"row is a JSON {type(row).__name__ if row is not None else 'null'}, "
                                         "not an object")
@@ -136,11 +136,6 @@ def row_to_sample(row: Any, image_root: Path, language: str, dataset: str) -> Sa
     if row.get("split") is not None:
         text_field(row, "split")
     n_candidates = sum(len(n) for n in refs)
-    outside = [k for k in image_ids(answer) if not 1 <= k <= n_candidates]  # the scorer's own reading
-    if outside:
-        raise RowFault("reference_image_out_of_range",
-                       f"the reference answer places IMG#{outside[0]} but the row has {n_candidates} candidate "
-                       "images (a fault of the reference, not of any model)")
     images = [_image_input(ref, image_root) for note in refs for ref in note]
     return Sample(
         uid=uid,

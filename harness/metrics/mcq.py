@@ -1,27 +1,50 @@
 """Multiple-choice scoring for the MMBench family (CCBench): rule-based choice extraction, circular accuracy.
 
-Two extraction rules (``scoring.mcq_extraction``, :func:`extract`); both return None rather than guess, and
+Three extraction rules (``scoring.mcq_extraction``, :func:`extract`); each returns None rather than guess, and
 an LLM judge (which VLMEvalKit can add after its rules fail) is off:
 
-* ``vlmevalkit`` (default, so that accuracies compare with VLMEvalKit's CCBench numbers) —
-  :func:`extract_choice_vlmevalkit`, VLMEvalKit's exact-matching rule (its ``can_infer``: option letters
-  first, option texts second, then "failed"), re-implemented from its definition:
+* ``vlmevalkit`` (default, so that accuracies compare with VLMEvalKit's current CCBench numbers) —
+  :func:`extract_choice_vlmevalkit`, VLMEvalKit's exact-matching rule (``can_infer`` in
+  ``vlmeval/utils/matching_util.py``) as it stands at :data:`VLMEVALKIT_REVISION` (open-compass/VLMEvalKit
+  commit 2cf2a36c6e79, 2026-06-25, the newest change of that file; the rule itself was last changed by
+  a67ace50033b, 2026-06-17, and c3371551bb84, 2025-08-04), written here from its definition. Two stages;
+  the second runs only when the first infers nothing:
 
-  1. a refusal phrase anywhere in the answer ("Sorry, I can't help with images of people yet.", "I can't
+  *Option letters.*
+
+  1. an answer containing "Failed to obtain answer via API" (an API client's failure sentinel) skips this
+     stage (the option-text stage still runs);
+  2. a refusal phrase anywhere in the answer ("Sorry, I can't help with images of people yet.", "I can't
      process this file.", "I'm sorry, but without the image provided", "Cannot determine the answer") →
-     no answer;
-  2. the characters ``. ( ) [ ] , : ; ! * # { }`` become spaces and the text is split at whitespace; if
-     exactly one option letter occurs as a whole token (case-sensitive: ``b`` is not ``B``) → that letter
-     (so "A cat sits on B" gives nothing, but "A cat" gives A: VLMEvalKit's own quirk, kept); no letter but
-     a token ``Z`` → no answer;
-  3. otherwise, the options whose text (lower-cased) is a substring of the lower-cased answer: exactly one →
-     it;
-  4. otherwise no answer (VLMEvalKit's ``Z``, "failed in prefetch" without a judge).
+     no answer, and the text stage does not run (VLMEvalKit's ``Z``);
+  3. the characters ``. ( ) [ ] , : ; ! * # { }`` become spaces and the text is split at whitespace into
+     tokens. If exactly one option letter occurs as a whole token (case-sensitive: ``b`` is not ``B``), it is
+     the answer only when its first occurrence is **among the last 4 tokens** ("B is right because …" gives
+     nothing here). If no option letter occurs but a token ``Z`` does → no answer, text stage skipped;
+  4. otherwise (no letter, several letters, or the lone letter too early): the first
+     ``answer is X`` (case-insensitive, also ``correct answer is``; whitespace between the words; X one of
+     ``A``–``D`` in either case, optionally wrapped in ``*``; nothing is required after X, so "the answer is
+     Beijing" reads B) whose upper-cased X is an option → X.
 
-  No Unicode normalisation: a full-width ``Ｂ`` or ``答案是B`` (no space) is not read as B.
+  *Option texts.* If the answer (lower-cased) is **longer than twice the options' total text length**
+  (the options' texts as given, summed) → no answer. Otherwise the options whose lower-cased text is a
+  substring of the lower-cased answer: exactly one → it; else no answer (VLMEvalKit's "failed in
+  prefetch" without a judge).
+
+  Options are the letters with a non-missing text (None / NaN are not options; an empty text is, as in
+  VLMEvalKit). VLMEvalKit's ``VERBOSE`` environment switch (which, when set, refuses a lone letter if the
+  token ``A`` occurs among more than 3 tokens) is not reproduced: it is off by default there.
+* ``vlmevalkit_2025`` — :func:`extract_choice_vlmevalkit_2025`, the rule this project implemented before
+  (VLMEvalKit before 2025-08-04, e.g. at aca64dbb3113, 2025-04-08), kept for comparison with older published
+  numbers: the same as above without the length guard, without the last-4-tokens condition (any lone
+  letter counts: "A cat" gives A), without the ``answer is X`` pattern, and without the API-failure skip
+  (which VLMEvalKit already had then: an answer containing that sentence is read like any other here).
 * ``lenient`` — :func:`extract_choice`, this project's rules for free-form Chinese/English answers, below
   (reads ``答案是B``, ``（Ｂ）``, ``选B``; ignores English "A"/"I" words). It answers more questions than
   VLMEvalKit's rule would, so its accuracy is not comparable with published VLMEvalKit figures.
+
+No Unicode normalisation in the two VLMEvalKit rules: a full-width ``Ｂ``, ``答案是B`` or ``答案：B`` (a full-width
+colon is not a separator there) gives no letter.
 
 **Lenient extraction** (:func:`extract_choice`). The text is NFKC-normalised first (full-width ``Ｂ``, ``（Ｂ）``,
 ``：`` become ``B``, ``(B)``, ``:``) and markdown emphasis is dropped. Rules, first that decides wins:
@@ -113,7 +136,20 @@ def extract_choice(prediction: str | None, options: Mapping[str, Any]) -> str | 
     return found[0] if len(found) == 1 else None
 
 
-EXTRACTION_RULES = ("vlmevalkit", "lenient")
+EXTRACTION_RULES = ("vlmevalkit", "vlmevalkit_2025", "lenient")
+#: The public revision that ``vlmevalkit`` reproduces (recorded in ``summary.json`` ``run.scoring``).
+VLMEVALKIT_REVISION = {
+    "repo": "open-compass/VLMEvalKit", "path": "vlmeval/utils/matching_util.py", "function": "can_infer",
+    "commit": "2cf2a36c6e79b51faf676a7011b3a0f5b579814d", "date": "2026-06-25",
+}
+#: The public revision that ``vlmevalkit_2025`` follows (the rule before 2025-08-04), bar the API-failure skip.
+VLMEVALKIT_2025_REVISION = {
+    "repo": "open-compass/VLMEvalKit", "path": "vlmeval/utils/matching_util.py", "function": "can_infer",
+    "commit": "aca64dbb3113ebf09683e379c65fb8b5107cba3f", "date": "2025-04-08",
+    "departs": "no 'Failed to obtain answer via API' skip",
+}
+RULE_SOURCES = {"vlmevalkit": VLMEVALKIT_REVISION, "vlmevalkit_2025": VLMEVALKIT_2025_REVISION, "lenient": None}
+
 _VLMEVAL_SEPARATORS = ".()[],:;!*#{}"
 _VLMEVAL_REFUSALS = (
     "Sorry, I can't help with images of people yet.",
@@ -121,42 +157,94 @@ _VLMEVAL_REFUSALS = (
     "I'm sorry, but without the image provided",
     "Cannot determine the answer",
 )
+_VLMEVAL_API_FAILURE = "Failed to obtain answer via API"
+_VLMEVAL_LAST_TOKENS = 4
+# "answer is X" / "correct answer is **X**", any case; X in A-D of either case
+_VLMEVAL_ANSWER_IS = re.compile(r"answer\s+is\s+\**([A-Da-d])", re.I)
+
+_NO_ANSWER = "Z"  # VLMEvalKit's "no answer" letter: stops the search, read as None
 
 
 def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def extract_choice_vlmevalkit(prediction: str | None, options: Mapping[str, Any]) -> str | None:
-    """VLMEvalKit's exact-matching choice extraction (module docstring), or None where it infers nothing
-    (its ``False`` / ``Z``). ``options`` maps letters to option texts; a missing (None / NaN) text is not an
-    option, as VLMEvalKit builds its choices from the non-NaN option columns."""
-    if not isinstance(prediction, str):
-        return None
-    choices = {str(k).strip(): str(v) for k, v in options.items()
-               if len(str(k).strip()) == 1 and str(k).strip().isupper() and not _is_missing(v)}
-    if not choices:
-        return None
-    if any(phrase in prediction for phrase in _VLMEVAL_REFUSALS):
-        return None
+def _vlmeval_choices(options: Mapping[str, Any]) -> dict[str, str]:
+    """Option letter → text, letters A-Z in alphabetical order, missing (None / NaN) texts left out."""
+    given = {str(k).strip(): v for k, v in options.items()}
+    return {c: str(given[c]) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c in given and not _is_missing(given[c])}
+
+
+def _vlmeval_tokens(prediction: str) -> list[str]:
     text = prediction
     for ch in _VLMEVAL_SEPARATORS:
         text = text.replace(ch, " ")
-    tokens = set(text.split())
+    return text.split()
+
+
+def _vlmeval_letter(prediction: str, choices: Mapping[str, str], current: bool) -> str | None:
+    """The option-letter stage: a letter, ``Z`` (no answer, stop) or None (go on to the option texts)."""
+    if current and _VLMEVAL_API_FAILURE in prediction:
+        return None
+    if any(phrase in prediction for phrase in _VLMEVAL_REFUSALS):
+        return _NO_ANSWER
+    tokens = _vlmeval_tokens(prediction)
     letters = [c for c in choices if c in tokens]
     if len(letters) == 1:
-        return letters[0]
-    if not letters and "Z" in tokens:
-        return None
+        first = tokens.index(letters[0])
+        if not current or first >= len(tokens) - _VLMEVAL_LAST_TOKENS:
+            return letters[0]
+    elif not letters and "Z" in tokens:
+        return _NO_ANSWER
+    if current:
+        m = _VLMEVAL_ANSWER_IS.search(prediction)
+        if m and m.group(1).upper() in choices:
+            return m.group(1).upper()
+    return None
+
+
+def _vlmeval_text(prediction: str, choices: Mapping[str, str], current: bool) -> str | None:
+    """The option-text stage: the one option whose text the answer contains (case-insensitive)."""
     folded = prediction.lower()
+    if current and len(folded) > 2 * sum(len(v) for v in choices.values()):
+        return None
     found = [c for c, v in choices.items() if v.lower() in folded]
     return found[0] if len(found) == 1 else None
 
 
+def _vlmeval_extract(prediction: Any, options: Mapping[str, Any], current: bool) -> str | None:
+    if not isinstance(prediction, str):
+        return None
+    choices = _vlmeval_choices(options)
+    if not choices:
+        return None
+    letter = _vlmeval_letter(prediction, choices, current)
+    if letter is not None:
+        return None if letter == _NO_ANSWER else letter
+    return _vlmeval_text(prediction, choices, current)
+
+
+def extract_choice_vlmevalkit(prediction: str | None, options: Mapping[str, Any]) -> str | None:
+    """VLMEvalKit's current exact-matching choice extraction (module docstring, :data:`VLMEVALKIT_REVISION`),
+    or None where it infers nothing (its ``False`` / ``Z``). ``options`` maps letters to option texts; a
+    missing (None / NaN) text is not an option, as VLMEvalKit builds its choices from the non-NaN option
+    columns."""
+    return _vlmeval_extract(prediction, options, current=True)
+
+
+def extract_choice_vlmevalkit_2025(prediction: str | None, options: Mapping[str, Any]) -> str | None:
+    """The pre-August-2025 VLMEvalKit rule as this project implemented it (module docstring): a lone option
+    letter anywhere, then option texts without a length guard."""
+    return _vlmeval_extract(prediction, options, current=False)
+
+
 def extract(prediction: str | None, options: Mapping[str, Any], rule: str = "vlmevalkit") -> str | None:
-    """The option letter by ``rule`` (``scoring.mcq_extraction``): ``vlmevalkit`` or ``lenient``."""
+    """The option letter by ``rule`` (``scoring.mcq_extraction``): ``vlmevalkit``, ``vlmevalkit_2025`` or
+    ``lenient``."""
     if rule == "vlmevalkit":
         return extract_choice_vlmevalkit(prediction, options)
+    if rule == "vlmevalkit_2025":
+        return extract_choice_vlmevalkit_2025(prediction, options)
     if rule == "lenient":
         return extract_choice(prediction, options)
     raise ValueError(f"scoring.mcq_extraction={rule!r}: expected one of {', '.join(EXTRACTION_RULES)}")

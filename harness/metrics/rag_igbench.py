@@ -22,9 +22,14 @@ Where this module deliberately differs from the public scorer, and why:
   are flagged (``format_invalid``, ``hallucinated_image``, ``error``), score 0 on every metric and count in the
   main means; the ``*_valid_only`` means (over scored samples only) are the public scorer's convention.
   ``IMG#0`` is also a hallucination here (the public scorer reads it as the last candidate through index -1).
-  ``hallucinated_image`` is for the *model's* answer only: a reference that places an image outside the
-  candidates is the data's fault (``reference_fault``, counted as an error and in ``reference_faults``), so a
-  model that copies such a reference is never charged with a hallucination.
+* **Reference faults** (a reference that places an image k < 1 or k > N: the data's fault) are a named option,
+  ``reference_faults`` (``scoring.reference_faults``). ``score`` (default) scores the sample as the public
+  scorer does — the reference's image list as written, the model's answer judged by the usual rules (a model
+  that copies an out-of-range image is a ``hallucinated_image`` there, as in the public scorer) — and flags
+  it ``reference_fault`` (counted in ``reference_faults`` and ``summary.json`` ``metrics.data_errors``), so the
+  ``*_valid_only`` means keep the public population. ``error`` (strict) makes it an error scored 0 before the
+  model's answer is read: it leaves ``*_valid_only``, and a model that copies it is never charged with a
+  hallucination.
 * **Reference text** is whatever the caller passes: the current data has ``gt_clean_answer``; the public scorer
   reads ``gt_answer`` (the field of older releases).
 * **Edge cases on which the public scorer raises** (and the sample vanishes) get a defined value: both image
@@ -35,7 +40,8 @@ Where this module deliberately differs from the public scorer, and why:
   around the object, several code fences) and keeps the answer text as written: the public ``fix_json`` turns
   newlines into ``<br>`` and inner ``"`` into ``'`` in the model answer only, which lengthens the model's
   context windows and adds ``br`` to its Rouge words but not to the reference's.
-* **Stopwords**: see :data:`DEFAULT_STOPWORDS`. **Rouge F1** is exact ``2|A∩B|/(|A|+|B|)``; the ``rouge``
+* **Stopwords**: the public list by default (:data:`PUBLIC_STOPWORDS`); the project's list is an option
+  (:data:`PROJECT_STOPWORDS`). **Rouge F1** is exact ``2|A∩B|/(|A|+|B|)``; the ``rouge``
   package used by the reference adds 1e-8 to the denominator of ``2PR/(P+R)`` (difference < 1e-8).
 
 Only the standard library is imported at module level; jieba, rapidfuzz, rouge_score, scipy, numpy and the
@@ -69,30 +75,47 @@ CLIP_TEXT_CHARS = 25
 #: Kendall scaling weight (reference: ``beta = 0.5``).
 BETA = 0.5
 
-#: The Chinese stopword list shipped beside this module, written for this project: ASCII and full-width
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: The public scorer's stopword list, ``score/cn_stopwords.txt`` of zry13/RAG-IGBench, byte for byte
+#: (Apache-2.0; NOTICE_cn_stopwords_public.txt): 752 distinct lines (the common ``cn_stopwords.txt`` list plus a few
+#: punctuation lines, a space and the two characters ``\n``), read as the public scorer reads it
+#: — ``set(text.splitlines())``, every line verbatim. The default, so Rouge-1 is the public Rouge-1.
+PUBLIC_STOPWORDS = os.path.join(_HERE, "cn_stopwords_public.txt")
+#: The revision of the public list (and of ``score/eval.py``) shipped and reproduced here.
+PUBLIC_SCORER_REVISION = {
+    "repo": "zry13/RAG-IGBench", "commit": "8a43b3d33c7d291f73590e2a0ed54b9e584e2980", "date": "2025-06-12",
+    "eval_py_last_changed": "9da0b6b3758d889ed4a4edbe70fc5905ec630d4b (2025-02-24)",
+    "stopwords_last_changed": "ede777ee3bf799b76c4999f4dd1aeced595b6a15 (2025-02-21)",
+    "stopwords_sha256": "066b0dd235fa7b413bc89b3d06402fb6ead081b13e7644a156e450b464ce1eb9",
+}
+#: The project's own list (``scoring.stopwords=project``), written for this project: ASCII and full-width
 #: punctuation, digits, pronouns, demonstratives, question words, particles, conjunctions, prepositions,
-#: adverbs and light verbs (448 entries; lines starting with ``"# "`` are comments). The reference uses its
-#: own ``score/cn_stopwords.txt`` (the widely used ~750-entry ``cn_stopwords.txt`` list plus a few punctuation
-#: lines), which is not redistributed here, so Rouge-1 can differ slightly from the paper's. For exact parity
-#: pass ``stopwords=<path to that file>`` (read the same way: one word per line, kept verbatim).
-DEFAULT_STOPWORDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cn_stopwords.txt")
-#: ``scoring.stopwords`` values besides a file path: ``project`` = :data:`DEFAULT_STOPWORDS`, ``none`` = no
-#: stopword is removed.
-STOPWORD_CHOICES = ("project", "none")
+#: adverbs and light verbs (448 entries; lines starting with ``"# "`` are comments). Rouge-1 with it departs
+#: from the public figure (different words removed).
+PROJECT_STOPWORDS = os.path.join(_HERE, "cn_stopwords.txt")
+#: The list used when none is named.
+DEFAULT_STOPWORDS = PUBLIC_STOPWORDS
+#: ``scoring.stopwords`` values besides a file path: ``public`` = :data:`PUBLIC_STOPWORDS` (default),
+#: ``project`` = :data:`PROJECT_STOPWORDS`, ``none`` = no stopword is removed.
+STOPWORD_CHOICES = ("public", "project", "none")
+#: ``scoring.reference_faults``: ``score`` (the public scorer's treatment, default) | ``error`` (strict).
+REFERENCE_FAULT_CHOICES = ("score", "error")
 
 
 def resolve_stopwords(choice: str | os.PathLike | None) -> frozenset[str]:
-    """The stopword set of ``scoring.stopwords``: ``project`` (or None) = the list shipped here, ``none`` = the
-    empty set, anything else = a file path (UTF-8, one word per line, e.g. the reference's
-    ``score/cn_stopwords.txt`` for paper-exact Rouge-1). A missing file raises ``FileNotFoundError``."""
-    if choice is None or str(choice) == "project":
-        return load_stopwords(DEFAULT_STOPWORDS)
+    """The stopword set of ``scoring.stopwords``: ``public`` (or None) = the public scorer's list,
+    ``project`` = the project's list, ``none`` = the empty set, anything else = a file path (UTF-8, one word
+    per line). A missing file raises ``FileNotFoundError``."""
+    if choice is None or str(choice) == "public":
+        return load_stopwords(PUBLIC_STOPWORDS)
+    if str(choice) == "project":
+        return load_stopwords(PROJECT_STOPWORDS)
     if str(choice) == "none":
         return frozenset()
     path = os.fspath(choice)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"scoring.stopwords={path!r}: no such file (expected project, none or the path "
-                                "of a stopword list, one word per line)")
+        raise FileNotFoundError(f"scoring.stopwords={path!r}: no such file (expected public, project, none or "
+                                "the path of a stopword list, one word per line)")
     return load_stopwords(path)
 
 
@@ -278,11 +301,16 @@ def _jieba():
 @functools.lru_cache(maxsize=8)
 def _read_stopwords(path: str) -> frozenset[str]:
     with open(path, encoding="utf-8") as f:
-        return frozenset(w for w in f.read().splitlines() if not w.startswith("# "))
+        lines = f.read().splitlines()
+    if os.path.abspath(path) == PUBLIC_STOPWORDS:  # verbatim, as the public scorer reads it
+        return frozenset(lines)
+    return frozenset(w for w in lines if not w.startswith("# "))
 
 
 def load_stopwords(stopwords: str | os.PathLike | Collection[str] | None = None) -> frozenset[str]:
-    """A stopword set from a file (one word per line, read once) or a collection; None = the default file."""
+    """A stopword set from a file (one word per line, read once; lines starting with ``"# "`` are comments,
+    except in the public list, read verbatim) or a collection; None = :data:`DEFAULT_STOPWORDS` (the public
+    list)."""
     if stopwords is None or isinstance(stopwords, (str, os.PathLike)):
         return _read_stopwords(os.fspath(stopwords or DEFAULT_STOPWORDS))
     return frozenset(stopwords)
@@ -509,7 +537,8 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
                  candidate_images: Sequence[Any] | Callable[[int], Any] | None = None, clip: Any = None,
                  embed: Any = None, error: str | None = None, beta: float = BETA,
                  kendall_variant: str = "reference", rouge_variant: str = "reference",
-                 stopwords: str | os.PathLike | Collection[str] | None = None) -> dict[str, Any]:
+                 stopwords: str | os.PathLike | Collection[str] | None = None,
+                 reference_faults: str = "score") -> dict[str, Any]:
     """Every per-sample score and flag of one RAG-IGBench answer, as a flat dict.
 
     ``raw_answer`` is the model's raw output, ``gt_clean_answer`` the reference markdown, ``n_candidates`` the
@@ -521,31 +550,39 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
     ``hallucinated_image`` (bool); ``error`` and ``reason`` (str or None); ``pred_image_ids``,
     ``ref_image_ids``, ``n_candidates``, ``reference_fault`` (bool). A sample is scored 0 on every computed
     metric, with a ``reason``, when: ``error`` is given (e.g. the engine failed) or ``raw_answer`` is None →
-    ``error``; the *reference* places an image k < 1 or k > N → ``reference_fault`` and ``error`` (a fault of
-    the data, checked before the model's answer, so it is never the model's ``hallucinated_image``); the answer
+    ``error``; with ``reference_faults="error"``, the *reference* places an image k < 1 or k > N →
+    ``reference_fault`` and ``error`` (a fault of the data, checked before the model's answer, so it is never
+    the model's ``hallucinated_image``); with ``reference_faults="score"`` (default, the public scorer's
+    treatment) such a sample is flagged ``reference_fault`` (``reference_fault_reason`` says why) and scored
+    by the rules below with the reference as written; the answer
     cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k < 1 or k > N →
     ``hallucinated_image``; an image is missing or an encoder raises → ``error``. Never raises for bad data.
     """
     if clip is not None and candidate_images is None:
         raise ValueError("a CLIP scorer needs candidate_images")
+    if reference_faults not in REFERENCE_FAULT_CHOICES:
+        raise ValueError(f"scoring.reference_faults={reference_faults!r}: expected one of "
+                         f"{', '.join(REFERENCE_FAULT_CHOICES)}")
     ref = gt_clean_answer if isinstance(gt_clean_answer, str) else ""
     out: dict[str, Any] = {
         "rouge1": 0.0, "edit_score": 0.0, "kendall": 0.0,
         "alignment": 0.0 if embed is not None else None, "clip_score": 0.0 if clip is not None else None,
-        "format_invalid": False, "hallucinated_image": False, "reference_fault": False, "error": None,
-        "reason": None,
+        "format_invalid": False, "hallucinated_image": False, "reference_fault": False,
+        "reference_fault_reason": None, "error": None, "reason": None,
         "pred_image_ids": [], "ref_image_ids": image_ids(ref), "n_candidates": n_candidates,
     }
     if error is not None or raw_answer is None:
         out["error"] = out["reason"] = str(error) if error is not None else "no model answer"
         return out
     ref_bad = [k for k in out["ref_image_ids"] if k < 1 or (n_candidates is not None and k > n_candidates)]
-    if ref_bad:  # the data's fault: never the model's hallucination, whatever the model answered
+    if ref_bad:  # the data's fault
         out["reference_fault"] = True
         upper = n_candidates if n_candidates is not None else "N"
-        out["error"] = out["reason"] = (f"reference_fault: the reference answer places IMG#{ref_bad[0]} outside "
-                                        f"1..{upper}")
-        return out
+        out["reference_fault_reason"] = (f"reference_fault: the reference answer places IMG#{ref_bad[0]} outside "
+                                         f"1..{upper}")
+        if reference_faults == "error":  # strict: never the model's hallucination, whatever the model answered
+            out["error"] = out["reason"] = out["reference_fault_reason"]
+            return out
     answer = parse_answer(raw_answer)
     if answer is None:
         out["format_invalid"] = True
@@ -613,8 +650,9 @@ def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     the public scorer's defective printed formula on this module's sample set (its arithmetic, not its number). Counts: ``n_samples``,
     ``n_scored``, ``format_invalid``, ``hallucinated_image`` (model answers only), ``errors`` (each sample in
     one class, first of error > format_invalid > hallucinated_image) and their ``*_rate``s;
-    ``reference_faults`` (samples whose reference is defective, also in ``errors``). Empty input → counts 0,
-    means None.
+    ``reference_faults`` (samples whose reference is defective: in ``errors`` under
+    ``scoring.reference_faults=error``, scored under ``score``) and ``reference_faults_scored`` (those of them in
+    ``n_scored``). Empty input → counts 0, means None.
     """
     samples = list(per_sample)
     status = [_status(s) for s in samples]
@@ -635,6 +673,7 @@ def aggregate(per_sample: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         out[m] = total / n if n else None
         out[f"{m}_valid_only"] = total / len(scored) if scored else None
     out["reference_faults"] = sum(1 for s in samples if s.get("reference_fault"))
+    out["reference_faults_scored"] = sum(1 for s in scored if s.get("reference_fault"))
     if incomplete:
         out["incomplete"] = incomplete
     if all(m in out for m in METRICS):

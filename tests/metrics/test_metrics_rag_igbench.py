@@ -107,8 +107,12 @@ def test_rouge1_mixed_and_full_width():
     # mixed Chinese/English: English words are words, case kept, "." splits like the rouge package
     assert rb.words("使用 Python 3.5 版本") == ["使用", "Python", "3", "5", "版本"]
     assert rb.words("我用Python写代码") == ["我用", "Python", "写", "代码"]
-    assert rb.words("Python 很好用") == ["Python", "好"] and rb.words("python 很好用") == ["python", "好"]
-    assert rb.rouge1("Python 很好用", "python 很好用") == pytest.approx(2 * 1 / (2 + 2))  # only 好 shared
+    # the public list (the default) removes 好 too; the project's list keeps it
+    assert rb.words("Python 很好用") == ["Python"] and rb.words("python 很好用") == ["python"]
+    assert rb.rouge1("Python 很好用", "python 很好用") == 0.0  # case kept: nothing shared
+    project = rb.PROJECT_STOPWORDS
+    assert rb.words("Python 很好用", project) == ["Python", "好"] and rb.words("python 很好用", project) == ["python", "好"]
+    assert rb.rouge1("Python 很好用", "python 很好用", stopwords=project) == pytest.approx(2 * 1 / (2 + 2))  # only 好
     # full-width characters are not folded (as in the reference): Ａ ≠ A
     assert rb.rouge1("ＡＢＣ", "ABC") == 0.0
 

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_resolve_choices(tmp_path):
-    assert rb.resolve_stopwords("project") == rb.resolve_stopwords(None) == rb.load_stopwords()
+    assert rb.resolve_stopwords("public") == rb.resolve_stopwords(None) == rb.load_stopwords()  # the default
+    assert rb.resolve_stopwords("project") == rb.load_stopwords(rb.PROJECT_STOPWORDS) != rb.load_stopwords()
     assert len(rb.resolve_stopwords("project")) > 100
     assert rb.resolve_stopwords("none") == frozenset()
     path = tmp_path / "stop.txt"
@@ -52,12 +53,14 @@ def test_scorer_passes_and_records_the_choice(tmp_path):
                     reference={"answer": "你的北京很大", "n_candidates": 0})
     base = dict(rouge_variant="reference", clip_model=None, clip_pretrained=None, embed_model=None)
     got = {}
-    for choice in ("project", "none"):
+    for choice in ("public", "project", "none"):
         scorer = Scorer(SimpleNamespace(**base, stopwords=choice))
         got[choice] = scorer(sample, _answer("我的北京很美"))["rouge1"]
         assert scorer.describe()["stopwords"] == choice
     assert got["project"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rb.resolve_stopwords("project"))
     assert got["none"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=frozenset()) != got["project"]
+    assert got["public"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rb.resolve_stopwords("public"))
+    assert Scorer(SimpleNamespace(**base)).stopwords_choice == "public"  # unset / null: the public list
     with pytest.raises(FileNotFoundError):
         Scorer(SimpleNamespace(**base, stopwords=str(tmp_path / "nope.txt")))
 

@@ -197,8 +197,9 @@ def test_scorer_tiny_builds_lazily_and_describes_random_weights(tmp_path, monkey
     assert scorer.describe() == {
         "clip_model": te.clip_dir_name(), "clip_pretrained": None, "clip_weights": "random-init",
         "clip_backend": "transformers", "embed_model": te.text_embedder_dir_name(), "embed_weights": "random-init",
-        "allow_random_scorers": False, "stopwords": "project", "stopword_count": len(scorer.stopwords),
-        "mcq_extraction": "vlmevalkit"}
+        "allow_random_scorers": False, "stopwords": "public", "stopword_count": len(scorer.stopwords),
+        "mcq_extraction": "vlmevalkit", **scorer.conformance()}
+    assert scorer.describe()["departures"] == [] and scorer.describe()["reference_faults"] == "score"
     assert not (tmp_path / "models").exists()  # describing builds nothing
     assert scorer.clip.name_or_path == str(tmp_path / "models" / te.clip_dir_name())
     assert scorer.embed.name_or_path == str(tmp_path / "models" / te.text_embedder_dir_name())
@@ -213,9 +214,10 @@ def test_scorer_describes_other_settings(tiny_embedder):
     plain = Scorer(_cfg()).describe()
     assert plain == {"clip_model": None, "clip_pretrained": None, "clip_weights": None,
                      "clip_backend": None, "embed_model": None, "embed_weights": None,
-                     "allow_random_scorers": False, "stopwords": "project", "stopword_count": plain["stopword_count"],
-                     "mcq_extraction": "vlmevalkit"}
-    assert plain["stopword_count"] > 400  # the project's list
+                     "allow_random_scorers": False, "stopwords": "public", "stopword_count": plain["stopword_count"],
+                     "mcq_extraction": "vlmevalkit", **Scorer(_cfg()).conformance()}
+    assert plain["stopword_count"] == 752  # the public scorer's list (752 distinct lines, a space among them)
+    assert plain["departures"] == []
     paper = Scorer(_cfg(clip_model="ViT-L-14", clip_pretrained="openai",
                         embed_model="TencentBAC/Conan-embedding-v1")).describe()
     assert paper["clip_weights"] == "pretrained" and paper["embed_weights"] == "pretrained"
