@@ -69,19 +69,6 @@ class RunProgress:
         self.overall.close()
 
 
-def _count_jobs(config: Any) -> int | None:
-    """Jobs of the sweep Hydra is about to launch (basic sweeper semantics: sweeper params, then overrides)."""
-    try:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
-        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
-    except Exception:  # noqa: BLE001 - another sweeper (optuna, …): no total, the bar still counts
-        return None
-
-
 def _job_num(config: Any) -> int:
     """The job's number in a sweep; 0 for a single run, where Hydra leaves ``hydra.job.num`` unset (``???``:
     reading it directly raises MissingMandatoryValue, which Hydra printed as a warning on every plain run)."""
@@ -117,6 +104,8 @@ class SweepProgress(Callback):
         return {**self.__dict__, "bar": None}
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from harness.latency.launcher import _count_jobs  # the sweep's job count lives with the launcher check
+
         total = _count_jobs(config)
         name = config.hydra.job.config_name
         self.bar = _tqdm(total=total, desc=f"sweep {name}", unit="job", position=0, leave=True)

@@ -23,6 +23,19 @@ SIDE_BY_SIDE = {"submitit_launcher.LocalLauncher": "hydra/launcher=local (submit
                 "ray_launcher.RayLauncher": "hydra/launcher=ray"}
 
 
+def _count_jobs(config: Any) -> int | None:
+    """Jobs of the sweep Hydra is about to launch (basic sweeper semantics: sweeper params, then overrides)."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
+    except Exception:  # noqa: BLE001 - another sweeper (optuna, …): no total, the bar still counts
+        return None
+
+
 def jobs_at_once(launcher: Any, n_jobs: int | None) -> tuple[int, str | None]:
     """(how many jobs may run at once on this host, the launcher's name) for a launcher config."""
     target = str(_sel(launcher, "_target_") or "")
@@ -69,8 +82,6 @@ class ConcurrencyCheck(Callback):
     """Hydra callback: :func:`concurrency_warning` at the start of a multirun (stderr and the log)."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from harness.progress import _count_jobs
-
         try:
             text = concurrency_warning(config, _count_jobs(config))
         except Exception as e:  # noqa: BLE001 - a check that cannot run must never stop a sweep
