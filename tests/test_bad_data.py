@@ -653,7 +653,7 @@ def test_ocrbench_and_ccbench_runs_score_good_rows_and_count_data_errors(tmp_pat
 
 def test_cli_refuses_a_non_utf8_file_with_one_line_and_exit_2(tmp_path):
     cfg, path = rag(tmp_path, raw=json.dumps(rag_rows()[0]).encode() + b"\n" + b'{"id": 2, "query": "caf\xe9"}\n')
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "WANDB_SILENT": "true"}
     proc = subprocess.run([sys.executable, "-m", "harness", f"dataset.path={path}", f"hydra.run.dir={tmp_path / 'r'}",
                            "wandb.mode=disabled"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

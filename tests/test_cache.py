@@ -209,9 +209,8 @@ COMMON = ("engine.name=counting", "engine.batch_size=1", "engine.warmup=0", "mod
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a harness subprocess: this checkout's package first, W&B quiet."""
-    return {**os.environ, "WANDB_SILENT": "true",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra}
+    """The environment of a harness subprocess (this checkout's package first: tests/conftest.py), W&B quiet."""
+    return {**os.environ, "WANDB_SILENT": "true", **extra}
 
 
 def start(tmp_path, run_dir, *overrides, delay=0.0):

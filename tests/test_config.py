@@ -470,7 +470,7 @@ def test_cli_refuses_with_exit_2_and_one_line_before_the_model_loads(tmp_path, o
     """The real command: exit code 2, one ``error:`` line naming the key, nothing written (sere.k=100 is
     checked against the built tiny model's config.json, before its weights load)."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "harness", override, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -179,7 +179,7 @@ def test_a_second_process_on_a_run_directory_is_refused_and_a_dead_holder_s_lock
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pathlib import Path; from harness.run_state import RunLock; "
         f"RunLock(Path({str(run)!r})).acquire(); print('locked', flush=True); time.sleep(600)")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirLocked, match=f"in use by pid {holder.pid} on"):
@@ -214,7 +214,7 @@ def harness(tmp_path, run_dir, *overrides, kill_at=None, **env):
            "engine.warmup=0", "model.embedded=false", "model.path=unused", "scoring.clip_model=null",
            "scoring.embed_model=null", f"hydra.run.dir={run_dir}", *overrides]
     full_env = {**os.environ, "WANDB_SILENT": "true", "HARNESS_CACHE": str(tmp_path / "hcache"),
-                "PYTHONPATH": str(ROOT), "COUNTING_ENGINE_LOG": str(tmp_path / "calls.log"), **env}
+                "COUNTING_ENGINE_LOG": str(tmp_path / "calls.log"), **env}
     full_env.pop("KILL_AT", None)
     if kill_at:
         full_env["KILL_AT"] = kill_at
@@ -261,8 +261,10 @@ def test_a_second_harness_process_exits_2_with_a_clear_error(tmp_path):
         [sys.executable, "-c", BOOT.format(fixtures=str(FIXTURES)), "engine.name=counting", "engine.batch_size=1",
          "engine.warmup=0", "model.embedded=false", "model.path=unused", "scoring.clip_model=null",
          "scoring.embed_model=null", "wandb.mode=disabled", f"hydra.run.dir={run}"],
-        cwd=tmp_path, env={**os.environ, "HARNESS_CACHE": str(tmp_path / "hcache"), "PYTHONPATH": str(ROOT),
-                           "COUNTING_ENGINE_DELAY": "0.5"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # 60 s per request: the first run still holds the directory when the second has started, however loaded
+        # the machine (at 0.5 s it could finish first under pytest-xdist); it is killed below
+        cwd=tmp_path, env={**os.environ, "HARNESS_CACHE": str(tmp_path / "hcache"),
+                           "COUNTING_ENGINE_DELAY": "60"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not (run / "samples.jsonl").exists() and time.time() < deadline:

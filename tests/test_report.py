@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -218,8 +217,7 @@ def test_a_malformed_summary_is_skipped_with_a_warning_naming_it(tmp_path):
     md = res.markdown.read_text(encoding="utf-8")
     assert "4 summary.json skipped" in md and "torn/summary.json" in md
     proc = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "sere_grid"), "--out",
-                           str(tmp_path / "out2")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           str(tmp_path / "out2")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"warning: skipped {tmp_path / 'sere_grid' / 'torn' / 'summary.json'}: not readable JSON" in proc.stderr
     assert "4 runs" in proc.stdout

@@ -23,9 +23,8 @@ LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def harness_cmd(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    # this checkout's package first (cwd is a temporary directory, where the editable install would win)
-    env = {**os.environ, "WANDB_SILENT": "true",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # this checkout's package comes first on PYTHONPATH (tests/conftest.py): cwd is a temporary directory
+    env = {**os.environ, "WANDB_SILENT": "true"}
     return subprocess.run([sys.executable, "-m", "harness", *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +22,6 @@ from harness.techniques.sere_calibration import find_moe_blocks
 
 MAX_NEW = 5
 TOP_K = TinyModelSpec().num_experts_per_tok
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +180,7 @@ def test_engine_wiring_and_refusal(tiny):
 
 def test_run_records_moe(tmp_path):
     """End to end: summary.json has the ``moe`` block and the config; with sere.k both blocks."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled"}
     common = [sys.executable, "-m", "harness", "wandb.mode=disabled", "dataset.limit=2", "engine.batch_size=2",
               "generation.max_new_tokens=4", "scoring.clip_model=null", "scoring.embed_model=null",
               f"cache.path={tmp_path / 'cache'}"]

@@ -103,14 +103,14 @@ def test_synthetic_load_refuses_nonsense_and_has_exact_shapes():
 def run_harness(tmp_path, *overrides, block_wandb=True, block=()) -> dict:
     """``python -m harness`` in a subprocess (wandb made unimportable: the GPU box has none; ``block`` names more
     modules to make unimportable)."""
-    env = {**os.environ, "HARNESS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HARNESS_CACHE": str(tmp_path / "cache")}
     blocked = (("wandb",) if block_wandb else ()) + tuple(block)
     if blocked:
         site = tmp_path / "blocked"
         site.mkdir(exist_ok=True)
         (site / "sitecustomize.py").write_text("import sys\n" + "".join(
             f"sys.modules[{name!r}] = None  # import {name} fails\n" for name in blocked))
-        env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
+        env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "harness", *overrides, "wandb.mode=disabled", "cache.enabled=false",
                            f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -196,6 +196,8 @@ def test_compiled_path_equals_eager_on_the_embedded_model(embedded_path, tmp_pat
 
 @pytest.mark.parametrize("device_map", ["cpu", "auto"])
 def test_device_map_loads_the_embedded_model_with_the_same_tokens(embedded_path, device_map):
+    """A CPU test on any machine: ``auto`` is given the CPU alone (``engine.max_memory``), else accelerate puts the
+    layers on a visible GPU."""
     pytest.importorskip("accelerate")
     from harness.engines.hf import HFEngine
 
@@ -203,7 +205,8 @@ def test_device_map_loads_the_embedded_model_with_the_same_tokens(embedded_path,
     plain = HFEngine(str(embedded_path), engine_cfg(), gen)
     want = _tokens(plain, _requests())
     plain.close()
-    placed = HFEngine(str(embedded_path), engine_cfg(device_map=device_map), gen)
+    max_memory = {"cpu": "8GiB"} if device_map == "auto" else {}
+    placed = HFEngine(str(embedded_path), engine_cfg(device_map=device_map, max_memory=max_memory), gen)
     try:
         info = placed.describe()
         assert info["device_map"] == device_map and info["placement"] == ["cpu"] and info["decode_path"] == "eager"

@@ -7,14 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from harness.metrics import rag_igbench as rb
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_resolve_choices(tmp_path):
@@ -67,7 +64,7 @@ def test_scorer_passes_and_records_the_choice(tmp_path):
 
 def test_run_records_scoring_choices(tmp_path):
     """End to end: ``scoring.stopwords=none`` reaches summary.json ``run.scoring`` (and the config)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "harness", "wandb.mode=disabled", "dataset.limit=2", "generation.max_new_tokens=4",
            "scoring.clip_model=null", "scoring.embed_model=null", "scoring.stopwords=none",
            f"cache.path={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]

@@ -11,12 +11,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def harness_cmd(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_SILENT": "true", "HARNESS_CACHE": str(cwd / "hc"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {**os.environ, "WANDB_SILENT": "true", "HARNESS_CACHE": str(cwd / "hc")}
     return subprocess.run([sys.executable, "-m", "harness", *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -47,7 +47,7 @@ def run_harness_opencompass(run_dir: Path, overrides: list[str], timeout: int = 
     cmd = [sys.executable, "-m", "harness.opencompass", "opencompass.suite=ci_sample",
            f"opencompass.ci_items={CI_ITEMS}", f"generation.max_new_tokens={MAX_NEW_TOKENS}", "wandb.mode=disabled",
            f"hydra.run.dir={run_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 
 def _run(args, tmp_path, multirun=False):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "harness.opencompass", *(["-m"] if multirun else []),
                            "opencompass.suite=ci_sample", "wandb.mode=disabled", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)

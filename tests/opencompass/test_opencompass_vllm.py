@@ -34,7 +34,7 @@ def _run(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
            f"opencompass.ci_items={CI_ITEMS}", f"generation.max_new_tokens={MAX_NEW_TOKENS}", "wandb.mode=disabled",
            f"opencompass.vllm_python={VLLM_PYTHON}", "engine.max_model_len=1024", "engine.gpu_memory_utilization=0.1",
            f"hydra.run.dir={run_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
