@@ -32,11 +32,11 @@ interpreter multiplies raw bf16 bits). Imports: torch and triton only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from harness.kernels._triton import triton_runs
 
 __all__ = ["decode_attention", "decode_attention_triton", "decode_attention_reference", "triton_available",
            "num_splits", "unsupported_reason", "static_cache_write", "static_cache_write_reference"]
@@ -45,15 +45,10 @@ BLOCK_L_GPU = 64
 BLOCK_L_INTERPRETER = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def triton_available(device: torch.device | str) -> bool:
     """True on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1`` before triton's import)."""
-    if torch.device(device).type == "cuda":
-        return True
-    return _interpreting() and type(_attn_kernel).__name__ == "InterpretedFunction"
+    return triton_runs(device, _attn_kernel)
 
 
 def _mask_row(mask: torch.Tensor | None) -> torch.Tensor | None:

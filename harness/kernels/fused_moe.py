@@ -48,12 +48,13 @@ Imports: torch and triton only (and the reference module, which imports torch on
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from harness.kernels._triton import triton_runs
 
 from harness.kernels.fused_moe_reference import check_fused_moe_args, fused_moe_reference
 from harness.kernels.fused_moe_small import SmallMoEConfig, default_small_config, launch_small_moe, use_small_path
@@ -257,16 +258,11 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def triton_available(device: torch.device | str) -> bool:
     """True on CUDA, or on CPU when Triton's interpreter is on (``TRITON_INTERPRET=1`` set before triton
     was first imported: the kernels are then built as interpreted functions)."""
-    if torch.device(device).type == "cuda":
-        return True
-    return _interpreting() and type(_gate_up_kernel).__name__ == "InterpretedFunction"
+    return triton_runs(device, _gate_up_kernel)
 
 
 def _scratch(shape, dtype, device) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 For a packed batch of images (``cu_seqlens`` segments, full attention inside each), the importance of
 token j is ``c_j = 1/H · Σ_h Σ_i P^h_ij`` with ``P^h_ij = exp(scale·q_i·k_j − lse^h_i)`` — the reference is
-:func:`harness.techniques.visionzip.attention_received` (same convention: each segment averages 1).
+:func:`harness.kernels.importance_reference.attention_received` (same convention: each segment averages 1).
 
 Two Triton passes, each O(N) in memory (fp32 [heads, N] buffers), inputs in fp32/bf16/fp16, dot products
 accumulated in fp32 (fp32 inputs use IEEE fp32 dots, not TF32):
@@ -31,12 +31,13 @@ Imports: torch and triton only (plus the reference, lazily, in :func:`compute_im
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from harness.kernels._triton import triton_runs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -270,10 +271,7 @@ def attention_importance(
 def triton_available(device: torch.device | str) -> bool:
     """True on CUDA, or on CPU when Triton's interpreter is on (``TRITON_INTERPRET=1``, set before this
     module was imported: the kernels are built as interpreted functions at import)."""
-    if torch.device(device).type == "cuda":
-        return True
-    interpreted = type(_lse_kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return triton_runs(device, _lse_kernel)
 
 
 def reference_colsums_from_lse(
@@ -315,7 +313,7 @@ def compute_importance(
         return attention_importance(q, k, cu_seqlens, scale, lse=lse)
     if lse is not None:
         return reference_colsums_from_lse(q, k, cu_seqlens, lse, scale).mean(dim=0).to(torch.float32)
-    from harness.techniques.visionzip import attention_received
+    from harness.kernels.importance_reference import attention_received
 
     return attention_received(q, k, cu_seqlens, scale).to(torch.float32)
 

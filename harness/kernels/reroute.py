@@ -1,7 +1,8 @@
 """Fused SERE re-routing: primary union, nearest primary expert, threshold and protection.
 
-Semantics are those of the reference ``harness.techniques.sere.reroute`` (read its module doc); this op
-must equal it id for id, ties included (lowest expert id wins).
+Semantics are those of the reference ``harness.kernels.reroute_reference.reroute`` (the algorithm:
+``harness.techniques.sere``'s module doc); this op must equal it id for id, ties included (lowest expert id
+wins).
 
 Why two kernels. The primary set P (experts in the first ``k_primary`` slots of the masked-in rows) is a
 reduction over the whole step, and each slot's re-routing needs all of it. The first version rebuilt P
@@ -34,14 +35,13 @@ argument) are runtime values, so neither T nor the threshold recompiles.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from harness.techniques.sere import check_reroute_args
-from harness.techniques.sere import reroute as reference
+from harness.kernels._triton import triton_runs
+from harness.kernels.reroute_reference import check_reroute_args
+from harness.kernels.reroute_reference import reroute as reference
 
 __all__ = ["FUSE_MAX_TOKENS", "MAX_G", "primary_words", "reroute_op", "reroute_triton", "words_to_mask"]
 
@@ -233,13 +233,9 @@ def reroute_triton(topk_ids: torch.Tensor, similarity: torch.Tensor, k_primary: 
     return out
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def reroute_op(topk_ids: torch.Tensor, similarity: torch.Tensor, k_primary: int, rho: float,
                protected: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The fused op on CUDA tensors (or under ``TRITON_INTERPRET=1``), the torch reference otherwise."""
-    if topk_ids.is_cuda or _interpreting():
+    if triton_runs(topk_ids.device):
         return reroute_triton(topk_ids, similarity, k_primary, rho, protected, row_mask)
     return reference(topk_ids, similarity, k_primary, rho, protected, row_mask)

@@ -20,23 +20,18 @@ Imports: torch and triton only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from harness.kernels._triton import triton_runs
+
 __all__ = ["router_reference", "router_triton", "moe_router", "triton_available"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def triton_available(device: torch.device | str) -> bool:
-    if torch.device(device).type == "cuda":
-        return True
-    return _interpreting() and type(_logits_kernel).__name__ == "InterpretedFunction"
+    """True on CUDA, or on CPU under Triton's interpreter (``harness.kernels._triton.triton_runs``)."""
+    return triton_runs(device, _logits_kernel)
 
 
 def router_reference(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool = True):
