@@ -123,8 +123,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def _sere_handles(model: torch.nn.Module) -> list:
-    """Installed ``hf_sere.SereHandle`` objects (every MoE block carries its handle as ``_harness_sere``, and
-    a ``moe.top_k`` handle, also a ``SereHandle``, as ``_harness_topk``)."""
+    """Installed routing handles (``hf_routing.RoutingHandle``: every MoE block carries SERE's
+    ``hf_sere.SereHandle`` as ``_harness_sere``, and a ``moe.top_k`` handle as ``_harness_topk``)."""
     found: dict[int, Any] = {}
     for module in model.modules():
         for slot in ("_harness_topk", "_harness_sere"):

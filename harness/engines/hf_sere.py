@@ -1,7 +1,8 @@
 """SERE in the Hugging Face engine: re-route each MoE router's top-k ids at decode steps.
 
 :func:`install_sere` puts three hooks on every MoE block (found as in
-``harness.techniques.sere_calibration.find_moe_blocks``; Qwen3-MoE and Qwen3-VL-MoE):
+``harness.models.moe_blocks.find_moe_blocks``; Qwen3-MoE and Qwen3-VL-MoE; the hook mechanism is
+``harness.engines.hf_routing``, shared with ``moe.top_k``):
 
 - a forward **pre-hook on the block** decides whether this pass is re-routed and raises the block's flag;
 - a forward **hook on ``block.gate``** (the router, returning ``(logits, weights, ids)``) replaces the ids

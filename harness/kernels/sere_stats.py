@@ -1,4 +1,5 @@
-"""SERE's per-layer decode statistics in one Triton launch (``hf_sere.SereHandle._record``).
+"""SERE's per-layer decode statistics in one Triton launch (``hf_routing.RoutingHandle._record``,
+which SERE's and ``moe.top_k``'s handles share).
 
 Why: the statistics behind ``summary.json["sere"]`` (distinct experts before / after re-routing, |P|, moved,
 outside-P, critical and protected slots, live rows, the by-live-rows histogram) were computed with ~44 small
@@ -10,7 +11,7 @@ was ~3.5 ms slower than the same step without statistics (``benchmarks/run_path_
 adds the result into the same int64 device counters in place, so ``hf_graphs`` (which captures, restores and
 re-attaches those tensors by identity) is unchanged.
 
-Semantics: exactly ``SereHandle._record_torch`` (tested value for value): rows outside ``live`` name no
+Semantics: exactly ``RoutingHandle._record_torch`` (tested value for value): rows outside ``live`` name no
 expert; an id outside ``[0, E)`` is no expert; P = the valid ids of the first ``kp`` columns of live rows.
 One program (grid 1): decode steps have T·k of a few hundred slots. ``hf_sere`` sends passes of more than
 ``FUSED_MAX_TOKENS`` rows (a prefill under ``mode="all"``) to the torch ops instead. No host synchronisation, fixed shapes: CUDA-graph capturable.
@@ -110,7 +111,7 @@ def _stats_kernel(old_ptr, new_ptr, live_ptr, prot_ptr, acc_ptr, hist_ptr, T, E,
 def record_stats(old: torch.Tensor, new: torch.Tensor, num_experts: int, k_primary: int,
                  live: torch.Tensor | None, protected: torch.Tensor | None, acc: torch.Tensor,
                  hist: torch.Tensor) -> None:
-    """Add one pass's counters into ``acc`` (int64 [8], ``hf_sere.COUNTERS`` order) and ``hist`` (int64
+    """Add one pass's counters into ``acc`` (int64 [8], ``hf_routing.COUNTERS`` order) and ``hist`` (int64
     [T + 1, 3], row = live rows: steps, before, after), in place, in one launch. ``old`` / ``new``: [T, k]
     ids before / after re-routing; ``live``: bool [T] or None (all rows); ``protected``: bool [E] or None."""
     t, k = old.shape
