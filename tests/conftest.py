@@ -35,7 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # loaded cores (pytest --durations, 2026-12-02; all the other modules together: ~1,600 s).
 LONGEST_FIRST = (
     "tests/test_sensitivity.py",                  # 2,620 s: the trained model, ~10 runs of 12 requests
-    "tests/engines/test_hf_decode_forward.py",    # 1,000 s: the decode kernel in Triton's interpreter
+    "tests/engines/test_hf_decode_forward.py",    # 1,000 s with 7 interpreted decode steps, ~450 s with 3
     "tests/test_wheel.py",                        # 360 s
     "tests/test_config.py",                       # 355 s
     "tests/test_crash.py",                        # 220 s
