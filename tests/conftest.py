@@ -32,7 +32,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Under pytest-xdist (.ci/run: --dist loadscope --no-loadscope-reorder) a module runs whole on one worker and the
 # modules are handed out in collection order: the longest go first, so that no worker is left alone with one of
 # them at the end (alphabetically, test_sensitivity.py would start last). Seconds per module in a run on two
-# loaded cores (pytest --durations, 2026-12-02; all the other modules together: ~1,600 s).
+# loaded cores (pytest --durations, 2026-12-02; all the other modules together: ~900 s).
 LONGEST_FIRST = (
     "tests/test_sensitivity.py",                  # 2,620 s: the trained model, ~10 runs of 12 requests
     "tests/engines/test_hf_decode_forward.py",    # 1,000 s with 7 interpreted decode steps, ~450 s with 3
