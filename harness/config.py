@@ -189,6 +189,8 @@ class ScoringConfig:
     # RAG-IGBench references citing an image outside the candidates: "score" (as the public scorer, counted
     # in data_errors) | "error" (strict: scored 0, out of *_valid_only)
     reference_faults: str = "score"
+    # RAG-IGBench IMG#0 in a model's answer: "score" (as the public scorer) | "hallucination" (strict)
+    image_zero: str = "score"
     clip_model: Optional[str] = None  # e.g. "ViT-L-14"; None = skip the CLIP score
     clip_pretrained: Optional[str] = None  # e.g. "openai" or a local checkpoint path
     embed_model: Optional[str] = None  # e.g. "TencentBAC/Conan-embedding-v1"; None = skip alignment

@@ -39,7 +39,7 @@ class Scorer:
 
     def __init__(self, scoring_cfg: Any):
         from harness.metrics.mcq import EXTRACTION_RULES
-        from harness.metrics.rag_igbench import REFERENCE_FAULT_CHOICES, resolve_stopwords
+        from harness.metrics.rag_igbench import IMAGE_ZERO_CHOICES, REFERENCE_FAULT_CHOICES, resolve_stopwords
 
         self.cfg = scoring_cfg
         self._clip = self._embed = None
@@ -53,6 +53,9 @@ class Scorer:
         if self.reference_faults not in REFERENCE_FAULT_CHOICES:
             raise ValueError(f"scoring.reference_faults={self.reference_faults!r}: expected one of "
                              f"{', '.join(REFERENCE_FAULT_CHOICES)}")
+        self.image_zero = str(getattr(scoring_cfg, "image_zero", None) or "score")
+        if self.image_zero not in IMAGE_ZERO_CHOICES:
+            raise ValueError(f"scoring.image_zero={self.image_zero!r}: expected one of {', '.join(IMAGE_ZERO_CHOICES)}")
 
     @property
     def clip(self):
@@ -136,11 +139,12 @@ class Scorer:
         from harness.metrics import rag_igbench as rb
 
         return {"mcq_extraction_source": mcq.RULE_SOURCES[self.mcq_extraction],
-                "reference_faults": self.reference_faults,
+                "reference_faults": self.reference_faults, "image_zero": self.image_zero,
                 "rag_igbench_source": rb.PUBLIC_SCORER_REVISION,
                 "rag_igbench_population": ("public: samples the public scorer scores, reference faults included"
                                            if self.reference_faults == "score" else
                                            "strict: reference faults are errors (out of *_valid_only)"),
+                "rag_igbench_unoptioned": list(rb.DEPARTURES_WITHOUT_OPTION),
                 "departures": self.departures()}
 
     def departures(self) -> list[str]:
@@ -150,6 +154,8 @@ class Scorer:
             out.append(f"scoring.mcq_extraction={self.mcq_extraction}")
         if self.reference_faults != "score":
             out.append(f"scoring.reference_faults={self.reference_faults}")
+        if self.image_zero != "score":
+            out.append(f"scoring.image_zero={self.image_zero}")
         if self.stopwords_choice != "public":
             out.append(f"scoring.stopwords={self.stopwords_choice}")
         if str(getattr(self.cfg, "rouge_variant", "reference")) != "reference":
@@ -171,6 +177,7 @@ class Scorer:
                 rouge_variant=self.cfg.rouge_variant,
                 stopwords=self.stopwords,
                 reference_faults=self.reference_faults,
+                image_zero=self.image_zero,
             )
         if sample.task == "ocrbench":
             from harness.metrics.ocrbench import score_one

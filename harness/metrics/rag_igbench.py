@@ -21,7 +21,9 @@ Where this module deliberately differs from the public scorer, and why:
   repaired, when it places an image number above the candidate count, or on any exception. Here such samples
   are flagged (``format_invalid``, ``hallucinated_image``, ``error``), score 0 on every metric and count in the
   main means; the ``*_valid_only`` means (over scored samples only) are the public scorer's convention.
-  ``IMG#0`` is also a hallucination here (the public scorer reads it as the last candidate through index -1).
+  ``IMG#0`` placed by the model is a named option, ``image_zero`` (``scoring.image_zero``): ``score``
+  (default) scores it as the public scorer does (its check is only k > N; CLIP reads the last candidate
+  through index -1); ``hallucination`` makes it a ``hallucinated_image`` too.
 * **Reference faults** (a reference that places an image k < 1 or k > N: the data's fault) are a named option,
   ``reference_faults`` (``scoring.reference_faults``). ``score`` (default) scores the sample as the public
   scorer does — the reference's image list as written, the model's answer judged by the usual rules (a model
@@ -100,6 +102,17 @@ DEFAULT_STOPWORDS = PUBLIC_STOPWORDS
 STOPWORD_CHOICES = ("public", "project", "none")
 #: ``scoring.reference_faults``: ``score`` (the public scorer's treatment, default) | ``error`` (strict).
 REFERENCE_FAULT_CHOICES = ("score", "error")
+#: ``scoring.image_zero``: ``score`` (the public scorer: IMG#0 is no hallucination, default) | ``hallucination``.
+IMAGE_ZERO_CHOICES = ("score", "hallucination")
+#: Known differences from the public ``score/eval.py`` that are not (yet) options, recorded in ``summary.json``
+#: ``run.scoring.rag_igbench_unoptioned`` so that a reader sees them beside the figure (docs/scoring.md).
+DEPARTURES_WITHOUT_OPTION = (
+    "answer extraction: more lenient JSON repair than fix_json; newlines and inner quotes kept",
+    "inputs on which the public scorer raises (both image lists empty, no reference image and one model image, "
+    "no candidate images, an empty Rouge text) get defined scores and stay in *_valid_only",
+    "Kendall scaling (N - n)/N clipped to [0, 1] (matters only when n > N)",
+    "reference read from gt_clean_answer (gt_answer in old releases; the public scorer reads gt_answer)",
+)
 
 
 def resolve_stopwords(choice: str | os.PathLike | None) -> frozenset[str]:
@@ -538,7 +551,7 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
                  embed: Any = None, error: str | None = None, beta: float = BETA,
                  kendall_variant: str = "reference", rouge_variant: str = "reference",
                  stopwords: str | os.PathLike | Collection[str] | None = None,
-                 reference_faults: str = "score") -> dict[str, Any]:
+                 reference_faults: str = "score", image_zero: str = "score") -> dict[str, Any]:
     """Every per-sample score and flag of one RAG-IGBench answer, as a flat dict.
 
     ``raw_answer`` is the model's raw output, ``gt_clean_answer`` the reference markdown, ``n_candidates`` the
@@ -555,14 +568,17 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
     the model's ``hallucinated_image``); with ``reference_faults="score"`` (default, the public scorer's
     treatment) such a sample is flagged ``reference_fault`` (``reference_fault_reason`` says why) and scored
     by the rules below with the reference as written; the answer
-    cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k < 1 or k > N →
-    ``hallucinated_image``; an image is missing or an encoder raises → ``error``. Never raises for bad data.
+    cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k > N, or k < 1 with
+    ``image_zero="hallucination"`` → ``hallucinated_image`` (with ``image_zero="score"``, the default and the
+    public scorer's rule, ``IMG#0`` is scored and CLIP reads the last candidate); an image is missing or an encoder raises → ``error``. Never raises for bad data.
     """
     if clip is not None and candidate_images is None:
         raise ValueError("a CLIP scorer needs candidate_images")
     if reference_faults not in REFERENCE_FAULT_CHOICES:
         raise ValueError(f"scoring.reference_faults={reference_faults!r}: expected one of "
                          f"{', '.join(REFERENCE_FAULT_CHOICES)}")
+    if image_zero not in IMAGE_ZERO_CHOICES:
+        raise ValueError(f"scoring.image_zero={image_zero!r}: expected one of {', '.join(IMAGE_ZERO_CHOICES)}")
     ref = gt_clean_answer if isinstance(gt_clean_answer, str) else ""
     out: dict[str, Any] = {
         "rouge1": 0.0, "edit_score": 0.0, "kendall": 0.0,
@@ -589,7 +605,8 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
         out["reason"] = "format_invalid: no JSON object with a string 'answer' field"
         return out
     pred_ids = out["pred_image_ids"] = image_ids(answer)
-    bad = [k for k in pred_ids if k < 1 or (n_candidates is not None and k > n_candidates)]
+    bad = [k for k in pred_ids if (k < 1 and image_zero == "hallucination")
+           or (n_candidates is not None and k > n_candidates)]
     if bad:
         out["hallucinated_image"] = True
         upper = n_candidates if n_candidates is not None else "N"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.metrics.mcq import (EXTRACTION_RULES, RULE_SOURCES, extract, extract_choice, extract_choice_vlmevalkit,
                                  extract_choice_vlmevalkit_2025)
@@ -209,3 +211,13 @@ def test_generated_answers_where_the_current_rule_and_the_2025_rule_differ():
 
 
 EXPECTED_DISAGREEMENTS = (2555, 4006)  # of 20,000 each; the current rule = VLMEvalKit 2cf2a36c on all 40,000 (checked outside the suite)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pred=st.one_of(st.none(), st.text(max_size=40), st.sampled_from([a for a, _, _, _ in CASES])),
+       options=st.dictionaries(st.sampled_from(list("ABCDEab1")),
+                               st.one_of(st.none(), st.text(max_size=6), st.floats(), st.integers()), max_size=5))
+def test_vlmevalkit_rules_never_raise_and_answer_an_option(pred, options):
+    for rule in ("vlmevalkit", "vlmevalkit_2025"):
+        got = extract(pred, options, rule)
+        assert got is None or (got in options and got.isupper())

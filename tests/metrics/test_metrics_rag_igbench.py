@@ -221,12 +221,13 @@ def test_score_sample_valid():
         ("not json at all", 10, "format_invalid"),
         ('{"reason": "no answer field"}', 10, "format_invalid"),
         ('{"answer": "beyond ![](IMG#11)"}', 10, "hallucinated_image"),
-        ('{"answer": "zero ![](IMG#0)"}', None, "hallucinated_image"),
+        ('{"answer": "zero ![](IMG#0)"}', None, "hallucinated_image"),  # image_zero="hallucination" (the default
+        # scores IMG#0 as the public scorer does: tests/metrics/test_scoring_conformance.py)
         (None, 10, "error"),
     ],
 )
 def test_score_sample_invalid_scores_zero(raw, n, flag):
-    s = rb.score_sample(raw, REF, n)
+    s = rb.score_sample(raw, REF, n, image_zero="hallucination")
     assert s["rouge1"] == s["edit_score"] == s["kendall"] == 0.0
     assert s["reason"]
     assert (s["format_invalid"], s["hallucinated_image"], s["error"] is not None) == (

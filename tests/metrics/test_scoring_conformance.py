@@ -104,6 +104,32 @@ def test_reference_faults_count_under_data_errors_in_both_treatments():
         assert data_errors(recs) == {"total": 1, "by_reason": {"reference_image_out_of_range": 1}}
 
 
+# ---------------------------------------------------------------------------------------------- IMG#0
+
+class _RecordingClip:
+    def __init__(self):
+        self.images = []
+
+    def cosines(self, images, texts):
+        self.images += images
+        return [0.4] * len(images)
+
+
+def test_img0_is_scored_as_the_public_scorer_scores_it_or_a_hallucination():
+    raw = json.dumps({"answer": "先看<sup>[1](DOC#1)</sup>这张![a](IMG#1)再看那张![b](IMG#0)"}, ensure_ascii=False)
+    ref = "先看这张![x](IMG#1)再看那张![y](IMG#2)"
+    clip, candidates = _RecordingClip(), [("first",), ("second",), ("last",)]  # image stand-ins, not paths
+    s = rb.score_sample(raw, ref, 3, candidate_images=candidates, clip=clip)  # default: image_zero="score"
+    assert s["hallucinated_image"] is False and s["reason"] is None and s["pred_image_ids"] == [1, 0]
+    # edit: [1, 0] vs [1, 2], one substitution → 1/2; Kendall: shared [1], no concordant pair → 0
+    assert s["edit_score"] == pytest.approx(0.5) and s["kendall"] == 0.0
+    assert clip.images == [("first",), ("last",)] and s["clip_score"] == pytest.approx(1.0)  # IMG#0 → the last candidate
+    strict = rb.score_sample(raw, ref, 3, image_zero="hallucination")
+    assert strict["hallucinated_image"] is True and strict["reason"] == "hallucinated_image: IMG#0 outside 1..3"
+    with pytest.raises(ValueError, match="image_zero"):
+        rb.score_sample(raw, ref, 3, image_zero="drop")
+
+
 # ---------------------------------------------------------------------------------------- run.scoring
 
 def _cfg(**kw):
@@ -115,19 +141,24 @@ def test_run_scoring_names_rule_revision_population_and_departures():
     from harness.scoring import Scorer
 
     d = Scorer(_cfg()).describe()
-    assert (d["stopwords"], d["mcq_extraction"], d["reference_faults"]) == ("public", "vlmevalkit", "score")
+    assert (d["stopwords"], d["mcq_extraction"], d["reference_faults"], d["image_zero"]) == (
+        "public", "vlmevalkit", "score", "score")
     assert d["departures"] == []
     assert d["mcq_extraction_source"]["commit"] == "2cf2a36c6e79b51faf676a7011b3a0f5b579814d"
     assert d["rag_igbench_source"]["repo"] == "zry13/RAG-IGBench"
     assert d["rag_igbench_source"]["commit"] == "8a43b3d33c7d291f73590e2a0ed54b9e584e2980"
     assert d["rag_igbench_population"].startswith("public")
+    assert d["rag_igbench_unoptioned"] == list(rb.DEPARTURES_WITHOUT_OPTION) and len(d["rag_igbench_unoptioned"]) == 4
     strict = Scorer(_cfg(stopwords="project", mcq_extraction="lenient", reference_faults="error",
-                         rouge_variant="rouge_score")).describe()
+                         image_zero="hallucination", rouge_variant="rouge_score")).describe()
     assert strict["departures"] == ["scoring.mcq_extraction=lenient", "scoring.reference_faults=error",
-                                    "scoring.stopwords=project", "scoring.rouge_variant=rouge_score"]
+                                    "scoring.image_zero=hallucination", "scoring.stopwords=project",
+                                    "scoring.rouge_variant=rouge_score"]
     assert strict["mcq_extraction_source"] is None and strict["rag_igbench_population"].startswith("strict")
     with pytest.raises(ValueError, match="reference_faults"):
         Scorer(_cfg(reference_faults="drop"))
+    with pytest.raises(ValueError, match="image_zero"):
+        Scorer(_cfg(image_zero="drop"))
 
 
 def test_the_composed_defaults_are_the_public_ones_and_pass_validation(compose_cfg):
@@ -136,6 +167,7 @@ def test_the_composed_defaults_are_the_public_ones_and_pass_validation(compose_c
 
     cfg = compose_cfg()
     assert cfg.scoring.mcq_extraction == "vlmevalkit" and cfg.scoring.reference_faults == "score"
+    assert cfg.scoring.image_zero == "score"
     assert cfg.scoring.stopwords is None  # null = the public list
     v.validate_config(cfg)
     assert Scorer(cfg.scoring).describe()["departures"] == []
