@@ -54,7 +54,7 @@ def test_varlen_attention_returns_sdpa_output_and_true_lse(dtype):
 
 
 def test_sdpa_with_lse_equals_sdpa_bit_for_bit_on_cpu():
-    q, k, v, _ = packed([40], 2, 24, seed=2)
+    q, k, v, _ = (t.cpu() for t in packed([40], 2, 24, seed=2))  # a CPU test also where a GPU is visible
     qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k, v))
     out, lse = sdpa_with_lse(qb, kb, vb, 0.2)
     assert torch.equal(out, F.scaled_dot_product_attention(qb, kb, vb, scale=0.2))  # same op SDPA runs
