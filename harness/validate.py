@@ -106,9 +106,11 @@ RULES: tuple[Rule, ...] = (
     Rule("moe.scope", one_of("decode", "all")),
     # scoring
     Rule("scoring.rouge_variant", one_of("reference", "rouge_score")),
-    Rule("scoring.stopwords", optional(Check(lambda v: v in ("project", "none") or existing_file(v),
-                                             "project, none or an existing stopword file"), "project")),
-    Rule("scoring.mcq_extraction", one_of("vlmevalkit", "lenient")),
+    Rule("scoring.stopwords", optional(Check(lambda v: v in ("public", "project", "none") or existing_file(v),
+                                             "public, project, none or an existing stopword file"), "public")),
+    Rule("scoring.mcq_extraction", one_of("vlmevalkit", "vlmevalkit_2025", "lenient")),
+    Rule("scoring.reference_faults", optional(one_of("score", "error"), "score")),
+    Rule("scoring.image_zero", optional(one_of("score", "hallucination"), "score")),
     # W&B
     Rule("wandb.mode", one_of("online", "offline", "disabled")),
     Rule("wandb.project", NONEMPTY),

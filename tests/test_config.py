@@ -429,6 +429,13 @@ def test_open_clip_model_without_open_clip_is_refused_before_the_model(compose_c
     (["scoring.stopwords=/no/such/list.txt"], "scoring.stopwords"),
     (["scoring.stopwords=none"], None),
     (["scoring.mcq_extraction=fuzzy"], "scoring.mcq_extraction"),
+    (["scoring.stopwords=public"], None),
+    (["scoring.stopwords=project"], None),
+    (["scoring.mcq_extraction=vlmevalkit_2025"], None),
+    (["scoring.reference_faults=error"], None),
+    (["scoring.reference_faults=drop"], "scoring.reference_faults"),   # refused before the model loads
+    (["scoring.image_zero=hallucination"], None),
+    (["scoring.image_zero=ignore"], "scoring.image_zero"),
 ])
 def test_moe_and_scoring_choices(compose_cfg, overrides, key):
     import harness.validate as v
