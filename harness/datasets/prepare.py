@@ -23,6 +23,7 @@ import argparse
 import io
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -170,11 +171,28 @@ def prepare_rag_igbench(src: Path, out: Path, workers: int = 8, timeout: float =
     done = skipped = 0
     bar = tqdm(total=len(urls), desc="rag_igbench images", unit="img", disable=not progress)
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    # The first unreachable host stops every worker, not only the loop below: a worker that raced ahead of the
+    # main thread (it fails fast, the main thread may not be scheduled for a while) would otherwise try every
+    # remaining URL before cancel_futures drops them.
+    stop = threading.Event()
+
+    def one(url: str) -> bool | None:
+        if stop.is_set():
+            return None
+        try:
+            return download_one(url, out, timeout, retries, backoff, max_width)
+        except Offline:
+            stop.set()
+            raise
+
     try:  # the completeness check (a full decode) runs in the workers too, so the bar moves from the start
-        futures = {pool.submit(download_one, u, out, timeout, retries, backoff, max_width): u for u in urls}
+        futures = {pool.submit(one, u): u for u in urls}
         for future in as_completed(futures):
             try:
-                if future.result():
+                got = future.result()
+                if got is None:      # not started: another worker found the host unreachable
+                    continue
+                if got:
                     done += 1
                 else:
                     skipped += 1
