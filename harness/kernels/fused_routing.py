@@ -52,8 +52,11 @@ from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused
 __all__ = ["COUNTERS", "FUSED_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
            "fused_routing_triton"]
 
-#: steps up to this many tokens run the one-launch kernel; longer ones (eager prefill) the torch reference
-FUSED_MAX_TOKENS = 1024
+#: steps up to this many tokens run the one-launch kernel; longer ones the torch reference. One program walks
+#: the step's tiles, so its cost grows with T: on the H200 SERE K=2 costs 79 µs per layer at T=256 against 84 for
+#: the op chain it replaced (results/benchmarks/routing_op_h200.json); beyond that the chain's ops, which spread
+#: over the GPU, are the better bet (unmeasured above 256; vLLM captures graphs up to 512 tokens by default)
+FUSED_MAX_TOKENS = 256
 
 
 # ------------------------------------------------------------------------------------------------ kernel
