@@ -63,7 +63,7 @@ def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
                          dtype=resolve_vllm_dtype(str(cfg.engine.dtype), device),
                          trust_remote_code=bool(cfg.model.trust_remote_code),
                          max_images=int(cfg.model.max_images_per_prompt), seed=int(cfg.seed), visionzip=None,
-                         engine_kwargs={})
+                         engine_kwargs={}, shapes=None)  # a checkpoint: OpenCompass runs no shapes model
     ns.cpu_overrides = VLLMEngine._cpu_overrides(ns)
     return VLLMEngine._engine_args(ns)
 
