@@ -404,6 +404,6 @@ def _fake_rag(rng: random.Random) -> tuple[str, str, list[str], list[list[str]]]
 
 
 if __name__ == "__main__":  # the bundling moved to harness.datasets.synthetic_bundle; the old command still works
-    from harness.datasets.synthetic_bundle import main
+    import importlib  # by name: synthetic_bundle imports this module, and only the old command needs it back
 
-    raise SystemExit(main(prog="harness.datasets.synthetic_tasks"))
+    raise SystemExit(importlib.import_module("harness.datasets.synthetic_bundle").main(prog="harness.datasets.synthetic_tasks"))
