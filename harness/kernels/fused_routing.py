@@ -147,6 +147,20 @@ def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt,
 
 
 @triton.jit
+def _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E: tl.constexpr):
+    """SERE's decision for source experts ``src`` [N] (``ok``: eligible): the lowest-id expert of P (``cand``)
+    with the highest similarity (NaN never attracts), and whether the slot moves (finite and >= rho). Shared by
+    the per-slot gather and the per-expert table, so both decide exactly alike."""
+    e = tl.arange(0, BLOCK_E)
+    sim = tl.load(sim_ptr + src[:, None].to(tl.int64) * s_se + e[None, :] * s_sp,
+                  mask=ok[:, None] & cand[None, :], other=float("-inf")).to(tl.float32)
+    sim = tl.where(sim == sim, sim, float("-inf"))
+    best = tl.max(sim, axis=1)
+    target = tl.min(tl.where(sim == best[:, None], e[None, :], BLOCK_E), axis=1)
+    return target, ok & (best > float("-inf")) & (best >= rho)
+
+
+@triton.jit
 def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
                   KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_K: tl.constexpr, HAS_PROT: tl.constexpr):
@@ -166,12 +180,7 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
         ok = dec & (in_p == 0)
         if HAS_PROT:
             ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
-        sim = tl.load(sim_ptr + src[:, None].to(tl.int64) * s_se + e[None, :] * s_sp,
-                      mask=ok[:, None] & cand[None, :], other=float("-inf")).to(tl.float32)
-        sim = tl.where(sim == sim, sim, float("-inf"))
-        best = tl.max(sim, axis=1)
-        target = tl.min(tl.where(sim == best[:, None], e[None, :], BLOCK_E), axis=1)
-        move = ok & (best > float("-inf")) & (best >= rho)
+        target, move = _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E)
         ids = tl.where((slots[None, :] == j) & move[:, None], target[:, None], ids)
         moved += move.to(tl.int64)
         kept_rows = tl.where(hit & (move == 0)[:, None], 1, kept_rows)
@@ -186,17 +195,11 @@ def _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E: tl.
     only on its source expert (P is the step's), so one [E, E] masked load replaces a similarity-row gather
     per slot and row; masked lanes fetch nothing, so a B=1 step reads only its few sources' P-columns."""
     src = tl.arange(0, BLOCK_E)
-    e = tl.arange(0, BLOCK_E)
     cand = prim > 0
     ok = (need > 0) & (cand == 0) & (src < E)
     if HAS_PROT:
         ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
-    sim = tl.load(sim_ptr + src[:, None].to(tl.int64) * s_se + e[None, :] * s_sp,
-                  mask=ok[:, None] & cand[None, :], other=float("-inf")).to(tl.float32)
-    sim = tl.where(sim == sim, sim, float("-inf"))
-    best = tl.max(sim, axis=1)
-    target = tl.min(tl.where(sim == best[:, None], e[None, :], BLOCK_E), axis=1)
-    move = ok & (best > float("-inf")) & (best >= rho)
+    target, move = _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E)
     return tl.where(move, target, -1)
 
 
