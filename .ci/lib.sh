@@ -29,7 +29,7 @@ has_version() { "$PY" -c "import importlib.metadata as m; assert m.version('$1')
 new_venv() { rm -rf "$VENV"; "$PYTHON" -m venv "$VENV"; }
 
 # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu, and transformers imports
-# them when present: remove them (harness/compat.py fills the holes their absence leaves).
+# them when present: remove them (harness/engines/compat.py fills the holes their absence leaves).
 remove_torchvision() {
     if "$PY" -c "import importlib.util as u, sys
 sys.exit(0 if any(u.find_spec(p) for p in ('torchvision', 'torchaudio', 'torchcodec')) else 1)"; then

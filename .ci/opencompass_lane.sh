@@ -3,7 +3,7 @@
 # scikit-learn 1.5, which neither the main venv nor the vLLM venv can share) and run tests/opencompass in it.
 # Idempotent: an existing venv with the same opencompass is reused (the harness itself is always reinstalled,
 # editable, without dependencies). torch is torch 2.13.0+cpu from the local wheel folder (small); without
-# torchvision, as in the vLLM lane (harness/compat.py fills the holes). `bash .ci/opencompass_lane.sh venv` only
+# torchvision, as in the vLLM lane (harness/engines/compat.py fills the holes). `bash .ci/opencompass_lane.sh venv` only
 # builds the venv, `... test` only runs the tests (.ci/lib.sh, run_lane); the tests' vLLM route needs
 # .venv-vllm built first. docs/opencompass.md. Shared steps: .ci/lib.sh.
 LANE=opencompass-lane

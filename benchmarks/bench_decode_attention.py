@@ -184,7 +184,7 @@ def main() -> int:
         return 0
     from bench_fused_moe import Timer
 
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
 
     out = args.out or (ROOT / "results" / "benchmarks" if cuda else Path(tempfile.mkdtemp()))
     out.mkdir(parents=True, exist_ok=True)

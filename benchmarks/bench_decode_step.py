@@ -20,12 +20,12 @@ variant, so each one sees the same prefix), greedy tokens fed back on the device
 Variants, measured side by side in one process on one model:
 
 - experts implementation: ``grouped_mm`` (transformers' default, the stock baseline) and
-  ``harness_fused_moe`` (``harness.engines.hf_experts``), switched with ``model.set_experts_implementation``;
+  ``harness_fused_moe`` (``harness.engines.hf.experts``), switched with ``model.set_experts_implementation``;
   ``batched_mm`` / ``eager`` can be added with ``--impls`` (batched_mm ran out of memory at B = 64 before;
   eager syncs the host and cannot be graphed);
 - SERE: ``off``, ``k2`` (k_primary 2, rho 0), ``k1`` (k_primary 1, rho 0), random per-layer similarity
   1 − d/max d over random 64-d vectors (seeded). Applied to the decode steps only, by
-  ``harness.engines.hf_sere.install_sere`` when importable (mode "decode", no statistics while timing),
+  ``harness.engines.hf.sere.install_sere`` when importable (mode "decode", no statistics while timing),
   with the re-routing op wrapped as a ``torch.library`` custom op (opaque to dynamo, CUDA-graph safe); else
   by an equivalent forward hook on every ``mlp.gate``. One extra untimed eager step per (B, SERE) records
   the mean per-layer expert union before/after re-routing.
@@ -160,11 +160,11 @@ def sere_op():
 
 
 class GateHookSere:
-    """Fallback when ``harness.engines.hf_sere`` is not available: the same rule (decode passes only)
+    """Fallback when ``harness.engines.hf.sere`` is not available: the same rule (decode passes only)
     with one forward hook per router."""
 
     def __init__(self, model, sims, k_primary, rho, collect_stats=False):
-        from harness.techniques.sere import expert_union
+        from harness.techniques.sere.reroute import expert_union
 
         self.before, self.after, self.hooks = [], [], []
         op = sere_op()
@@ -204,11 +204,11 @@ def install(model, sims, k_primary, rho, collect_stats, which: str):
     else the bench's own gate hook (same rule)."""
     if which in ("auto", "hf_sere"):
         try:
-            from harness.engines.hf_sere import install_sere
+            from harness.engines.hf.sere import install_sere
 
             handle = install_sere(model, torch.stack(sims), k_primary, rho, mode="decode",
                                   collect_stats=collect_stats, op=sere_op())
-            handle.hook_name = "harness.engines.hf_sere.install_sere"
+            handle.hook_name = "harness.engines.hf.sere.install_sere"
             return handle
         except Exception as exc:  # noqa: BLE001 - auto: fall back to the equivalent own hook
             if which == "hf_sere":
@@ -507,8 +507,8 @@ def main() -> int:
         if any(c not in known for c in chosen):
             parser.error(f"unknown {name} in {chosen}; known: {list(known)}")
 
-    from harness.engines import hf_experts
-    from harness.envinfo import collect_environment
+    from harness.engines.hf import experts as hf_experts
+    from harness.results.envinfo import collect_environment
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"

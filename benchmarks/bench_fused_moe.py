@@ -363,9 +363,9 @@ def main() -> int:
 
     import triton
 
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
     from harness.kernels.fused_moe_small import SMALL_GPU_CONFIG, SMALL_PATH_MAX_PAIRS, use_small_path
-    from harness.techniques.sere import expert_union, reroute
+    from harness.techniques.sere.reroute import expert_union, reroute
 
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     device = "cuda" if cuda else "cpu"

@@ -12,7 +12,7 @@ repetitions, L2 flushed between repetitions by do_bench), side by side in one pr
                         show the run-to-run noise, plus a small sweep of tile configurations;
 * ``triton_pass2``      pass 2 alone, given the row log-sum-exp (what it costs when the layer's own flash
                         attention hands over its lse);
-* ``torch_reference``   :func:`harness.techniques.visionzip.attention_received`, which materialises each
+* ``torch_reference``   :func:`harness.techniques.visionzip.pruning.attention_received`, which materialises each
                         image's [heads, n, n] attention in fp32;
 * ``sdpa``              one forward of the layer's attention (``scaled_dot_product_attention``, images
                         batched as [images, heads, n, d] — the same work as the varlen call), so the extra
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.envinfo import collect_environment  # noqa: E402
+from harness.results.envinfo import collect_environment  # noqa: E402
 
 HEADS, HEAD_DIM = 16, 72  # Qwen3-VL vision tower
 IMAGE_PX, PATCH = 448, 16
@@ -82,7 +82,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check(q, k, cu, config=None) -> float:
     """Kernel vs the float64 reference on the same inputs; raises when out of tolerance."""
     from harness.kernels.importance import attention_importance
-    from harness.techniques.visionzip import attention_received
+    from harness.techniques.visionzip.pruning import attention_received
 
     err = rel_err(attention_importance(q, k, cu, config=config), attention_received(q.double(), k.double(), cu))
     tol = FP32_TOL if q.dtype == torch.float32 else BF16_TOL
@@ -129,7 +129,7 @@ def bench_images(n_images: int) -> dict:
     from harness.kernels.importance import (
         attention_importance, attention_lse, importance_flops, importance_min_bytes,
     )
-    from harness.techniques.visionzip import attention_received
+    from harness.techniques.visionzip.pruning import attention_received
 
     q, k, v, cu = make_inputs(n_images, torch.bfloat16, "cuda", seed=n_images)
     n = q.shape[0]
@@ -213,7 +213,7 @@ def print_table(rows: list[dict]) -> None:
 def cpu_sanity() -> None:
     """Tiny interpreter pass: the kernel agrees with the reference (no timing, no file)."""
     from harness.kernels.importance import attention_importance
-    from harness.techniques.visionzip import attention_received
+    from harness.techniques.visionzip.pruning import attention_received
 
     cu = torch.tensor([0, 16, 52, 116], dtype=torch.int32)  # grids 4×4, 6×6, 8×8
     for dtype in (torch.float32, torch.bfloat16):
@@ -244,7 +244,7 @@ def bench_lse_reuse(n_images: int, device: str, dtype: torch.dtype, timer, patch
 
     from harness.kernels.attention_lse import sdpa_with_lse, varlen_attention_with_lse
     from harness.kernels.importance import attention_importance, attention_lse, importance_flops
-    from harness.techniques.visionzip import attention_received
+    from harness.techniques.visionzip.pruning import attention_received
 
     q, k, v, cu = make_inputs(n_images, dtype, device, seed=7 + n_images, patches=patches, heads=heads,
                               head_dim=head_dim)

@@ -55,8 +55,8 @@ def main() -> int:
     from bench_decode_step import QWEN3_30B_A3B, SMOKE, build_model, set_impl
     import transformers
 
-    from harness.engines import hf_experts
-    from harness.engines.hf_graphs import StaticGreedyDecoder
+    from harness.engines.hf import experts as hf_experts
+    from harness.engines.hf.graphs import StaticGreedyDecoder
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"

@@ -6,7 +6,7 @@
 
 What runs. A stack of ``--layers`` MoE layers with Qwen3-30B-A3B's per-layer shapes (hidden 2048, expert
 intermediate 768, 128 experts, top-8, bf16: 9.44 MB per expert), random-initialised, experts in ONE pinned host
-slab per weight kind (``harness.offload.store``), the GPU expert cache of offload-core (``harness.offload.cache``,
+slab per weight kind (``harness.techniques.offload.store``), the GPU expert cache of offload-core (``harness.techniques.offload.cache``,
 per-layer pools, copy stream, events, expert→slot table) and the project's fused MoE Triton kernel reading the
 cache slots through the table — the same code path as the HF engine's ``harness_offload_moe``, minus attention
 (identical for every policy, so it is left out: per-token times are MoE-only). 12 layers instead of 48 keep
@@ -20,7 +20,7 @@ accesses and the oracle's future is exact):
   embedding + the MoE outputs added layer by layer). Random routers route near-uniformly, with little reuse
   between tokens: read it as the hard, uniform case, not as the real model. ``lru+gate``/``lease`` prefetch with
   the next layer's router on the current hidden state (as in the engine).
-- ``skewed``: the synthetic trace of ``harness.offload.synthetic`` (median reuse distance 2 tokens, per-layer LRU
+- ``skewed``: the synthetic trace of ``harness.techniques.offload.synthetic`` (median reuse distance 2 tokens, per-layer LRU
   at 40 % residency ≈ 94 % hits: the published Qwen3-30B-A3B figures). A trace has no hidden states, so the
   next-layer gate is *emulated*: it returns the true next-layer experts, each replaced by a random one with the
   probability the real gate missed in the ``random`` source (its measured precision is printed and recorded).
@@ -36,7 +36,7 @@ Memory: ``peak_alloc_gb`` = ``torch.cuda.max_memory_allocated`` during the timed
 routers; the budget binds because the slots are the only expert storage on the device); ``held_gb`` (lease) =
 the peak experts the leases hold (leased or in grace) × expert bytes — what the seed's "peak memory" measures.
 
-Prefetch admission (``offload.prefetch.*``, harness/offload/prefetch.py): every prefetching policy runs under
+Prefetch admission (``offload.prefetch.*``, harness/techniques/offload/prefetch.py): every prefetching policy runs under
 the cache's default admission rules (``--prefetch-*`` flags change them); ``lru+gate/legacy`` and
 ``lease/legacy`` are the same policies with no admission rules and one copy stream (the behaviour before), so
 the table shows both side by side.
@@ -68,12 +68,12 @@ import torch  # noqa: E402
 
 POLICIES = ("none", "staging", "lru", "lru+gate", "lru+gate/legacy", "lease", "lease/legacy", "lease+pred", "oracle")
 HEADLINE_POLICIES = ("none", "lru", "lru+gate", "lru+gate/legacy", "lease", "lease/legacy", "oracle")
-PREFETCH = None  # harness.offload.prefetch.PrefetchSettings of this run (set in main from the --prefetch-* flags)
+PREFETCH = None  # harness.techniques.offload.prefetch.PrefetchSettings of this run (set in main from the --prefetch-* flags)
 
 
 def split_variant(policy: str):
     """``lru+gate/legacy`` → (``lru+gate``, legacy admission); any other name → (name, this run's settings)."""
-    from harness.offload.prefetch import PrefetchSettings
+    from harness.techniques.offload.prefetch import PrefetchSettings
 
     if policy.endswith("/legacy"):
         return policy[: -len("/legacy")], PrefetchSettings.legacy()
@@ -156,7 +156,7 @@ def random_source(s: Shapes, gate_up, down, routers, batch: int, steps: int, dev
 
 def skewed_source(s: Shapes, batch: int, steps: int, device: str, seed: int, trace=None) -> dict:
     """Replay of the synthetic trace: the first ``batch`` requests decode together for ``steps`` steps."""
-    from harness.offload.synthetic import SyntheticSpec, synthetic_trace
+    from harness.techniques.offload.synthetic import SyntheticSpec, synthetic_trace
 
     if trace is None:
         trace = synthetic_trace(SyntheticSpec(num_layers=s.layers, num_experts=s.e, top_k=s.k, requests=batch,
@@ -189,7 +189,7 @@ def aligned_oracle(ctx, warmup: int):
     The engine's oracle assumes the trace holds only the measured steps (the engine warms up on other
     requests); here the warm-up steps are the first steps of the same replay, so after ``reset_stats`` (token
     clock back to 0) trace step = clock step + ``warmup``."""
-    from harness.offload.policies import OraclePolicy
+    from harness.techniques.offload.policies import OraclePolicy
 
     class AlignedOracle(OraclePolicy):
         offset = 0
@@ -209,11 +209,11 @@ def aligned_oracle(ctx, warmup: int):
 # -- one policy run -----------------------------------------------------------------------------------
 def run_policy(policy: str, s: Shapes, src: dict, capacity: int, device: str, store, resident, warmup: int,
                params: dict[str, Any], gate_precision: float, seed: int, sere: dict | None = None) -> dict:
-    from harness.offload.cache import ExpertCache
-    from harness.offload.policy import Geometry, PolicyContext, make_policy, policy_class
-    from harness.offload.store import Mover
+    from harness.techniques.offload.cache import ExpertCache
+    from harness.techniques.offload.policy import Geometry, PolicyContext, make_policy, policy_class
+    from harness.techniques.offload.store import Mover
 
-    import harness.offload.lease  # noqa: F401  (registers "lease")
+    import harness.techniques.offload.lease  # noqa: F401  (registers "lease")
 
     base, pf_settings = split_variant(policy)
     name = "lease" if base.startswith("lease") else base
@@ -430,7 +430,7 @@ def main() -> None:
     ap.add_argument("--prefetch-stream", default=None, help="offload.prefetch.stream (separate | shared)")
     args = ap.parse_args()
     global PREFETCH
-    from harness.offload.prefetch import PrefetchSettings
+    from harness.techniques.offload.prefetch import PrefetchSettings
 
     d = PrefetchSettings()
     PREFETCH = PrefetchSettings(
@@ -457,7 +457,7 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     if args.smoke:
         args.out = args.out + "_smoke"
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
 
     t_all = time.perf_counter()
     result: dict[str, Any] = {"benchmark": "offload", "environment": collect_environment(device), "dtype": "bfloat16",
@@ -482,7 +482,7 @@ def main() -> None:
     # weights, store (pinned), routing sources
     t0 = time.perf_counter()
     gate_up, down, routers = build_weights(s, device, args.seed)
-    from harness.offload.store import ExpertStore
+    from harness.techniques.offload.store import ExpertStore
 
     store = ExpertStore(s.layers, s.e, s.i, s.h, torch.bfloat16, pin=device.startswith("cuda"))
     for layer in range(s.layers):
@@ -495,8 +495,8 @@ def main() -> None:
     pred_path = None
 
     def train_pred():
-        from harness.offload.predictor import save_predictor, train_predictor
-        from harness.offload.synthetic import SyntheticSpec, synthetic_trace
+        from harness.techniques.offload.predictor import save_predictor, train_predictor
+        from harness.techniques.offload.synthetic import SyntheticSpec, synthetic_trace
 
         tr = synthetic_trace(SyntheticSpec(num_layers=s.layers, num_experts=s.e, top_k=s.k,
                                            requests=8 if args.smoke else 48, tokens=24 if args.smoke else 128,
@@ -529,7 +529,7 @@ def main() -> None:
         src = guarded(f"skewed source B={b}", lambda b=b: skewed_source(s, b, steps, device, args.seed))
         if src is not None:
             sources[("skewed", b)] = src
-    skewed_trace = guarded("skewed stats", lambda: __import__("harness.offload.synthetic", fromlist=["x"]).
+    skewed_trace = guarded("skewed stats", lambda: __import__("harness.techniques.offload.synthetic", fromlist=["x"]).
                            reuse_statistics(sources[("skewed", max(batches))]["trace"], lru_layers=4))
     result["skewed_trace_stats"] = skewed_trace
 
@@ -588,7 +588,7 @@ def main() -> None:
 
     # SERE on vs off at the largest batch: distinct experts per layer-step and misses
     def sere_section(name: str, b: int):
-        from harness.techniques.sere import reroute
+        from harness.techniques.sere.reroute import reroute
 
         src = sources[(name, b)]
         g = torch.Generator().manual_seed(args.seed + 11)

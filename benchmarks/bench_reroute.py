@@ -19,7 +19,7 @@ the op would between two MoE layers):
 - ``old_op`` / ``new_op``: a graph of 16 calls, replay time / 16 (device time of one op, launch amortised);
 - ``new_prefill_graph``: ``new`` in a graph with an all-False mask (a prefill-only step replayed from a
   graph, where the host cannot skip the op: P is empty and the similarity is never read).
-  Eager prefill-only steps skip the op on the host (``harness.techniques.sere_graphs``): 0 µs.
+  Eager prefill-only steps skip the op on the host (``harness.techniques.sere.graphs``): 0 µs.
 
 Prints a table and writes ``results/benchmarks/reroute_primary.json`` (environment, shapes, dtypes, rows;
 each T is measured in its own guarded section, so one failure keeps the rest). ~1-2 min on one H200.
@@ -101,7 +101,7 @@ def guarded(row, key, fn):
 
 def measure(num_tokens, args, device, timer, failures):
     from harness.kernels.reroute import reroute_triton
-    from harness.techniques.sere import reroute, reroute_stats
+    from harness.techniques.sere.reroute import reroute, reroute_stats
 
     cuda = device == "cuda"
     ids_dtype = getattr(torch, args.ids_dtype)
@@ -177,7 +177,7 @@ def print_table(rows, args, device_name):
 
 
 def run(args) -> int:
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"

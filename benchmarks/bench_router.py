@@ -41,7 +41,7 @@ def main() -> int:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
     from harness.kernels.router import router_reference, router_triton
 
     device = "cuda" if cuda else "cpu"

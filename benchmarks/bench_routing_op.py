@@ -57,7 +57,7 @@ def build_variants(tokens: int, layers: int, device: str):
     from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
                                                fused_routing_triton)
     from harness.kernels.reroute import reroute_triton
-    from harness.techniques.sere_graphs import RoutingCounters, StepRows, route
+    from harness.techniques.sere.graphs import RoutingCounters, StepRows, route
 
     g = torch.Generator().manual_seed(tokens)
     logits = [(torch.randn(tokens, E, generator=g) * 2).to(device=device, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@
     python benchmarks/bench_sere_union.py [--batches 1,2,4,8,16,32,64,128] [--steps 8] [--layers 48]
 
 A random-initialised model with Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8) decodes ``--steps``
-tokens for B prompts; SERE's hooks (``harness.engines.hf_sere``) count, per layer and decode step, the
+tokens for B prompts; SERE's hooks (``harness.engines.hf.sere``) count, per layer and decode step, the
 distinct experts the batch routes to before re-routing and after it. Rows: SERE off (k_primary = top-k:
 nothing moves), K = 2 and K = 1 with ρ = 0 — the upper bound of the saving: every secondary slot moves into
 the primary union P, so the union after re-routing is |P ∪ protected| whatever the similarity matrix
@@ -39,10 +39,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_sere_union needs a CUDA GPU (a 30B-shaped model)")
 
-    from harness.engines.hf_sere import install_sere
-    from harness.envinfo import collect_environment
+    from harness.engines.hf.sere import install_sere
+    from harness.results.envinfo import collect_environment
     from harness.models.real_shapes import random_qwen3_moe
-    from harness.techniques.sere_calibration import find_moe_blocks
+    from harness.techniques.sere.calibration import find_moe_blocks
 
     t0 = time.perf_counter()
     model = random_qwen3_moe(num_layers=args.layers)

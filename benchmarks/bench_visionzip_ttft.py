@@ -3,7 +3,7 @@
     python benchmarks/bench_visionzip_ttft.py [--images 30 --size 448 --keeps 1.0,0.7,0.6,0.5 --repeats 5]
 
 The request is what the seed's workload looks like: ``--images`` images of ``--size`` px (half text-dense,
-half plain scenes, drawn by ``harness.datasets.synthetic``) inside the RAG-IGBench prompt. TTFT here is the
+half plain scenes, drawn by ``harness.datasets.synthetic.rag_igbench``) inside the RAG-IGBench prompt. TTFT here is the
 GPU part of time-to-first-token — inputs already on the device, then (VisionZip on) vision tower + importance
 + selection + pruned prefill, or (off) the stock prefill, until the first token exists — measured with a
 device synchronisation on each side; the CPU pre-processing (identical for every keep) is reported apart.
@@ -52,9 +52,9 @@ def main() -> None:
         raise SystemExit("bench_visionzip_ttft needs a CUDA GPU (a 31B-shaped model)")
 
     from harness.datasets.rag_igbench import render_prompt
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
-    from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
-    from harness.envinfo import collect_environment
+    from harness.datasets.synthetic.rag_igbench import plain_scene_image, text_dense_image
+    from harness.engines.hf.visionzip import prepare_visionzip_inputs, visionzip_generation
+    from harness.results.envinfo import collect_environment
     from harness.models.real_shapes import random_qwen3_vl_moe
     from harness.models.tiny import TinyModelSpec, build_processor, build_tokenizer
 

@@ -1,4 +1,4 @@
-"""GPU check of the expert-offload mechanism (harness/offload): correctness first, then the copy path's speed.
+"""GPU check of the expert-offload mechanism (harness/techniques/offload): correctness first, then the copy path's speed.
 
     python benchmarks/check_offload_gpu.py            # CUDA (~1-2 min on one H200)
     python benchmarks/check_offload_gpu.py --smoke    # CPU: same code, tiny sizes
@@ -41,7 +41,7 @@ PROMPTS = ["hello there", "旅游 美食 推荐", "describe the city at night", 
 
 
 def engine(device, dtype, offload=None, max_new=16, impl="auto"):
-    from harness.engines.hf import HFEngine
+    from harness.engines.hf.engine import HFEngine
     from harness.models.trained import trained_checkpoint
 
     path, _ = trained_checkpoint()
@@ -112,10 +112,10 @@ def skewed_trace(steps, layers, experts, k, seed=0):
 
 
 def section_copies(device, smoke):
-    from harness.offload.cache import ExpertCache
-    from harness.offload.policy import Geometry, PolicyContext, make_policy
-    from harness.offload.simulate import replay
-    from harness.offload.store import ExpertStore, Mover
+    from harness.techniques.offload.cache import ExpertCache
+    from harness.techniques.offload.policy import Geometry, PolicyContext, make_policy
+    from harness.techniques.offload.simulate import replay
+    from harness.techniques.offload.store import ExpertStore, Mover
 
     layers, experts, k, cap, hidden, inter, steps = (2, 16, 4, 6, 64, 32, 20) if smoke else (8, 128, 8, 40, 2048,
                                                                                             768, 200)
@@ -155,7 +155,7 @@ def section_copies(device, smoke):
 def section_budget(device):
     if device != "cuda":
         return {"skipped_reason": "no CUDA device"}
-    from harness.offload.experts import OffloadRuntime
+    from harness.engines.hf.offload import OffloadRuntime
 
     # what a run does: the experts' device memory was freed (to the allocator's cache) just before the budget is set
     cached = torch.empty(int(3e9), dtype=torch.uint8, device="cuda")

@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 
 
 def make_engine(device: str, max_new: int, graph_states: int = 3):
-    from harness.engines.hf import HFEngine
+    from harness.engines.hf.engine import HFEngine
     from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
     path = ensure_tiny_model(TinyModelSpec())

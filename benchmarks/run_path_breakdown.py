@@ -5,7 +5,7 @@
 
 Why ablation: kernels inside a CUDA graph cannot be timed one by one without the profiler's own overhead, so each
 decode step (the engine's two CUDA paths: the manual graph of the eager step, and the compiled regions of
-``harness.engines.hf_compile`` inside the same manual graph) is captured four times — full, MoE blocks stubbed
+``harness.engines.hf.compiled`` inside the same manual graph) is captured four times — full, MoE blocks stubbed
 (``mlp`` returns zeros), attention stubbed (``self_attn`` returns zeros), both stubbed — and each graph's replay is
 timed with CUDA events (median of ``--steps``). MoE ≈ full − no-MoE, attention ≈ full − no-attention, other =
 both stubbed (embedding, norms, residual adds, lm_head, argmax). The parts need not add up exactly to the full step
@@ -102,7 +102,9 @@ KERNEL_SETS = ("stock", "attn", "all")
 def set_kernels(model, kset: str) -> None:
     """Put ``model``'s decode kernels in the state ``kset`` names (see ``--kernels``). A router compiled as a region
     by an earlier variant stays the kernel's fallback for long passes (decode passes take the kernel)."""
-    from harness.engines import hf_attention_decode, hf_decode_forward, hf_router
+    from harness.engines.hf import attention_decode as hf_attention_decode
+    from harness.engines.hf import decode_forward as hf_decode_forward
+    from harness.engines.hf import router as hf_router
     from harness.kernels import fused_moe_small
 
     if kset not in KERNEL_SETS:
@@ -202,9 +204,9 @@ def main() -> int:
     if cuda is None:
         return 0
     from bench_decode_step import Decoder
-    from harness.engines import hf_experts
-    from harness.engines.hf_compile import compile_regions, decoding, dynamo_counters
-    from harness.envinfo import collect_environment
+    from harness.engines.hf import experts as hf_experts
+    from harness.engines.hf.compiled import compile_regions, decoding, dynamo_counters
+    from harness.results.envinfo import collect_environment
     from harness.models.real_shapes import build_shapes_model, shapes_config
 
     hf_experts.register()

@@ -109,7 +109,7 @@ def free(cuda: bool) -> None:
 def install_variant(model, sims, variant: str, k: int):
     """The SERE handle of one variant (None for ``off``)."""
     from bench_decode_step import sere_op
-    from harness.engines.hf_sere import install_sere
+    from harness.engines.hf.sere import install_sere
 
     if variant == "off":
         return None
@@ -124,7 +124,7 @@ def install_variant(model, sims, variant: str, k: int):
 
 def section_sere(args, cuda: bool, result: dict, save, over_budget) -> None:
     from bench_decode_step import QWEN3_30B_A3B, SMOKE, Decoder, build_model, random_similarities, run_graph, set_impl
-    from harness.engines import hf_experts
+    from harness.engines.hf import experts as hf_experts
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"
@@ -182,7 +182,7 @@ def engine_decoder_rows(model, sims, args, cuda: bool, sec: dict, save, over_bud
     """The engine's own decode loop (``hf_graphs.StaticGreedyDecoder``, as ``engine.decode_path=graph`` runs it):
     TPOT = (last token − first token) / (steps − 1) from its CUDA-event clock, 64 tokens after a 64-token prompt,
     after a 2-token generation that captures the graph (as the engine's warm-up does)."""
-    from harness.engines.hf_graphs import StaticGreedyDecoder
+    from harness.engines.hf.graphs import StaticGreedyDecoder
 
     device = "cuda" if cuda else "cpu"
     new_tokens = 64 if cuda else 4
@@ -225,7 +225,7 @@ def engine_decoder_rows(model, sims, args, cuda: bool, sec: dict, save, over_bud
 def make_engine(cuda: bool, keep: float, max_new_tokens: int):
     """``HFEngine`` as ``python -m harness model=qwen3_vl_30b_a3b_shapes dataset=synthetic_load
     engine.decode_path=graph visionzip.keep=<keep>`` builds it (configs as plain namespaces, no Hydra)."""
-    from harness.engines.hf import HFEngine
+    from harness.engines.hf.engine import HFEngine
 
     engine_cfg = SimpleNamespace(device="auto", dtype="auto", batch_size=1, attn_implementation="sdpa",
                                  experts_implementation="auto", cuda_graphs=True, decode_path="graph", warmup=1,
@@ -238,7 +238,7 @@ def make_engine(cuda: bool, keep: float, max_new_tokens: int):
 
 
 def requests(n: int, n_images: int, side: int, prompt_tokens: int):
-    """The run's own requests: ``harness.datasets.synthetic_load.load`` → ``Request`` as ``harness/run.py`` makes them."""
+    """The run's own requests: ``harness.datasets.synthetic_load.load`` → ``Request`` as ``harness/run/experiment.py`` makes them."""
     from harness.datasets.synthetic_load import load
     from harness.engines.base import Request
 
@@ -249,11 +249,11 @@ def requests(n: int, n_images: int, side: int, prompt_tokens: int):
 
 def stages(engine, req, keep: float, cuda: bool) -> dict:
     """One request's stage times with the engine's own functions (see the module doc)."""
-    from harness.engines.hf_direct import build_inputs
-    from harness.engines.hf_graphs import StaticGreedyDecoder
-    from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
+    from harness.engines.hf.direct import build_inputs
+    from harness.engines.hf.graphs import StaticGreedyDecoder
+    from harness.engines.hf.visionzip import prepare_visionzip_inputs, visionzip_generation
 
-    from harness.engines import hf_direct
+    from harness.engines.hf import direct as hf_direct
 
     model, out = engine.model, {}
     build = lambda: build_inputs([req], model.config, engine.processor.tokenizer,  # noqa: E731
@@ -317,7 +317,7 @@ def section_ttft(args, cuda: bool, result: dict, save, over_budget) -> None:
             engine.warmup([reqs[0]])
             gens = [engine.generate_batch([r])[0] for r in reqs[1:]]
             row["engine_ttft"] = med([g.ttft_ms for g in gens if g.ttft_ms is not None])
-            from harness.engines import hf_direct
+            from harness.engines.hf import direct as hf_direct
 
             hf_direct.DEVICE_PATCHIFY = False   # the engine as run_path.md measured it (host patchify)
             try:
@@ -413,7 +413,7 @@ def main() -> int:
             args.batches = "1,4"
         args.steps = min(args.steps, 3)
         args.repeats = min(args.repeats, 2)
-    from harness.envinfo import collect_environment
+    from harness.results.envinfo import collect_environment
 
     out = args.out or (Path("/tmp/run_path_gaps_smoke.json") if args.smoke
                        else ROOT / "results" / "benchmarks" / "run_path_gaps.json")

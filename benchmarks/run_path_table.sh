@@ -18,7 +18,7 @@
 #   4. benchmarks/run_path_breakdown.py: MoE / attention / other per step (compiled step), stock vs the engine's
 #      decode kernels, with a torch.profiler kernel-family split.
 #   then benchmarks/run_path_collect.py builds results/benchmarks/run_path.json / .md with the goals marked.
-# Needs on the GPU box: hydra-core, omegaconf, antlr4 (+ metric wheels: harness.scoring imports them lazily):
+# Needs on the GPU box: hydra-core, omegaconf, antlr4 (+ metric wheels: harness.metrics.scoring imports them lazily):
 #   ../shared/device/wheels.sh core metrics. wandb is not needed (wandb.mode=disabled imports nothing).
 set -u
 cd "$(dirname "$0")/.."

@@ -4,8 +4,8 @@
 few steps). Why one script: the lead has one GPU call for the v2 recipe; the tiny model leaves an H200 mostly
 idle, so 3-4 recipes (``harness/models/train_recipes.py``) train at once as forked processes sharing one data
 pool (built once, before any process touches CUDA). Each child then evaluates its own checkpoint with
-:mod:`harness.models.eval_tiny` — the harness's engine, VisionZip / SERE / top-K code and metrics — so the
-numbers are the ones ``tests/test_sensitivity.py`` asserts.
+:mod:`harness.commands.eval_tiny` — the harness's engine, VisionZip / SERE / top-K code and metrics — so the
+numbers are the ones ``tests/run/test_sensitivity.py`` asserts.
 
 Each variant works in ``WORK/<variant>/``: ``ckpt/`` (the harness checkpoint), ``heldout.json`` (held-out
 metrics and every answer), ``log.txt``; at the end each is packed into ``OUT/<variant>.tar.gz`` (the device
@@ -61,7 +61,7 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         # a fresh process: the harness's code path exactly (training patched the vision tower's helpers)
-        cmd = [sys.executable, "-m", "harness.models.eval_tiny", str(out / "ckpt"), "--out", str(out / "heldout.json"),
+        cmd = [sys.executable, "-m", "harness.commands.eval_tiny", str(out / "ckpt"), "--out", str(out / "heldout.json"),
                "--device", device, "--deadline", str(deadline)]
         for key, value in eval_sizes.items():
             cmd += [f"--{key.replace('_', '-')}", ",".join(value) if isinstance(value, tuple) else str(value)]
@@ -71,7 +71,7 @@ def _child(variant: str, train_argv: list[str], pools, out: Path, deadline: floa
         signal.signal(signal.SIGTERM, lambda *_: (proc.terminate(), sys.exit(1)))  # the parent's budget stop
         if proc.wait():
             raise RuntimeError(f"evaluation exited with {proc.returncode}")
-        from harness.models.eval_tiny import format_table
+        from harness.commands.eval_tiny import format_table
 
         res = json.loads((out / "heldout.json").read_text(encoding="utf-8"))
         info = json.loads((out / "ckpt" / "harness_model.json").read_text(encoding="utf-8"))
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: a few steps, tiny pool, tiny evaluation")
     ap.add_argument("--summarize", action="store_true",
                     help="no training: rebuild summary.json and the table from OUT/<variant>/heldout.json (after "
-                         "`python -m harness.models.eval_tiny --rescore OUT/<variant>/heldout.json`)")
+                         "`python -m harness.commands.eval_tiny --rescore OUT/<variant>/heldout.json`)")
     args = ap.parse_args(argv)
     if args.summarize:  # --work = the unpacked <variant>/ folders
         variants = [v for v in args.variants.split(",") if (args.work / v).is_dir()]

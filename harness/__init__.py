@@ -5,3 +5,7 @@ pulls in nothing beyond torch/triton.
 """
 
 __version__ = "0.1.0"
+
+from harness import _moved
+
+_moved.install()  # old module paths (before the folder moves of issue 24) keep importing for one release

@@ -1,7 +1,7 @@
 """``python -m harness [overrides]``: compose the Hydra config and run one experiment (or a sweep with -m).
 
 Exit codes: 0 done; 2 the configuration or the data was refused before any model loaded (one line on stderr
-naming the key, the value and what is allowed: :mod:`harness.validate`), including Hydra's own composition
+naming the key, the value and what is allowed: :mod:`harness.run.validate`), including Hydra's own composition
 errors (a misspelt key, a wrong type, an unknown option), which Hydra would print over several lines with
 exit code 1; anything else is a crash (traceback, exit code 1).
 """
@@ -16,8 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from harness.config import register_configs
-from harness.paths import CONF_DIR  # noqa: F401 (also importable as harness.cli.CONF_DIR)
+from harness.config.schema import register_configs
+from harness.config.paths import CONF_DIR  # noqa: F401 (also importable as harness.cli.CONF_DIR)
 
 register_configs()
 
@@ -26,12 +26,12 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from harness.datasets.base import DatasetError
     from harness.latency.device_lock import UnsafeLockDir
-    from harness.outcome import console_summary
+    from harness.run.outcome import console_summary
     from harness.engines.base import TechniqueNotAvailable
-    from harness.run import run_experiment
-    from harness.run_state import RunDirLocked
-    from harness.techniques.sere_graphs import SereNotEngaged
-    from harness.validate import ConfigError
+    from harness.run.experiment import run_experiment
+    from harness.run.state import RunDirLocked
+    from harness.techniques.sere.graphs import SereNotEngaged
+    from harness.run.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -50,7 +50,7 @@ def entry() -> None:
     Hydra catches every exception itself unless ``HYDRA_FULL_ERROR`` is set, so it is set here (unless the user
     chose a value) and the exceptions Hydra raises while composing come back to this function; any other
     exception propagates with its full traceback."""
-    from harness.validate import hydra_error_line
+    from harness.run.validate import hydra_error_line
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

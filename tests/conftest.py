@@ -34,19 +34,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # them at the end (alphabetically, test_sensitivity.py would start last). Seconds per module in a run on two
 # loaded cores (pytest --durations, 2026-12-02; all the other modules together: ~900 s).
 LONGEST_FIRST = (
-    "tests/test_sensitivity.py",                  # 2,620 s: the trained model, ~10 runs of 12 requests
-    "tests/engines/test_hf_decode_forward.py",    # 1,000 s with 7 interpreted decode steps, ~450 s with 3
+    "tests/run/test_sensitivity.py",                  # 2,620 s: the trained model, ~10 runs of 12 requests
+    "tests/engines/hf/test_hf_decode_forward.py",    # 1,000 s with 7 interpreted decode steps, ~450 s with 3
     "tests/test_wheel.py",                        # 360 s
-    "tests/test_config.py",                       # 355 s
-    "tests/test_crash.py",                        # 220 s
+    "tests/config/test_config.py",                       # 355 s
+    "tests/run/test_crash.py",                        # 220 s
     "tests/kernels/test_sere_stats.py",           # 220 s
     "tests/engines/test_real_shapes.py",          # 210 s
-    "tests/engines/test_hf_experts.py",           # 205 s
+    "tests/engines/hf/test_hf_experts.py",           # 205 s
     "tests/kernels/test_reroute.py",              # 205 s
-    "tests/engines/test_hf_attention_decode.py",  # 200 s
-    "tests/test_run.py",                          # 185 s
-    "tests/test_sweeps.py",                       # 180 s
-    "tests/offload/test_cli_offload.py",          # 175 s
+    "tests/engines/hf/test_hf_attention_decode.py",  # 200 s
+    "tests/run/test_experiment.py",                          # 185 s
+    "tests/run/test_sweeps.py",                       # 180 s
+    "tests/techniques/offload/test_cli_offload.py",          # 175 s
 )
 
 

@@ -7,7 +7,7 @@ level, inside functions, under ``if`` or ``try`` — because a function-level im
 and hiding a circle inside a function is what the issue asks to stop. ``from x import y`` is an edge to
 ``x.y`` when ``y`` is a submodule, else to ``x``; relative imports are resolved against the importing
 module's package. Not counted: the registries' lazy ``"module:attr"`` strings (``harness/engines``,
-``harness/datasets``, ``harness/offload/policy``) — a registry names its entries by design — and the implicit
+``harness/datasets``, ``harness/techniques/offload/policy``) — a registry names its entries by design — and the implicit
 import of parent packages, and imports under a module-level ``if __name__ == "__main__":`` (they run only when
 the file is executed as a script, i.e. as a different module, ``__main__``: an old ``python -m`` entry point
 that forwards to the module its command moved to keeps working without importing it). Only edges inside the
@@ -54,48 +54,31 @@ FLOORS: dict[str, int] = {
     "cli": 11,
 }
 
-# Module-name prefix → room; the longest prefix wins.
+# Module-name prefix → room; the longest prefix wins. Since the folder moves every room is a folder (or the
+# package's own top: the CLI), so the room of a module is read off its path.
 ROOM_OF_PREFIX: dict[str, str] = {
     "harness": "base",
     "harness.__main__": "cli",
     "harness.cli": "cli",
     "harness.redact": "base",
     "harness.config": "config",
-    "harness.paths": "config",
-    "harness.validate_checks": "config",
-    "harness.compat": "engines",
     "harness.engines": "engines",
     "harness.kernels": "kernels",
     "harness.models": "models",
     "harness.datasets": "datasets",
     "harness.metrics": "metrics",
-    "harness.scoring": "metrics",
     "harness.latency": "latency",
     "harness.techniques": "techniques",
-    "harness.offload": "techniques",
     "harness.results": "results",
-    "harness.envinfo": "results",
-    "harness.tracking": "results",
-    "harness.report": "report",  # report.py and report_*.py
-    "harness.run": "run_loop",
-    "harness.run_state": "run",
-    "harness.cache": "run",
-    "harness.progress": "run",
-    "harness.logs": "run",
-    "harness.outcome": "run",
-    "harness.validate": "run",  # validate.py, validate_latency.py, validate_offload.py
+    "harness.report": "report",
+    "harness.run": "run",
+    "harness.run.experiment": "run_loop",
     "harness.opencompass": "opencompass",
+    "harness.commands": "commands",
 }
 
-# Modules the layout moves wholesale to another room: judged by the room they are headed for.
-ROOM_OVERRIDES: dict[str, str] = {
-    "harness.validate_checks": "config",  # → config/checks.py
-    "harness.engines.vllm.disagg": "commands",  # → commands/vllm_disagg.py
-    "harness.models.adopt_checkpoint": "commands",  # → commands/adopt_checkpoint.py
-    "harness.models.eval_tiny": "commands",  # → commands/eval_tiny.py
-    "harness.techniques.offload_trace": "commands",  # → commands/offload_trace.py
-    "harness.offload.experts": "engines",  # → engines/hf/offload.py (the HF engine's offloaded MoE forward)
-}
+# Modules judged by another room than their folder's (none since the folder moves of issue 24).
+ROOM_OVERRIDES: dict[str, str] = {}
 
 TECHNIQUES = ("techniques",)
 ABOVE_RUN = ("run", "run_loop", "cli", "commands", "report", "opencompass")
@@ -220,12 +203,7 @@ def room_of(module: str) -> str:
     while name:
         if name in ROOM_OF_PREFIX:
             return ROOM_OF_PREFIX[name]
-        # flat modules named like their room: report_markdown → harness.report, validate_offload → harness.validate
-        head, _, tail = name.rpartition(".")
-        stem = tail.split("_")[0]
-        if f"{head}.{stem}" in ROOM_OF_PREFIX and f"{head}.{stem}" != name:
-            return ROOM_OF_PREFIX[f"{head}.{stem}"]
-        name = head
+        name = name.rpartition(".")[0]
     raise KeyError(module)
 
 

@@ -39,7 +39,7 @@ def get_loader(name: str):
 
 def load_samples(cfg, root: Path | None = None) -> Iterator[Sample]:
     """Samples of the configured dataset; relative paths resolve from ``root`` (default: the working directory,
-    see :mod:`harness.paths`; bundled samples are named with ``${harness_pkg:...}`` and are absolute)."""
+    see :mod:`harness.config.paths`; bundled samples are named with ``${harness_pkg:...}`` and are absolute)."""
     return get_loader(cfg.name)(cfg, root or Path.cwd())
 
 

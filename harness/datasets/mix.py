@@ -56,7 +56,7 @@ def _plain(value: Any) -> Any:
 
 def source_config(tag: str, settings: Any, seed: int):
     """A :class:`DatasetConfig` for one source (unknown keys such as ``format`` kept as attributes)."""
-    from harness.config import DatasetConfig
+    from harness.config.schema import DatasetConfig
 
     settings = _plain(settings)
     if settings is not None and not isinstance(settings, dict):

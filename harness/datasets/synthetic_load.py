@@ -4,12 +4,12 @@ Why: TTFT and TPOT depend on shapes — number of images, image size, prompt len
 not on what the text says. A real-shape random model (``model=qwen3_vl_30b_a3b_shapes``) has no tokenizer and a
 benchmark's prompts have lengths nobody chose, so this loader makes ``num_requests`` requests of
 ``n_images`` seeded noise images of ``image_width`` × ``image_height`` pixels followed by ``prompt_tokens``
-seeded token ids (a ``synthetic_tokens`` part: the HF engine's tokenizer-free path, ``harness.engines.hf_direct``,
+seeded token ids (a ``synthetic_tokens`` part: the HF engine's tokenizer-free path, ``harness.engines.hf.direct``,
 draws them from the model's ordinary vocabulary). The output length is ``output_tokens``: the
 ``generation=synthetic_load`` group this dataset selects sets ``generation.max_new_tokens`` to it and
 ``generation.ignore_eos=true``, so every request decodes exactly that many tokens and TPOT is over a known count.
 
-Scoring: task ``no_reference`` — every quality metric is null with the reason stated (``harness.scoring``), never
+Scoring: task ``no_reference`` — every quality metric is null with the reason stated (``harness.metrics.scoring``), never
 0: there is nothing to compare an answer with.
 """
 

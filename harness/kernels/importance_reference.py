@@ -1,6 +1,6 @@
 """VisionZip's importance score, plain-torch reference of the kernel ``harness.kernels.importance``: the
 attention each patch receives at one vision layer (column sums over queries, mean over heads; each segment
-averages 1 — the convention is described in :mod:`harness.techniques.visionzip`, which re-exports
+averages 1 — the convention is described in :mod:`harness.techniques.visionzip.pruning`, which re-exports
 :func:`attention_received`). It lives beside the kernel so that a kernel imports no technique
 (``shared/notes/layout.md``). Imports: torch only.
 """

@@ -1,7 +1,7 @@
 """Fused SERE re-routing: primary union, nearest primary expert, threshold and protection.
 
 Semantics are those of the reference ``harness.kernels.reroute_reference.reroute`` (the algorithm:
-``harness.techniques.sere``'s module doc); this op must equal it id for id, ties included (lowest expert id
+``harness.techniques.sere.reroute``'s module doc); this op must equal it id for id, ties included (lowest expert id
 wins).
 
 Why two kernels. The primary set P (experts in the first ``k_primary`` slots of the masked-in rows) is a
@@ -24,7 +24,7 @@ ids) the per-slot kernel still builds P itself (``FUSED_P``): one launch instead
 forces either path (the benchmark compares them at every T).
 
 A step without decode rows needs no re-routing at all: callers that know it on the host skip the op
-(``harness.techniques.sere_graphs``); under a CUDA graph, where nothing is known on the host, such a step
+(``harness.techniques.sere.graphs``); under a CUDA graph, where nothing is known on the host, such a step
 gives P = {} and the similarity is never read (masked loads), so only the ids are copied.
 
 No host sync, fixed shapes: it can sit in a CUDA graph before the fused MoE (the scratch comes from the

@@ -2,7 +2,7 @@
 it id for id, ties included): the argument check both share, the primary set and the re-routing itself.
 
 The algorithm and its conventions (float32 comparisons, NaN/-inf never attract, out-of-range ids, protection,
-``row_mask``) are described in :mod:`harness.techniques.sere`, which re-exports these names; they live here,
+``row_mask``) are described in :mod:`harness.techniques.sere.reroute`, which re-exports these names; they live here,
 beside the kernel, so that a kernel imports no technique (``shared/notes/layout.md``).
 
 No host synchronisation and no data-dependent shapes (the primary set is built with a scatter), so this is

@@ -1,7 +1,7 @@
 """The latency measurement protocol (``latency.*`` keys, docs/latency.md), engine-agnostic.
 
 One latency pass is not a measurement: a shape the warm-up did not cover pays compilation or graph capture
-inside a timed batch, and one pass has no spread. The run (``harness/run.py``) hands its batches to
+inside a timed batch, and one pass has no spread. The run (``harness/run/experiment.py``) hands its batches to
 :class:`harness.latency.runner.TimedBatches`, which
 
 * warms up one batch per shape key (:mod:`harness.latency.shapes`: batch size, prompt-length bucket, technique

@@ -1,6 +1,6 @@
 """The timed loop, for any engine: warm-up per shape, verified timed batches, repeated passes.
 
-:class:`TimedBatches` is what ``harness/run.py`` calls instead of ``engine.generate_batch`` for the batches it
+:class:`TimedBatches` is what ``harness/run/experiment.py`` calls instead of ``engine.generate_batch`` for the batches it
 times. It keeps every timing it took (``samples``: one per request and pass), every batch it did not trust
 (``events``) and the shape keys it warmed, and hands ``summary.json`` its ``latency.protocol`` block. The
 engine needs only ``generate_batch``; it may offer ``warmup(requests)`` (returning the warm-up generations makes

@@ -4,7 +4,7 @@ Why: RAG-IGBench's ``clip_score`` and ``alignment`` need two neural encoders (th
 and ``TencentBAC/Conan-embedding-v1``) that CI cannot download. As with the embedded LLM
 (:mod:`harness.models.tiny`), every feature must still run for real on the embedded default, so
 ``scoring.clip_model=tiny`` / ``scoring.embed_model=tiny`` select these stand-ins. **Their weights are random**
-(``"weights": "random-init"`` in ``harness_model.json`` and in :meth:`harness.scoring.Scorer.describe`):
+(``"weights": "random-init"`` in ``harness_model.json`` and in :meth:`harness.metrics.scoring.Scorer.describe`):
 scores computed with them exercise the scoring path (image loading, preprocessing, tokenisation, pooling,
 projection, the cosine → score maps, aggregation) and mean nothing. For paper-comparable numbers use
 ``scoring=reference`` (``clip_model=ViT-L-14 clip_pretrained=openai embed_model=TencentBAC/Conan-embedding-v1``;

@@ -3,8 +3,8 @@
 Why a module of its own: the HF engine, SERE calibration and protection, the OpenCompass runner and the
 ``python -m`` tools all resolve the same three things; living here (below engines and techniques) they do so
 without a technique importing an engine or a tool importing the run loop (``shared/notes/layout.md``).
-``harness.engines.hf`` (resolve_device, resolve_dtype), ``harness.run`` (resolve_model) and
-``harness.techniques.sere_calibration`` (load_model_for_calibration) keep re-exporting the old names.
+``harness.engines.hf.engine`` (resolve_device, resolve_dtype), ``harness.run.experiment`` (resolve_model) and
+``harness.techniques.sere.calibration`` (load_model_for_calibration) keep re-exporting the old names.
 
 Only the standard library is imported at module level (torch and transformers inside the functions).
 """

@@ -1,7 +1,7 @@
 """Where a model's MoE blocks are, and which routing it carries: the model-structure helpers that SERE
 calibration and protection, the HF engine's routing hooks, expert offload and the routing-trace recorder
 all need (``shared/notes/layout.md``: ``models/moe_blocks``). They used to live in
-``harness.techniques.sere_calibration``, which still re-exports them.
+``harness.techniques.sere.calibration``, which still re-exports them.
 
 MoE blocks are found generically (Qwen3-MoE, Qwen3-VL-MoE, any module with ``.gate`` and ``.experts`` whose
 ``gate_up_proj`` is 3-D); a block's key is its decoder-layer index parsed from its module name

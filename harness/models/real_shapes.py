@@ -116,7 +116,7 @@ def shapes_config(arch: str, num_layers: int | None = None, text: dict[str, Any]
                   vision: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``config.json``-like dict of a shapes model: the real values, ``num_layers`` / ``text`` / ``vision``
     overrides on top (tests shrink the hidden size; the GPU runs use the real values). Validation
-    (``harness.validate.validate_model``) reads the same dict a real checkpoint's ``config.json`` would give."""
+    (``harness.run.validate.validate_model``) reads the same dict a real checkpoint's ``config.json`` would give."""
     if arch not in ARCHS:
         raise ValueError(f"model.shapes.arch={arch!r}: expected one of {sorted(ARCHS)}")
     text, vision = _plain(text or {}), _plain(vision or {})
@@ -239,7 +239,7 @@ class ShapesTokenizer:
 
 class ShapesProcessor:
     """Stands where an ``AutoProcessor`` would: only ``.tokenizer``; images are patchified by
-    :mod:`harness.engines.hf_direct` from the model's vision config."""
+    :mod:`harness.engines.hf.direct` from the model's vision config."""
 
     tokenizer_free = True
 

@@ -112,8 +112,8 @@ class TinyModelSpec:
 
 
 def default_cache_dir() -> Path:
-    """Where built models live: ``$HARNESS_CACHE/models`` (:func:`harness.paths.cache_home`)."""
-    from harness.paths import cache_home
+    """Where built models live: ``$HARNESS_CACHE/models`` (:func:`harness.config.paths.cache_home`)."""
+    from harness.config.paths import cache_home
 
     return cache_home() / "models"
 
@@ -190,7 +190,7 @@ def tokenizer_corpus(corpus: str = "base") -> list[str]:
     for template in sorted(prompts.glob("*.jinja")):
         lines += template.read_text(encoding="utf-8").splitlines()
     if corpus == "tasks":
-        from harness.datasets.synthetic_tasks import corpus_lines
+        from harness.datasets.synthetic.tasks import corpus_lines
 
         lines += corpus_lines()
     return [line for line in lines if line.strip()]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.datasets.synthetic_tasks import CELLS_KEY, MERGE_PX
+from harness.datasets.synthetic.tasks import CELLS_KEY, MERGE_PX
 
 IGNORE = -100
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 
 PATCH, TEMPORAL, MERGE = 16, 2, 2
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape

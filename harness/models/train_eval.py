@@ -1,7 +1,7 @@
 """Training-time held-out checks of the embedded model (``harness.models.train_tiny``): greedy accuracy per task
 and expert usage per task, recorded in the checkpoint's ``harness_model.json``.
 
-Why not :mod:`harness.models.eval_tiny`: these run inside the training process on the pool it already holds, in a
+Why not :mod:`harness.commands.eval_tiny`: these run inside the training process on the pool it already holds, in a
 few seconds, straight after the last step; ``eval_tiny`` is the full evaluation through the harness's engine and
 metrics, run afterwards.
 """

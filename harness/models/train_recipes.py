@@ -6,7 +6,7 @@ A variant is a set of defaults for train_tiny's flags; any flag given explicitly
 
 What v1 could not show (docs/embedded_model.md) and what each v2 ingredient is for:
 
-- **generator 2** (:mod:`harness.datasets.synthetic_tasks`): every glyph and every shape alone in its own
+- **generator 2** (:mod:`harness.datasets.synthetic.tasks`): every glyph and every shape alone in its own
   32 × 32 cell (one LLM visual token), 12 capitals + 10 digits, 3-4 characters per line: reading becomes a
   per-token classification in order (v1: OCR accuracy 0), a shape question needs one token (v1: MCQ at
   chance), and text images are 75-100 % content tokens against 6-33 % for shape images, so a request-wide

@@ -164,7 +164,7 @@ def pool_counts(args: argparse.Namespace) -> dict[str, int]:
 def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, dict]:
     """(train pool, held-out pool) of the args' generator: a pure function of (generator, seed, pool, eval_n),
     so parallel recipe runs can share one (``benchmarks/train_tiny_v2.py`` builds it once and forks)."""
-    from harness.datasets import synthetic_tasks as st
+    from harness.datasets.synthetic import tasks as st
 
     st.use_generator(args.generator)
     pool = build_pool(tok_dir, config.image_token_id, pool_counts(args), "train", args.seed, args.workers, config)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     import transformers
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from harness.datasets import synthetic_tasks as st
+    from harness.datasets.synthetic import tasks as st
     from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
     from harness.models.train_cells import CellProbe, option_loss
     from harness.models.train_recipes import group_experts, task_weights_at

@@ -2,7 +2,7 @@
 
 What it is: the tiny Qwen3-VL-MoE of :mod:`harness.models.tiny` (same architecture and file conventions, a
 little larger) trained by ``python -m harness.models.train_tiny`` on the project's synthetic task suite
-(:mod:`harness.datasets.synthetic_tasks`). It reads short capital/digit text lines, answers shape questions
+(:mod:`harness.datasets.synthetic.tasks`). It reads short capital/digit text lines, answers shape questions
 and writes RAG-IGBench JSON answers for *that suite*: a machinery-level model whose scores move when a
 technique costs quality, never a real model's quality.
 

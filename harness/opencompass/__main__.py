@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from harness.config import register_configs
+from harness.config.schema import register_configs
 
 register_configs()
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     from harness.opencompass.runner import OpenCompassFailed, run_opencompass
     from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
     from harness.engines.base import TechniqueNotAvailable
-    from harness.validate import ConfigError
+    from harness.run.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

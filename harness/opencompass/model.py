@@ -1,7 +1,7 @@
 """An OpenCompass model class that generates with the harness's own HF engine, techniques applied.
 
 Why a model class of ours and not OpenCompass's ``HuggingFacewithChatTemplate``: SERE (``sere.*``) and plain
-top-K truncation (``moe.top_k``) are installed by :class:`harness.engines.hf.HFEngine` as router hooks, with
+top-K truncation (``moe.top_k``) are installed by :class:`harness.engines.hf.engine.HFEngine` as router hooks, with
 their statistics, and the engine measures TTFT/TPOT per request. Calling that engine is the only way the
 accuracy OpenCompass reports belongs to exactly the model whose TPOT the harness reports. (The
 OpenAI-compatible route would need a server around the HF engine, which the harness does not have; that
@@ -59,8 +59,8 @@ class HarnessHFModel(BaseModel):
                  trust_remote_code: bool = False, trace_path: str | None = None, max_seq_len: int = 4096,
                  meta_template: dict | None = None, **kwargs: Any):
         super().__init__(path=path, max_seq_len=max_seq_len, meta_template=meta_template)
-        from harness import compat
-        from harness.engines.hf import HFEngine
+        from harness.engines import compat
+        from harness.engines.hf.engine import HFEngine
 
         compat.install()  # .venv-opencompass has torch 2.13.0+cpu and no torchvision, as the vLLM lane
 

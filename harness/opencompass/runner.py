@@ -121,10 +121,10 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     from harness.metrics.latency import latency_summary
     from harness.opencompass.config_gen import write_config
-    from harness.results import run_block, utc_now, write_json
+    from harness.results.schema import run_block, utc_now, write_json
     from harness.models.load import resolve_model
-    from harness.tracking import log_run, sweep_info
-    from harness.validate import validate_config, validate_model
+    from harness.results.tracking import log_run, sweep_info
+    from harness.run.validate import validate_config, validate_model
 
     check_engine(cfg)
     validate_config(cfg)  # the same rules as python -m harness, before anything runs

@@ -140,7 +140,7 @@ def server_stats(server: Any) -> dict[str, Any]:
 
 
 def engine_block(server: Any) -> dict[str, Any]:
-    """``run.engine_settings`` for :func:`harness.results.run_block`: the server's engine and techniques."""
+    """``run.engine_settings`` for :func:`harness.results.schema.run_block`: the server's engine and techniques."""
     sere, moe, args = server.harness_settings
     report = server.harness_report or {}
     info: dict[str, Any] = {"engine": "vllm", "engine_version": report.get("vllm_version"),

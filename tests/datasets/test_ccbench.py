@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets.base import DatasetError, ImageLoadError
 from harness.datasets.ccbench import build_prompt, rotate
-from harness.datasets.synthetic_ocr_cc import make_ccbench_sample
+from harness.datasets.synthetic.ocr_cc import make_ccbench_sample
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "harness/datasets/bundled/ccbench_sample/CCBench_sample.tsv"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets.base import DatasetError
 
@@ -125,7 +125,7 @@ def test_sample_config_composes_and_loads():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from harness.config import register_configs
+    from harness.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets.base import DatasetError, ImageLoadError
 from harness.datasets.ocrbench import HME_TYPE, hf_row_to_sample
-from harness.datasets.synthetic_ocr_cc import make_ocrbench_sample
+from harness.datasets.synthetic.ocr_cc import make_ocrbench_sample
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "harness/datasets/bundled/ocrbench_sample"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets import ocrbench
 from harness.datasets.ocrbench import hf_row_to_sample
@@ -98,7 +98,7 @@ def test_the_loader_resolves_under_the_dataset_folder_or_image_root(layout, tmp_
 
 def test_bad_paths_are_counted_by_reason(layout):
     """The run's ``metrics.data_errors`` counts them like every other defective row."""
-    from harness.scoring import data_errors
+    from harness.metrics.scoring import data_errors
 
     root, secret = layout
     samples = [hf_row_to_sample(i, row(p), str(root), "ocrbench", root)

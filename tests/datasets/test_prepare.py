@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets import prepare
 from harness.datasets.rag_igbench import url_to_filename

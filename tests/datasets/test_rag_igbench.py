@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import DatasetConfig
+from harness.config.schema import DatasetConfig
 from harness.datasets import load_samples
 from harness.datasets.base import DatasetError, ImageLoadError, PathEscapeError, resolve_under
 from harness.datasets.rag_igbench import url_to_filename

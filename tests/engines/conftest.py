@@ -39,7 +39,7 @@ def images():
     """A text-dense, a plain-scene and a small text-dense image (rows of different token counts)."""
     import random
 
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
+    from harness.datasets.synthetic.rag_igbench import plain_scene_image, text_dense_image
 
     rng = random.Random(0)
     return [text_dense_image(rng, 128, 96), plain_scene_image(rng, 96, 64), text_dense_image(rng, 64, 64)]

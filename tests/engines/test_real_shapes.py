@@ -23,8 +23,8 @@ import torch
 
 from harness.datasets.base import DatasetError
 from harness.engines.base import Request
-from harness.engines.hf import resolve_decode_path
-from harness.engines.hf_direct import image_tokens, patchify
+from harness.engines.hf.engine import resolve_decode_path
+from harness.engines.hf.direct import image_tokens, patchify
 from harness.models.real_shapes import QWEN_SPECIAL_IDS, shapes_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ def _requests():
 def test_compiled_path_equals_eager_on_the_embedded_model(embedded_path, tmp_path, monkeypatch, decode_attention):
     """The compiled regions (inductor, CPU) in the static decoder = model.generate, token for token; with the
     Triton decode kernel (interpreter) and the packed-QKV forward, whose norm/RoPE function is one more region."""
-    from harness.engines.hf import HFEngine
+    from harness.engines.hf.engine import HFEngine
     from harness.kernels.decode_attention import triton_available
 
     if decode_attention == "triton" and not triton_available("cpu"):
@@ -199,7 +199,7 @@ def test_device_map_loads_the_embedded_model_with_the_same_tokens(embedded_path,
     """A CPU test on any machine: ``auto`` is given the CPU alone (``engine.max_memory``), else accelerate puts the
     layers on a visible GPU."""
     pytest.importorskip("accelerate")
-    from harness.engines.hf import HFEngine
+    from harness.engines.hf.engine import HFEngine
 
     gen = SimpleNamespace(max_new_tokens=6, do_sample=False)
     plain = HFEngine(str(embedded_path), engine_cfg(), gen)

@@ -21,7 +21,7 @@ from harness.kernels import fused_moe as fm
 from harness.kernels.fused_moe import (FusedMoEConfig, default_config, fused_moe, fused_moe_triton, max_tiles,
                                        triton_available)
 from harness.kernels.fused_moe_reference import fused_moe_reference
-from harness.techniques.sere import reroute
+from harness.techniques.sere.reroute import reroute
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE),

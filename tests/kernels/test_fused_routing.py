@@ -10,7 +10,7 @@ import torch
 from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
                                            fused_routing_triton)
 from harness.techniques.moe_topk import pad_routing, truncate_routing
-from harness.techniques.sere import reroute
+from harness.techniques.sere.reroute import reroute
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

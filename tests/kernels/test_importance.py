@@ -13,7 +13,7 @@ from harness.kernels.importance import (
     compute_importance,
     triton_available,
 )
-from harness.techniques.visionzip import attention_received
+from harness.techniques.visionzip.pruning import attention_received
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from harness.kernels.attention_lse import packed_lse, sdpa_with_lse, varlen_attention_with_lse
 from harness.kernels.importance import compute_importance, reference_colsums_from_lse, triton_available
-from harness.techniques.visionzip import attention_received
+from harness.techniques.visionzip.pruning import attention_received
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEGMENTS = [5, 17, 33]

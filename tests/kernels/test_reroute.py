@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.kernels.reroute import reroute_op, reroute_triton
-from harness.techniques.sere import reroute
+from harness.techniques.sere.reroute import reroute
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = -7_777
@@ -206,7 +206,7 @@ def test_more_rows_than_one_primary_tile(use_row_mask, primary):
                          ids=lambda s: "T{}-E{}-k{}".format(*s))
 def test_primary_words_equal_the_reference_primary_set(shape, use_row_mask):
     from harness.kernels.reroute import primary_words, words_to_mask
-    from harness.techniques.sere import primary_mask
+    from harness.techniques.sere.reroute import primary_mask
 
     ids, _, _, row_mask = make_case(*shape, seed=sum(shape))
     mask = row_mask if use_row_mask else None

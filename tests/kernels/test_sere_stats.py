@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.engines.hf_sere import COUNTERS, SereHandle, _Layer
+from harness.engines.hf.sere import COUNTERS, SereHandle, _Layer
 from harness.kernels.reroute import reroute_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +33,7 @@ def case(t, e, k, kp, seed, with_live, with_prot, invalid):
 @pytest.fixture(autouse=True)
 def _auto_takes_the_kernel_under_the_interpreter(monkeypatch):
     """These tests check the kernel: "auto" takes it under the interpreter here (off by default on CPU)."""
-    import harness.engines.hf_routing as hf_routing  # the hook mechanism SERE stands on reads the flag there
+    import harness.engines.hf.routing as hf_routing  # the hook mechanism SERE stands on reads the flag there
 
     monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", True)
 
@@ -120,7 +120,7 @@ def test_auto_uses_the_kernel_for_decode_sized_passes_only(monkeypatch):
     """``stats_impl="auto"``: the kernel for decode batches; a pass above FUSED_MAX_TOKENS rows keeps the torch ops."""
     import harness.kernels.sere_stats as stats_mod
 
-    import harness.engines.hf_routing as hf_routing
+    import harness.engines.hf.routing as hf_routing
 
     monkeypatch.setattr(stats_mod, "FUSED_MAX_TOKENS", 8)
     handle = SereHandle(2, 0.4, "all", True, None)

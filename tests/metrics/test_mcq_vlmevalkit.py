@@ -138,7 +138,7 @@ def test_scorer_uses_the_configured_rule():
     from types import SimpleNamespace
 
     from harness.datasets.base import Sample
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     sample = Sample(uid="q", dataset="ccbench", task="mcq", content=[], images=[],
                     reference={"options": OPTS, "answer": "B", "group": "0", "category": "x"})

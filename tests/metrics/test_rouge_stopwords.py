@@ -44,7 +44,7 @@ def _answer(text):
 
 def test_scorer_passes_and_records_the_choice(tmp_path):
     from harness.datasets.base import Sample
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     sample = Sample(uid="s", dataset="rag", task="rag_igbench", content=[], images=[],
                     reference={"answer": "你的北京很大", "n_candidates": 0})

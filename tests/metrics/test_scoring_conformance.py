@@ -27,7 +27,7 @@ def compose_cfg():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from harness.config import register_configs
+    from harness.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -96,7 +96,7 @@ def test_the_strict_treatment_is_an_option():
 
 
 def test_reference_faults_count_under_data_errors_in_both_treatments():
-    from harness.scoring import data_errors
+    from harness.metrics.scoring import data_errors
 
     for mode in ("score", "error"):
         recs = [{"task": "rag_igbench", "scores": rb.score_sample(PRED, REF, 3, reference_faults=mode)},
@@ -138,7 +138,7 @@ def _cfg(**kw):
 
 
 def test_run_scoring_names_rule_revision_population_and_departures():
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     d = Scorer(_cfg()).describe()
     assert (d["stopwords"], d["mcq_extraction"], d["reference_faults"], d["image_zero"]) == (
@@ -162,8 +162,8 @@ def test_run_scoring_names_rule_revision_population_and_departures():
 
 
 def test_the_composed_defaults_are_the_public_ones_and_pass_validation(compose_cfg):
-    import harness.validate as v
-    from harness.scoring import Scorer
+    import harness.run.validate as v
+    from harness.metrics.scoring import Scorer
 
     cfg = compose_cfg()
     assert cfg.scoring.mcq_extraction == "vlmevalkit" and cfg.scoring.reference_faults == "score"

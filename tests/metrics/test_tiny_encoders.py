@@ -140,7 +140,7 @@ def test_tiny_clip_builds_and_scores_without_open_clip(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "open_clip", None)  # `import open_clip` raises ImportError
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
     scorer = Scorer(_cfg(clip_model="tiny"))
@@ -190,7 +190,7 @@ def _cfg(**kw):
 
 
 def test_scorer_tiny_builds_lazily_and_describes_random_weights(tmp_path, monkeypatch):
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
     scorer = Scorer(_cfg(clip_model="tiny", clip_pretrained="openai", embed_model="tiny"))
@@ -209,7 +209,7 @@ def test_scorer_tiny_builds_lazily_and_describes_random_weights(tmp_path, monkey
 
 
 def test_scorer_describes_other_settings(tiny_embedder):
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     plain = Scorer(_cfg()).describe()
     assert plain == {"clip_model": None, "clip_pretrained": None, "clip_weights": None,
@@ -230,7 +230,7 @@ def test_scorer_describes_other_settings(tiny_embedder):
 
 
 def test_score_sample_through_scorer_with_tiny_models(tmp_path, monkeypatch):
-    from harness.scoring import Scorer
+    from harness.metrics.scoring import Scorer
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
     scorer = Scorer(_cfg(clip_model="tiny", embed_model="tiny"))

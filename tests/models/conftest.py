@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 
 
 @pytest.fixture

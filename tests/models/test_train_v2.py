@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 
 
 def content_cells(img, threshold: int = 60) -> np.ndarray:
@@ -54,7 +54,7 @@ def test_generator_choice_changes_items_and_split_keys_stay_disjoint(generator2)
 
 
 def test_bundle_records_its_generator_version(tmp_path, generator2):
-    from harness.datasets.synthetic_bundle import bundle
+    from harness.datasets.synthetic.bundle import bundle
 
     bundle(str(tmp_path))
     assert (tmp_path / "GENERATOR").read_text().strip() == "2"
@@ -109,7 +109,7 @@ def test_grouped_expert_init_makes_near_duplicates():
 
 
 def test_adopt_refuses_other_formats_and_adopts_a_good_one(tmp_path):
-    from harness.models.adopt_checkpoint import adopt
+    from harness.commands.adopt_checkpoint import adopt
     from harness.models.trained import CHECKPOINT
 
     dst = tmp_path / "dst"
@@ -145,7 +145,7 @@ def test_adopt_refuses_other_formats_and_adopts_a_good_one(tmp_path):
 
 
 def test_headline_and_table_read_the_evaluator_results():
-    from harness.models.eval_tiny import format_table, headline
+    from harness.commands.eval_tiny import format_table, headline
 
     res = {"ocr": {"keep1.0": {"metrics": {"ocrbench_accuracy": 0.9}}, "keep0.25": {"metrics": {"ocrbench_accuracy": 0.1}}},
            "mix": {"request": {"visionzip": {"by_source": {"ocrbench": {"keep_rate": 0.8}, "ccbench": {"keep_rate": 0.3}}}}},
@@ -166,7 +166,7 @@ def test_generator2_lets_a_request_budget_favour_text_under_focused_attention(ge
     import torch
 
     from harness.models.train_data import patchify
-    from harness.techniques.visionzip import select_tokens
+    from harness.techniques.visionzip.pruning import select_tokens
 
     def scores(img, mass=0.95):
         p = patchify(np.asarray(img.convert("RGB"))).reshape(-1, 3, 512).astype(int)

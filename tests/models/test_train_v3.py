@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 
 
 def test_attr_example_is_the_mcq_question_without_options_answered_by_the_word(generator2):

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 from harness.models.train_cells import IGNORE, CellProbe, cell_targets
 
 

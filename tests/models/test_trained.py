@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.datasets import synthetic_tasks as st
+from harness.datasets.synthetic import tasks as st
 from harness.models.tiny import build_processor
 from harness.models.train_data import encode, make_example, patchify
 from harness.models.trained import (
@@ -65,7 +65,7 @@ def test_architecture_and_file_conventions_both_engines_need():
 
 
 def test_model_tiny_resolves_to_the_checkpoint_and_tiny_random_to_the_builder(tmp_path, monkeypatch):
-    from harness.run import resolve_model
+    from harness.run.experiment import resolve_model
 
     path, info = resolve_model(SimpleNamespace(embedded=True, weights="trained-synthetic", name="t", seed=0))
     assert path == str(CHECKPOINT) and info["weights"] == "trained-synthetic" and "machinery" in info["weights_meaning"]
@@ -126,7 +126,7 @@ def test_trained_model_loads_and_answers_the_rag_format():
 def test_bundled_samples_are_the_held_out_split_regenerated(tmp_path):
     import filecmp
 
-    from harness.datasets.synthetic_bundle import bundle
+    from harness.datasets.synthetic.bundle import bundle
 
     bundle(str(tmp_path))
     bundled = CHECKPOINT.parents[2] / "datasets" / "bundled"

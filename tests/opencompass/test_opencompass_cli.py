@@ -1,5 +1,5 @@
 """The entry point's refusals: settings it cannot honour stop before OpenCompass starts (exit 2), with the
-same validation as ``python -m harness`` (harness.validate)."""
+same validation as ``python -m harness`` (harness.run.validate)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from harness.config import register_configs
+from harness.config.schema import register_configs
 from harness.opencompass.config_gen import write_config
 from harness.opencompass.results import OpenCompassFailed, read_results
 from harness.opencompass.runner import preflight, top_level_entries

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.techniques.sere import expert_union, primary_mask, reroute, reroute_stats
+from harness.techniques.sere.reroute import expert_union, primary_mask, reroute, reroute_stats
 
 # 6 experts, row = source expert, column = candidate. Deliberately asymmetric at [1, 5] / [5, 1].
 SIM6 = torch.tensor([

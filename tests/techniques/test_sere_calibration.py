@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from harness.models.tiny import TinyModelSpec, ensure_tiny_model
-from harness.techniques import sere_calibration as cal
-from harness.techniques import sere_protection as prot
-from harness.techniques.sere import reroute
+from harness.techniques.sere import calibration as cal
+from harness.techniques.sere import protection as prot
+from harness.commands import sere_calibrate, sere_protect
+from harness.techniques.sere.reroute import reroute
 
 SPEC = TinyModelSpec()
 
@@ -205,7 +206,7 @@ def test_fingerprint_tracks_router_weights_not_dtype(tiny, tiny64):
 
 def test_calibration_cli(tiny, tmp_path):
     out = tmp_path / "sim.safetensors"
-    assert cal.main(["--model", str(tiny["path"]), "--out", str(out), "--max-tokens", "96",
+    assert sere_calibrate.main(["--model", str(tiny["path"]), "--out", str(out), "--max-tokens", "96",
                      "--device", "cpu"]) == 0
     sims, meta = cal.load_similarity(out)
     assert sorted(sims) == [0, 1, 2] and meta["tokens"] == 96 and meta["model_id"] == str(tiny["path"])
@@ -324,9 +325,9 @@ def test_protection_for_caches_scores_for_any_n(tiny, tmp_path, monkeypatch):
 
 def test_protection_cli(tiny, tmp_path):
     sim_path = tmp_path / "sim.safetensors"
-    cal.main(["--model", str(tiny["path"]), "--out", str(sim_path), "--max-tokens", "64", "--device", "cpu"])
+    sere_calibrate.main(["--model", str(tiny["path"]), "--out", str(sim_path), "--max-tokens", "64", "--device", "cpu"])
     out = tmp_path / "prot.safetensors"
-    assert prot.main(["--model", str(tiny["path"]), "--similarity", str(sim_path), "--k", "2", "--rho", "0.0",
+    assert sere_protect.main(["--model", str(tiny["path"]), "--similarity", str(sim_path), "--k", "2", "--rho", "0.0",
                       "--n", "3", "--out", str(out), "--max-tokens", "64", "--device", "cpu"]) == 0
     got, meta = prot.load_protection(out)
     assert sorted(got) == [0, 1, 2] and all(int(v.sum()) == 3 for v in got.values())
@@ -385,7 +386,7 @@ def test_budget_default_is_the_references_and_shortfall_is_recorded(tiny, tmp_pa
 def test_calibration_cli_with_user_data(tiny, tmp_path):
     root = _write_dataset(tmp_path / "data")
     out = tmp_path / "sim.safetensors"
-    assert cal.main(["--model", str(tiny["path"]), "--out", str(out), "--data", str(root), "--text-field", "body",
+    assert sere_calibrate.main(["--model", str(tiny["path"]), "--out", str(out), "--data", str(root), "--text-field", "body",
                      "--max-tokens", "200", "--device", "cpu"]) == 0
     _, meta = cal.load_similarity(out)
     assert meta["tokens"] == 200 and meta["budget_met"] and meta["calibration_source"] == str(root)
@@ -398,7 +399,7 @@ def test_run_config_keys_reach_the_artifacts(tiny, tmp_path):
     built on first use, and their cache keys."""
     from types import SimpleNamespace
 
-    from harness.engines.hf_sere import sere_from_config
+    from harness.engines.hf.sere import sere_from_config
 
     root = _write_dataset(tmp_path / "data")
     cfg = SimpleNamespace(k=2, rho=0.1, protect=2, similarity=None, protection=None, calibration_text=str(root),

@@ -1,4 +1,4 @@
-"""SERE's capture/replay contract on CPU (``harness.techniques.sere_graphs``).
+"""SERE's capture/replay contract on CPU (``harness.techniques.sere.graphs``).
 
 A CUDA graph records kernels once and replays them on the same memory without running Python. The closest
 CPU stand-ins: ``make_fx`` records the routing function's aten ops once ("capture") into a graph module whose
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.techniques.sere import reroute
-from harness.techniques.sere_graphs import (
+from harness.techniques.sere.reroute import reroute
+from harness.techniques.sere.graphs import (
     COUNTERS,
     RoutingCounters,
     SereNotEngaged,
@@ -170,7 +170,7 @@ def test_step_rows_keep_their_storage():
 
 
 def test_counters_match_reroute_stats_on_the_decode_rows():
-    from harness.techniques.sere import reroute_stats
+    from harness.techniques.sere.reroute import reroute_stats
 
     g = torch.Generator().manual_seed(3)
     sim = torch.rand(E, E, generator=g)

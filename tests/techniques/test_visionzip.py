@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.techniques.visionzip import (
+from harness.techniques.visionzip.pruning import (
     attention_received,
     budget,
     compress_image,

@@ -1,4 +1,4 @@
-"""The request-wide budget as one span (harness.techniques.visionzip_bundle) against the HF engine's pruning.
+"""The request-wide budget as one span (harness.techniques.visionzip.bundle) against the HF engine's pruning.
 
 The HF engine (``prepare_visionzip_inputs``, scope=request) is the reference: the span's kept columns and
 their mRoPE positions, the text after the span, the total kept — all must equal what :class:`SpanLayout`
@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from harness.config import VisionZipConfig
-from harness.techniques.visionzip import select_tokens
-from harness.techniques.visionzip_bundle import SpanLayout, decode_ints, encode_ints, request_total
+from harness.config.schema import VisionZipConfig
+from harness.techniques.visionzip.pruning import select_tokens
+from harness.techniques.visionzip.bundle import SpanLayout, decode_ints, encode_ints, request_total
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 
 
 def _inputs(processor, n_images: int, seed: int = 0):
-    from harness.datasets.synthetic import plain_scene_image, text_dense_image
+    from harness.datasets.synthetic.rag_igbench import plain_scene_image, text_dense_image
 
     rng = random.Random(seed)
     sizes = [(128, 96), (64, 64), (96, 128), (64, 96)]
@@ -44,7 +44,7 @@ def _inputs(processor, n_images: int, seed: int = 0):
 
 @pytest.mark.parametrize("n_images, keep, contextual", [(1, 0.5, 0.0), (3, 0.4, 0.0), (4, 0.3, 0.25)])
 def test_span_layout_reproduces_hf_pruning(tiny, n_images, keep, contextual):
-    from harness.engines.hf_visionzip import prepare_visionzip_inputs
+    from harness.engines.hf.visionzip import prepare_visionzip_inputs
 
     model, processor = tiny
     inputs = _inputs(processor, n_images)

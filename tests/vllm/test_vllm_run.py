@@ -18,10 +18,10 @@ COMMON = ("wandb.mode=disabled", "generation.max_new_tokens=12", "engine.gpu_mem
           "engine.max_model_len=4096", "scoring.clip_model=null")
 
 
-# engine=hf in this venv (no torchvision) needs harness.compat before transformers loads the processor; the
+# engine=hf in this venv (no torchvision) needs harness.engines.compat before transformers loads the processor; the
 # vLLM engine installs it itself. Until the run does it for every engine, the HF reference run goes through
 # this stand-in for ``python -m harness`` (same Hydra entry point, same arguments).
-_HF_MAIN = ("import sys; from harness import compat; compat.install(); from harness.cli import main; "
+_HF_MAIN = ("import sys; from harness.engines import compat; compat.install(); from harness.cli import main; "
             "sys.argv[0] = 'harness'; main()")
 
 

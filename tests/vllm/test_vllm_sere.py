@@ -17,8 +17,8 @@ BUDGET = 48  # max_num_batched_tokens: long prompts are prefilled in chunks, bes
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    from harness.techniques.sere_calibration import save_similarity
-    from harness.techniques.sere_protection import save_protection
+    from harness.techniques.sere.calibration import save_similarity
+    from harness.techniques.sere.protection import save_protection
 
     root = tmp_path_factory.mktemp("sere")
     gen = torch.Generator().manual_seed(1)
@@ -50,8 +50,8 @@ class _HFSere:
         self.hf, self.a = hf_ref, artifacts
 
     def generate(self, request, max_new_tokens=MAX_NEW):
-        from harness.engines.hf_sere import install_sere
-        from harness.techniques.sere import reroute
+        from harness.engines.hf.sere import install_sere
+        from harness.techniques.sere.reroute import reroute
 
         with install_sere(self.hf.model, self.a.sims, K, RHO, self.a.prot, mode="decode", op=reroute):
             return self.hf.generate(request, max_new_tokens)

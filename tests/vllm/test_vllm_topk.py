@@ -26,7 +26,7 @@ def engine(tiny_model_path):
 
 
 def hf_topk(hf_ref, request, max_new_tokens=MAX_NEW):
-    from harness.engines.hf_topk import install_topk
+    from harness.engines.hf.topk import install_topk
 
     with install_topk(hf_ref.model, TOP_K, "decode"):
         return hf_ref.generate(request, max_new_tokens)
@@ -89,7 +89,7 @@ def test_settings_round_trip_and_register_with_sere(tmp_path):
         MoeSettings.from_env({"HARNESS_MOE_TOP_K": "2", "HARNESS_MOE_SCOPE": "prefill"})
     import torch
 
-    from harness.techniques.sere_calibration import save_similarity
+    from harness.techniques.sere.calibration import save_similarity
 
     sim = save_similarity(tmp_path / "sim.safetensors", {i: torch.eye(16) for i in range(3)}, {})
     code = ("from harness.engines.vllm import plugin as p\np.register()\ns = p.state()\n"

@@ -15,7 +15,7 @@ TOP_K, K, RHO, E, LAYERS = 3, 1, 0.2, 16, (0, 1, 2)
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    from harness.techniques.sere_calibration import save_similarity
+    from harness.techniques.sere.calibration import save_similarity
 
     gen = torch.Generator().manual_seed(5)
     sims = {layer: torch.rand(E, E, generator=gen) for layer in LAYERS}
@@ -35,16 +35,16 @@ def engine(tiny_model_path, sims):
 
 
 def hf_both(hf_ref, sims, request):
-    from harness.engines.hf_sere import install_sere
-    from harness.engines.hf_topk import install_topk
-    from harness.techniques.sere import reroute
+    from harness.engines.hf.sere import install_sere
+    from harness.engines.hf.topk import install_topk
+    from harness.techniques.sere.reroute import reroute
 
     with install_topk(hf_ref.model, TOP_K), install_sere(hf_ref.model, sims[0], K, RHO, op=reroute):
         return hf_ref.generate(request, MAX_NEW)
 
 
 def test_token_for_token_and_statistics(engine, hf_ref, sims, requests_text_images):
-    from harness.engines.hf_topk import install_topk
+    from harness.engines.hf.topk import install_topk
 
     text, images = requests_text_images
     info = engine.describe()

@@ -14,7 +14,7 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def trained_path():
-    from harness import compat
+    from harness.engines import compat
 
     compat.install()
     from harness.models.trained import trained_checkpoint

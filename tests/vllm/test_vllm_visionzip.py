@@ -31,7 +31,7 @@ def references(hf_ref, requests_text_images):
 
 
 def test_fixed_ratio_token_for_token(engine, hf_ref, requests_text_images, references):
-    from harness.techniques.visionzip import budget
+    from harness.techniques.visionzip.pruning import budget
 
     _, images = requests_text_images
     changed = 0

@@ -64,7 +64,7 @@ def batched(engine, requests):
 
 
 def test_request_budget_token_for_token(batched, hf_ref, requests, references):
-    from harness.techniques.visionzip import budget
+    from harness.techniques.visionzip.pruning import budget
 
     by_uid = {r.uid: r for r in requests}
     assert sorted(g.uid for g in batched) == sorted(by_uid)
@@ -90,8 +90,8 @@ def test_alone_equals_reference(engine, many_images, references):
 def test_request_scope_is_not_the_per_image_split(hf_ref, requests):
     """The comparison above must be able to tell the request-wide budget from per-image budgets: for some
     request, HF's request-wide selection keeps other per-image counts than budget(keep, n_i) each."""
-    from harness.engines.hf_visionzip import prepare_visionzip_inputs
-    from harness.techniques.visionzip import budget
+    from harness.engines.hf.visionzip import prepare_visionzip_inputs
+    from harness.techniques.visionzip.pruning import budget
 
     differs = 0
     for r in requests:

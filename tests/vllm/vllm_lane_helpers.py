@@ -87,8 +87,8 @@ class HFReference:
                 "visual_tokens": int((prompt == self.image_token_id).sum())}
 
     def generate_visionzip(self, request, vz_cfg, max_new_tokens: int = MAX_NEW) -> dict:
-        """HF + VisionZip (``harness.engines.hf_visionzip``): the same fields as :meth:`generate`."""
-        from harness.engines.hf_visionzip import prepare_visionzip_inputs, visionzip_generation
+        """HF + VisionZip (``harness.engines.hf.visionzip``): the same fields as :meth:`generate`."""
+        from harness.engines.hf.visionzip import prepare_visionzip_inputs, visionzip_generation
 
         inputs = self.inputs(request)
         new, ctx = prepare_visionzip_inputs(self.model, inputs, vz_cfg,

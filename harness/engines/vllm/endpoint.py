@@ -108,7 +108,7 @@ class HarnessEndpoint:
         from harness import __version__
         from harness.engines.vllm.plugin import STATE_METHOD
         from harness.engines.vllm.settings import describe_env
-        from harness.envinfo import package_version
+        from harness.results.envinfo import package_version
 
         try:
             from vllm.platforms import current_platform

@@ -83,7 +83,7 @@ class VLLMEngine(ServeMode, LoadMode):
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
                  sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
                  moe_cfg: Any = None, run_dir: str | None = None, shapes_cfg: Any = None):
-        from harness import compat
+        from harness.engines import compat
         from harness.techniques.moe_topk import moe_settings
 
         moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before anything loads
@@ -137,7 +137,7 @@ class VLLMEngine(ServeMode, LoadMode):
         self._async = None
         self._loop: _LoopThread | None = None
         self._closed = False
-        # the SERE canary (harness.techniques.sere_graphs): decode tokens fed since the statistics were reset,
+        # the SERE canary (harness.techniques.sere.graphs): decode tokens fed since the statistics were reset,
         # and whether a failed request may have left decode rows counted without its tokens
         self._decode_tokens, self._sere_partial = 0, False
         if self.endpoint is not None and not self.load_mode:
@@ -232,10 +232,10 @@ class VLLMEngine(ServeMode, LoadMode):
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        from harness.envinfo import package_version
+        from harness.results.envinfo import package_version
 
         try:
-            from harness.envinfo import device_name
+            from harness.results.envinfo import device_name
 
             dev_name = device_name(self.device)
         except Exception:  # noqa: BLE001
@@ -381,10 +381,10 @@ class VLLMEngine(ServeMode, LoadMode):
         return out
 
     def _engagement(self, per_layer: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
-        """The SERE canary's verdict (``harness.techniques.sere_graphs.engagement``): every decode token this
+        """The SERE canary's verdict (``harness.techniques.sere.graphs.engagement``): every decode token this
         engine fed since the last reset must have been a decode row of every MoE layer's routing function.
         Each worker routes the whole batch (tensor parallelism included), so the first worker's counts tell."""
-        from harness.techniques.sere_graphs import engagement
+        from harness.techniques.sere.graphs import engagement
 
         if per_layer is None:
             verdict = engagement([], self._decode_tokens)

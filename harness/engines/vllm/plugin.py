@@ -9,7 +9,7 @@ sets before vLLM starts (spawned processes inherit them).
 
 What :func:`register` does:
 
-1. :func:`harness.compat.install` — the torchvision-free transformers shims (no-op where torchvision
+1. :func:`harness.engines.compat.install` — the torchvision-free transformers shims (no-op where torchvision
    loads), needed by vLLM's Qwen3-VL code in every process.
 2. With SERE or ``moe.top_k`` on, wraps the MoE constructor that ``vllm.model_executor.models.qwen3_moe``
    calls — ``FusedMoEFactory`` where the module has one (vLLM 0.32), else ``FusedMoE`` itself (vLLM 0.26
@@ -23,7 +23,7 @@ What :func:`register` does:
 3. With SERE or ``moe.top_k`` on, wraps ``GPUModelRunner._build_attention_metadata`` (inherited by vLLM's
    ``CPUModelRunner``) to publish, once per step, which rows of the step are **decode rows**
    (:class:`harness.engines.vllm.routing.DecodeRows`; ``_dummy_run`` clears it, ``capture_model``
-   allocates it at ``max_num_tokens`` and freezes it first: ``harness.techniques.sere_graphs``), and adds the
+   allocates it at ``max_num_tokens`` and freezes it first: ``harness.techniques.sere.graphs``), and adds the
    statistics methods
    (``harness_sere_stats``, ``harness_moe_stats``) to vLLM's workers for ``collective_rpc``.
 4. With VisionZip on, registers the VisionZip Qwen3-VL-MoE architecture of its scope — per image
@@ -236,11 +236,11 @@ def register() -> None:
         if not _STATE["registered"]:
             _STATE["registered"] = True
             try:
-                from harness import compat
+                from harness.engines import compat
 
                 compat.install()
             except Exception:  # noqa: BLE001 - a failed shim shows up later as transformers' own error
-                logger.exception("harness.compat.install failed")
+                logger.exception("harness.engines.compat.install failed")
             _patch_worker_state_method()
         vz = VisionZipSettings.from_env()
         if vz is not None and vz.arch not in _STATE.setdefault("visionzip_archs", set()):

@@ -18,7 +18,7 @@ prompt + generated tokens; the generated ones are re-routed again, as they were 
 mask is built on the host from host arrays (where vLLM builds its own inputs) and copied (non-blocking)
 into a persistent per-device buffer; the routing function slices ``buffer[:num_tokens]``, so nothing
 in the forward pass reads a value back to the host. The buffer is persistent so that a CUDA graph
-captured around the MoE layer reads the current step's mask on replay (``harness.techniques.sere_graphs``:
+captured around the MoE layer reads the current step's mask on replay (``harness.techniques.sere.graphs``:
 allocated at ``max_num_tokens`` before the first read, never re-allocated once graphs are captured); dummy /
 profile / capture runs see an all-False mask (the ``_dummy_run`` wrapper clears it). Rows beyond the step's
 real tokens (padding) are never decode rows.
@@ -61,11 +61,11 @@ def stock_topk(gating_output, topk: int, renormalize: bool):
 
 class DecodeRows:
     """The step's decode-row mask in a persistent per-device buffer (see module doc), on top of
-    ``harness.techniques.sere_graphs.StepRows`` (the graph-safe contract: one allocation, written in place
+    ``harness.techniques.sere.graphs.StepRows`` (the graph-safe contract: one allocation, written in place
     before every step, frozen before graphs are captured, all False in dummy / profile runs)."""
 
     def __init__(self) -> None:
-        from harness.techniques.sere_graphs import StepRows
+        from harness.techniques.sere.graphs import StepRows
 
         self.steps = StepRows(capacity=256)
         self.real = StepRows(capacity=256)  # the step's real (non-padding) rows: what ``moe.top_k`` scope all counts
@@ -154,14 +154,14 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
     in one launch of ``harness.kernels.fused_routing`` (issue 23: the chain of torch ops it replaces cost
     ~70 µs per layer under vLLM's CUDA graphs).
 
-    Graph-safe by construction (``harness.techniques.sere_graphs``): every tensor it reads is persistent — the
+    Graph-safe by construction (``harness.techniques.sere.graphs``): every tensor it reads is persistent — the
     decode-row (and real-row) buffers of :data:`DECODE`, the per-device similarity / protection copies, the
     device counters (``RoutingCounters``; None = no statistics: the kernel is compiled without them) — all made
     on the first, eager call (vLLM's profile run) before any capture; no Python branch depends on the step.
     The trace (tests only) synchronises and is written only outside a capture."""
     import torch
 
-    from harness.techniques.sere_graphs import capturing
+    from harness.techniques.sere.graphs import capturing
 
     op = op or _routing_op()
     per_key: dict[tuple, tuple] = {}

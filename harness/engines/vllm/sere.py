@@ -7,11 +7,11 @@ and protection. **The routing function** (``fn(hidden_states, gating_output, top
 float32, ids int32)``, :func:`harness.engines.vllm.routing.make_fused_routing_function`) is one launch of
 ``harness.kernels.fused_routing``: the stock Qwen3 softmax top-k, then SERE's re-route of the decode rows
 only (``row_mask`` = the step's decode rows, :class:`harness.engines.vllm.routing.DecodeRows`): prefill rows
-are neither re-routed nor part of the primary set P (``harness.techniques.sere``). Weights are not changed
+are neither re-routed nor part of the primary set P (``harness.techniques.sere.reroute``). Weights are not changed
 (SERE's reference semantics). With ``moe.top_k`` too, the truncation comes first, in the same launch.
 
 Statistics (``harness_sere_stats`` on the workers, ``summary.json`` ``sere``): :func:`sere_stats`, from
-device counters (``harness.techniques.sere_graphs.RoutingCounters``) that the kernel advances in place, so
+device counters (``harness.techniques.sere.graphs.RoutingCounters``) that the kernel advances in place, so
 captured CUDA graphs count on replay; ``calls``/``rows`` per layer feed the engine's engagement canary.
 ``HARNESS_ROUTING_STATS=0`` builds the op without them (benchmarks only: a run without counters has no
 canary and reports no SERE statistics).
@@ -25,7 +25,7 @@ from typing import Any, Callable
 from harness.engines.vllm.routing import Trace, counters_summary, layer_index, make_fused_routing_function
 from harness.engines.vllm.settings import SereSettings, routing_stats_enabled
 from harness.engines.vllm.state import STATE
-from harness.techniques.sere_graphs import RoutingCounters
+from harness.techniques.sere.graphs import RoutingCounters
 
 __all__ = ["SereArtifacts", "counters_summary", "make_routing_function", "sere_stats"]
 
@@ -61,13 +61,13 @@ class SereArtifacts:
     """Similarity / protection tensors per layer, loaded once per process."""
 
     def __init__(self, settings: SereSettings) -> None:
-        from harness.techniques.sere_calibration import load_similarity
+        from harness.techniques.sere.calibration import load_similarity
 
         self.settings = settings
         self.similarity, _ = load_similarity(settings.similarity_path)
         self.protected: dict[int, Any] = {}
         if settings.protection_path:
-            from harness.techniques.sere_protection import load_protection
+            from harness.techniques.sere.protection import load_protection
 
             self.protected, _ = load_protection(settings.protection_path, n=settings.protect)
         self.trace = Trace(settings.trace_path) if settings.trace_path else None

@@ -178,7 +178,7 @@ class VisionZipSettings:
     def kept(self, n: int) -> int:
         """Tokens an image of ``n`` LLM tokens keeps: ``select_tokens(..., scope="image")``'s count,
         ``clamp(budget(keep, n), min(min_per_image, n), n)`` — known before the vision tower runs."""
-        from harness.techniques.visionzip import budget
+        from harness.techniques.visionzip.pruning import budget
 
         return min(n, max(min(self.min_per_image, n), budget(self.keep, n)))
 
@@ -186,7 +186,7 @@ class VisionZipSettings:
         """Visual tokens a request with images of ``sizes`` tokens keeps (``scope`` decides how)."""
         if self.scope == "image":
             return sum(self.kept(int(n)) for n in sizes)
-        from harness.techniques.visionzip_bundle import request_total
+        from harness.techniques.visionzip.bundle import request_total
 
         return request_total(sizes, self.keep, self.min_per_image)
 

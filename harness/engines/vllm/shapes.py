@@ -5,7 +5,7 @@ shapes ``config.json`` (:func:`harness.models.real_shapes.shapes_config`, the sa
 model from) into a run-local directory and starts ``LLM(model=that_dir, load_format="dummy",
 skip_tokenizer_init=True)``: vLLM fills every weight with its own dummy initialiser (uniform in ±1e-3, fixed seed),
 no tokenizer and no processor are read. Prompts go to vLLM as token ids, built exactly as the HF engine's
-tokenizer-free path builds them (:mod:`harness.engines.hf_direct`): ``synthetic_tokens`` parts → the same seeded
+tokenizer-free path builds them (:mod:`harness.engines.hf.direct`): ``synthetic_tokens`` parts → the same seeded
 ids, text parts → the byte-level :class:`~harness.models.real_shapes.ShapesTokenizer`; no chat template. Output ids
 are decoded with the same tokenizer (the answer text is the ids).
 
@@ -58,14 +58,14 @@ def write_config_dir(config: dict[str, Any], directory: str | Path) -> Path:
 
 
 def model_config_view(config: dict[str, Any]) -> SimpleNamespace:
-    """An attribute view of a text ``config.json`` dict, for :func:`harness.engines.hf_direct.synthetic_ids`
+    """An attribute view of a text ``config.json`` dict, for :func:`harness.engines.hf.direct.synthetic_ids`
     (which reads ``vocab_size`` and the special ids as a transformers config has them)."""
     return SimpleNamespace(**config)
 
 
 def prompt_token_ids(request: Any, config: dict[str, Any], tokenizer: ShapesTokenizer) -> list[int]:
     """The prompt ids of one request, as the HF engine's tokenizer-free path builds them (module doc)."""
-    from harness.engines.hf_direct import synthetic_ids
+    from harness.engines.hf.direct import synthetic_ids
 
     view = model_config_view(config)
     ids: list[int] = []

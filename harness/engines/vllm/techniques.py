@@ -2,7 +2,7 @@
 settings, and the environment that hands them to every vLLM process.
 
 **SERE** (``sere.k`` set): :func:`resolve_sere` resolves the similarity (``sere.similarity``, else
-calibrated once with the HF model and cached by ``harness.techniques.sere_calibration``) and the protection
+calibrated once with the HF model and cached by ``harness.techniques.sere.calibration``) and the protection
 (``sere.protection``, else built when ``sere.protect > 0``); the offline engine and the server launcher
 export them to the plugin as ``HARNESS_SERE_*`` environment variables (:mod:`harness.engines.vllm.settings`)
 before vLLM starts — vLLM's processes are spawned and inherit them.
@@ -49,11 +49,11 @@ def calibration_model(model_path: str, shapes: Any = None, seed: int = 0):
     config (``build_shapes_model``, seeded) with the byte-level ``ShapesTokenizer`` — what the HF shapes path
     calibrates on. vLLM's dummy weights are other random values: both are random, the similarity of random
     experts is as meaningless for quality as the routing itself (docs/vllm.md)."""
-    from harness.techniques.sere_calibration import load_model_for_calibration
+    from harness.techniques.sere.calibration import load_model_for_calibration
 
     if shapes is None:
         return load_model_for_calibration(str(model_path))
-    from harness.engines.hf import resolve_device, resolve_dtype
+    from harness.engines.hf.engine import resolve_device, resolve_dtype
     from harness.models.real_shapes import build_shapes_model
 
     device = resolve_device("auto")
@@ -79,7 +79,7 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None, *,
     """Artifacts for ``sere`` (None when ``sere.k`` is null). ``sere.similarity`` / ``sere.protection`` are
     used as given; a missing one is computed once with the HF model (``auto`` device; a shapes model: the
     random-init HF model of its config, :func:`calibration_model`) through the project's calibration caches
-    (``harness.techniques.sere_calibration.similarity_for``, ``sere_protection.protection_for``), and the
+    (``harness.techniques.sere.calibration.similarity_for``, ``sere_protection.protection_for``), and the
     cache file is what the plugin reads."""
     k = _get(sere_cfg, "k")
     if k is None:
@@ -91,9 +91,9 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None, *,
     model_id = model_id or str(model_path)
     calibrated_on = None
     if not sim_path or (protect > 0 and not prot_path):
-        from harness.techniques.sere_calibration import load_similarity, similarity_cache_path, similarity_for
+        from harness.techniques.sere.calibration import load_similarity, similarity_cache_path, similarity_for
 
-        from harness.engines.hf_sere import calibration_kwargs
+        from harness.engines.hf.sere import calibration_kwargs
 
         data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
         model, tokenizer = calibration_model(model_path, shapes, seed)
@@ -107,7 +107,7 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None, *,
             sim_path = str(similarity_cache_path(model, model_id, None, data["text_path"], data["max_tokens"],
                                                  text_field=data["text_field"]))
         if protect > 0 and not prot_path:
-            from harness.techniques.sere_protection import protection_cache_path, protection_for
+            from harness.techniques.sere.protection import protection_cache_path, protection_for
 
             protection_for(model, tokenizer, model_id, similarity, int(k), rho, protect, **data)
             prot_path = str(protection_cache_path(model, model_id, similarity, int(k), rho, None,

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from harness.engines.vllm.routing import counters_summary, layer_index, make_fused_routing_function
 from harness.engines.vllm.settings import MoeSettings, routing_stats_enabled
 from harness.engines.vllm.state import STATE
-from harness.techniques.sere_graphs import RoutingCounters
+from harness.techniques.sere.graphs import RoutingCounters
 
 MOE_STATS_METHOD = "harness_moe_stats"
 

@@ -53,7 +53,7 @@ def _visionzip_classes() -> dict[str, Any]:
 
     from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
-    from harness.techniques.visionzip import merge_unit_scores, select_tokens
+    from harness.techniques.visionzip.pruning import merge_unit_scores, select_tokens
 
     def settings() -> VisionZipSettings:
         st = VisionZipSettings.from_env()

@@ -2,7 +2,7 @@
 
 Why this shape: vLLM fixes each multimodal item's placeholder length when the prompt is processed, before
 the vision tower runs, so per-image counts that depend on all images of a request cannot be placeholders.
-The *total* can (``harness.techniques.visionzip_bundle``): the span from the first image's
+The *total* can (``harness.techniques.visionzip.bundle``): the span from the first image's
 ``<|vision_start|>`` to the last image's ``<|vision_end|>`` becomes one multimodal item — a **bundle** — of
 length ``K + T`` (``K`` = the request's budget, ``T`` = the span's structural and text tokens), as vLLM's
 own EVS video path lumps a video's pruned frames into one item (``tokens_per_frame = [total, 0, …]``,
@@ -45,7 +45,7 @@ import json
 from typing import Any
 
 from harness.engines.vllm.settings import ENV_VZ_SCOPE, ENV_VZ_SPAN_TEXT, VZ_REQUEST_ARCH, VisionZipSettings
-from harness.techniques.visionzip_bundle import SpanLayout, decode_ints, encode_ints
+from harness.techniques.visionzip.bundle import SpanLayout, decode_ints, encode_ints
 
 POS_CHANNELS = 8  # (t, h, w, row) × (hi, lo)
 
@@ -77,7 +77,7 @@ def request_scope_classes() -> dict[str, Any]:
     """Build (once) the processor, info, dummy builder and model of the ``scope=request`` architecture."""
     if _CLASSES:
         return _CLASSES
-    from harness import compat
+    from harness.engines import compat
 
     compat.install()  # vLLM's qwen3_vl imports need the torchvision-free shims (no-op where torchvision loads)
     import torch
@@ -97,7 +97,7 @@ def request_scope_classes() -> dict[str, Any]:
 
     from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
-    from harness.techniques.visionzip import compress_image, merge_unit_scores, merge_units, select_tokens
+    from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens
 
     def settings() -> VisionZipSettings:
         st = VisionZipSettings.from_env()

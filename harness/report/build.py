@@ -1,0 +1,205 @@
+"""``python -m harness.report PATH [PATH ...] [--out DIR] [--wandb ENTITY/PROJECT]``: a report from result directories.
+
+Reads every ``summary.json`` below the given paths (a run directory, a sweep directory, ``results/``) and
+nothing else, so it works on copied or archived results without W&B. Writes into ``--out`` (default:
+``<first path>/report``):
+
+- ``report.md``: one row per run (technique settings, quality, TTFT/TPOT p50/p90, speed-up and quality change
+  against the baseline of the same model/engine/dataset, engine, weights, scorers), warnings for random-init
+  weights and random-init scorers (``run.scoring``), malformed ``summary.json`` files skipped, unfinished sweep
+  jobs / run directories (``config.yaml`` without ``summary.json``) and partial latency, the Pareto front of
+  each panel, VisionZip keep rate per image source (harness/report/markdown.py);
+- ``runs.csv``: the same rows, every column;
+- ``quality_vs_ttft.png``, ``quality_vs_tpot.png``: quality against latency (p50, whisker to p90), one panel
+  per (dataset, quality metric) — RAG-IGBench: ``comprehensive`` when present, else the first of
+  ``rouge1, edit_score, kendall, clip_score, alignment``; OCRBench: ``ocrbench_score``; CCBench / MCQ:
+  ``mcq_accuracy`` — with the Pareto front (lower latency, higher quality) drawn and the baseline
+  (VisionZip off and SERE off) highlighted;
+- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source, for runs whose images came from
+  several sources (the OCRBench + CCBench mix). Plots: harness/report/plots.py.
+
+A malformed ``summary.json`` (not JSON, not an object, a block of the wrong type) is skipped with a warning naming
+it; the other runs are reported.
+
+``--status`` only prints how far each given sweep directory is (for a Slurm array still running).
+
+``--wandb ENTITY/PROJECT`` also builds a W&B report (``wandb_workspaces.reports.v2``) with the same panels on
+the runs' W&B summaries (``metrics/*``, ``latency/*/p50``), one run set per sweep (W&B group). It is saved
+only when W&B is not offline (``WANDB_MODE`` not ``offline``/``disabled`` and ``--no-save`` not given);
+otherwise its specification is written to ``wandb_report.json``.
+
+Missing pieces are expected (older runs, techniques still landing): any key may be absent, and the report
+says "n/a" rather than failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import logging
+
+log = logging.getLogger("harness.report")  # the report's logger (its name before the folder move)
+
+from harness.report.rows import (  # noqa: E402,F401 (the rows, harness/report/rows.py: re-exported here)
+    _add_baseline_deltas,
+    _by_source,
+    FAMILY_COLOR,
+    FAMILY_ORDER,
+    find_summaries,
+    _fmt,
+    _get,
+    _interval,
+    _label_setups,
+    LATENCY_AXES,
+    latency_protocol_columns,
+    load_row,
+    load_rows,
+    MalformedSummary,
+    _mean,
+    _num,
+    Panel,
+    panels,
+    pareto_front,
+    QUALITY,
+    quality_metrics_for,
+    RAG_METRICS,
+    RANDOM_SCORER_METRICS,
+    random_scorers,
+    _short,
+    _sort_key,
+    _sweep_of,
+    _technique,
+)
+
+
+# the plots live in harness/report/plots.py (re-exported here: callers use harness.report.build.plot_*)
+from harness.report.plots import plot_keep_rate_by_source, plot_quality_vs_latency  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- markdown
+
+
+# report.md: harness/report/markdown.py
+from harness.report.markdown import markdown  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- entry points
+
+
+@dataclass
+class ReportResult:
+    rows: list[dict[str, Any]]
+    out_dir: Path
+    markdown: Path
+    plots: list[Path] = field(default_factory=list)
+    wandb_report: Any = None
+    wandb_url: str | None = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # malformed summary.json files, with why
+    unfinished: dict[str, Any] = field(default_factory=dict)  # harness.report.build.unfinished
+
+
+CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics"}
+
+
+def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
+                 wandb_target: str | None = None, title: str | None = None, save_wandb: bool | None = None
+                 ) -> ReportResult:
+    """Build the report files (and the W&B report object when ``wandb_target`` = ``ENTITY/PROJECT``)."""
+    paths = [Path(p) for p in paths]
+    skipped: list[tuple[Path, str]] = []
+    rows = load_rows(paths, skipped)
+    pending = unfinished(paths)
+    out = Path(out_dir) if out_dir else (paths[0] if paths[0].is_dir() else paths[0].parent) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    sweeps = sorted({r["sweep"] for r in rows if r["sweep"]})
+    title = title or ("Sweep " + ", ".join(sweeps) if sweeps else f"Runs under {paths[0]}")
+    all_panels = panels(rows)
+    plots = [p for p in (
+        plot_quality_vs_latency(all_panels, "ttft", out / "quality_vs_ttft.png", title=title),
+        plot_quality_vs_latency(all_panels, "tpot", out / "quality_vs_tpot.png", title=title),
+        plot_keep_rate_by_source(rows, out / "keep_rate_by_source.png", title=title),
+    ) if p is not None]
+    md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
+                  pending=pending)
+    (out / "report.md").write_text(md + "\n", encoding="utf-8")
+    keys = [k for k in rows[0] if k not in CSV_SKIP]
+    sources = sorted({s for r in rows for s in r["vz_by_source"]})
+    with open(out / "runs.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(keys + [f"vz_keep_rate_{s}" for s in sources])
+        for r in rows:
+            w.writerow([r.get(k) for k in keys] + [r["vz_by_source"].get(s) for s in sources])
+    result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots, skipped=skipped,
+                          unfinished=pending)
+    if wandb_target:
+        entity, _, project = wandb_target.partition("/")
+        if not entity or not project:
+            raise ValueError(f"--wandb {wandb_target!r}: expected ENTITY/PROJECT")
+        from harness.report.wandb_report import _wandb_offline, build_wandb_report, wandb_report_spec
+
+        table = md.split("## Runs", 1)[1].split("## Plots", 1)[0].strip()
+        report = build_wandb_report(rows, all_panels, entity, project, title=title, table_md=table)
+        result.wandb_report = report
+        (out / "wandb_report.json").write_bytes(wandb_report_spec(report))
+        if save_wandb is None:
+            save_wandb = not _wandb_offline()
+        if save_wandb:
+            report.save()
+            result.wandb_url = report.url
+    return result
+
+
+# how far sweeps and runs are (``--status``, the report's "unfinished" warnings): harness/report/status.py
+from harness.report.status import sweep_status, unfinished, unfinished_lines  # noqa: E402
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="run directories, sweep directories or results/ (every summary.json "
+                                             "below is read)")
+    ap.add_argument("--out", help="output directory (default: <first path>/report)")
+    ap.add_argument("--title", help="report title (default: from the sweep ids)")
+    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also build a W&B report for this project")
+    ap.add_argument("--no-save", action="store_true", help="build the W&B report but do not save it")
+    ap.add_argument("--status", action="store_true", help="only print how far each sweep directory is "
+                                                          "(jobs finished / running or interrupted / failed)")
+    args = ap.parse_args(argv)
+    if args.status:
+        try:
+            for p in args.paths:
+                st = sweep_status(p)
+                print(f"{st['sweep']}: {st['finished']}/{st['expected'] if st['expected'] is not None else '?'} "
+                      f"finished, {len(st['running_or_interrupted'])} running or interrupted "
+                      f"{st['running_or_interrupted'] or ''}, {len(st['failed'])} failed {st['failed'] or ''}, "
+                      f"{st['not_started'] if st['not_started'] is not None else '?'} not started")
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        res = build_report(args.paths, args.out, wandb_target=args.wandb, title=args.title,
+                           save_wandb=False if args.no_save else None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path, reason in res.skipped:
+        print(f"warning: skipped {path}: {reason}", file=sys.stderr)
+    for line in unfinished_lines(res.unfinished):
+        print(f"warning: unfinished: {line.replace('`', '')}", file=sys.stderr)
+    print(f"{len(res.rows)} runs → {res.markdown}")
+    for p in res.plots:
+        print(f"  {p}")
+    if res.wandb_report is not None:
+        print(f"  W&B report: {res.wandb_url or 'built, not saved (offline); spec in ' + str(res.out_dir / 'wandb_report.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The PNG plots of ``python -m harness.report`` (split from ``harness/report/build.py``, which loads and tabulates).
+
+- :func:`quality_figure` / :func:`plot_quality_vs_latency`: quality against TTFT or TPOT p50 (whisker to p90),
+  one subplot per (setup, quality metric), Pareto front dashed, baseline a star. Point labels are placed so they
+  neither overlap each other nor leave their subplot (:func:`place_labels`); titles are wrapped to the figure's
+  width (a long sweep list used to run off the figure); random-init model weights *and* random-init scorers are
+  flagged in red on the subplots they affect.
+- :func:`plot_keep_rate_by_source`: VisionZip's achieved keep rate per image source, for the runs where several
+  sources compete for one budget (a single-source run's keep rate is in the report's table: a plot of one bar
+  per run showed nothing the table does not, and it padded the other runs' bar groups with empty slots).
+
+matplotlib is imported lazily, with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+from typing import Any, Sequence
+
+# offsets (points) tried for a point's label, nearest first: right/left, above/below, then further out
+_OFFSETS = [(dx, dy) for dy in (4, -12, 14, -22, 24, -32, 34, -42) for dx in (6, -6)]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def wrap_title(text: str, fig_width_in: float, fontsize: float) -> str:
+    """``text`` wrapped so each line fits a figure ``fig_width_in`` inches wide at ``fontsize`` points (average
+    glyph ≈ 0.6 em; existing line breaks kept)."""
+    chars = max(20, int(fig_width_in * 72 * 0.92 / (0.6 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) if line else line for line in text.split("\n"))
+
+
+def place_labels(ax: Any, points: Sequence[tuple[float, float, str]], fontsize: float = 7,
+                 markers: Sequence[tuple[float, float, float]] = ()) -> list[Any]:
+    """Annotate each (x, y, label) at the first offset whose text box overlaps no label placed before, no marker
+    (``markers``: (x, y, radius in points)) and stays inside the axes (else the least-overlapping offset). Needs
+    the figure's layout done (a draw first)."""
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    px = fig.dpi / 72.0
+    placed: list[Any] = []  # bounding boxes of markers and of labels placed so far
+    for x, y, radius in markers:
+        cx, cy = ax.transData.transform((x, y))
+        placed.append(Bbox.from_extents(cx - radius * px, cy - radius * px, cx + radius * px, cy + radius * px))
+    texts = []
+    for x, y, label in points:
+        best = None
+        for dx, dy in _OFFSETS:
+            t = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
+                            color="0.25", ha="left" if dx > 0 else "right", va="bottom" if dy > 0 else "top")
+            t.set_in_layout(False)  # placed against the final layout: must not move it
+            box = t.get_window_extent(renderer)
+            overlap = sum(_area(box, other) for other in placed)
+            outside = box.width * box.height - _area(box, inside)
+            cost = overlap + outside
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, t, box)
+            else:
+                t.remove()
+            if cost == 0:
+                break
+        placed.append(best[2])
+        texts.append(best[1])
+    return texts
+
+
+def _area(a: Any, b: Any) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def _random_note(panel_rows: Sequence[dict[str, Any]], metric: str) -> str | None:
+    """The red warning of one subplot: random model weights, and random scorers where they feed ``metric``."""
+    notes = []
+    if any(r["random_init"] for r in panel_rows):
+        notes.append("RANDOM-INIT WEIGHTS")
+    scorers = sorted({k for r in panel_rows if metric in r.get("random_scorer_metrics", ()) for k in
+                      r.get("random_scorers", ())})
+    if scorers:
+        notes.append(f"RANDOM-INIT SCORERS ({', '.join(scorers)})")
+    return "⚠ " + " + ".join(notes) + ": quality meaningless" if notes else None
+
+
+def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
+    """The figure of :func:`plot_quality_vs_latency` (not saved), or None when no panel has this latency."""
+    from matplotlib.lines import Line2D
+
+    from harness.report.rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
+
+    plt = _pyplot()
+    name, long = next((n, lng) for s, n, lng in LATENCY_AXES if s == short)
+    usable = [p for p in all_panels if any(r[f"{short}_p50"] is not None for r in p.rows)]
+    if not usable:
+        return None
+    several_platforms = len({p.platform for p in usable}) > 1
+    ncols = min(2, len(usable))
+    nrows = math.ceil(len(usable) / ncols)
+    width = 7.2 * ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 5.2 * nrows), squeeze=False, layout="constrained")
+    any_random = any(r["random_init"] for p in usable for r in p.rows)
+    any_random_scorer = any(p.metric in r.get("random_scorer_metrics", ()) for p in usable for r in p.rows)
+    any_partial = any(r["latency_partial"] for p in usable for r in p.rows)
+    to_label = []
+    for ax, panel in zip(axes.flat, usable):
+        label, unit, scale, _ = QUALITY[panel.metric]
+        pts = [(r, r[f"{short}_p50"], r[panel.metric] * scale) for r in panel.rows if r[f"{short}_p50"] is not None]
+        front = set(pareto_front([(x, y) for _, x, y in pts]))
+        fx = sorted(((x, y) for i, (_, x, y) in enumerate(pts) if i in front))
+        if len(fx) > 1:
+            ax.step([x for x, _ in fx], [y for _, y in fx], where="post", color="tab:green", lw=1.4, ls="--",
+                    zorder=1)
+        labels = []
+        markers = []
+        for i, (r, x, y) in enumerate(pts):
+            color = FAMILY_COLOR[r["family"]]
+            p90 = r[f"{short}_p90"]
+            if p90 is not None and p90 > x:
+                ax.plot([x, p90], [y, y], color=color, lw=0.8, alpha=0.45, zorder=2)
+            base = r["family"] == "baseline"
+            markers.append((x, y, 8.0 if base or i in front else 4.0))
+            marker = "*" if base else "s" if r["vz_scope"] == "image" else "^" if r["sere_protect"] else "o"
+            ax.scatter([x], [y], s=260 if base else 55, marker=marker,
+                       facecolors="none" if r["latency_partial"] else color, edgecolors=color,
+                       linewidths=1.6 if base else 1.0, zorder=4 if base else 3)
+            if i in front:
+                ax.scatter([x], [y], s=170 if not base else 420, facecolors="none", edgecolors="tab:green",
+                           linewidths=1.2, zorder=2.5)
+            if len(pts) <= 40 or i in front or base:
+                # baseline and front first: they get the nearest free spots
+                labels.append((0 if base else 1 if i in front else 2, x, y, r["label"]))
+        to_label.append((ax, [(x, y, lab) for _, x, y, lab in sorted(labels, key=lambda t: t[0])], markers))
+        ax.set_xlabel(f"{name} p50 (ms) — whisker to p90")
+        ax.set_ylabel(f"{label} [{unit}]")
+        note = _random_note(panel.rows, panel.metric)
+        ax.set_title(wrap_title(panel.title + (f"\n{panel.platform}" if several_platforms else "")
+                                + (f"\n{note}" if note else ""), width / ncols, 10),
+                     fontsize=10, color="firebrick" if note else "black")
+        ax.grid(True, alpha=0.3)
+        ax.margins(x=0.15, y=0.12)
+    for ax in list(axes.flat)[len(usable):]:
+        ax.set_visible(False)
+    families = sorted({r["family"] for p in usable for r in p.rows}, key=FAMILY_ORDER.index)
+    handles = [Line2D([], [], marker="*" if f == "baseline" else "o", ls="", color=FAMILY_COLOR[f],
+                      markersize=12 if f == "baseline" else 7, label=f) for f in families]
+    if any(r["vz_scope"] == "image" for p in usable for r in p.rows):
+        handles.append(Line2D([], [], marker="s", ls="", color="0.4", label="VisionZip scope=image"))
+    if any(r["sere_protect"] for p in usable for r in p.rows):
+        handles.append(Line2D([], [], marker="^", ls="", color="0.4", label="SERE protection on"))
+    handles.append(Line2D([], [], color="tab:green", ls="--", label="Pareto front (faster & better)"))
+    if any_partial:
+        handles.append(Line2D([], [], marker="o", ls="", markerfacecolor="none", color="0.4",
+                              label="latency partial (cache replay)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    suptitle = f"{title}: quality vs {name} ({long})"
+    if any_random:
+        suptitle += "\n⚠ random-init weights in some runs: their quality numbers are meaningless (latency only)"
+    if any_random_scorer:
+        suptitle += "\n⚠ random-init scorers in some runs: their CLIP / alignment / comprehensive scores are meaningless"
+    fig.suptitle(wrap_title(suptitle, width, 12), fontsize=12,
+                 color="firebrick" if any_random or any_random_scorer else "black")
+    fig.canvas.draw()  # the layout is final before labels are placed against it
+    for ax, pts, markers in to_label:
+        place_labels(ax, pts, markers=markers)
+    return fig
+
+
+def plot_quality_vs_latency(all_panels: Sequence[Any], short: str, out: Path, *, title: str) -> Path | None:
+    """One figure, one subplot per panel: quality against ``short`` latency (p50, whisker to p90)."""
+    fig = quality_figure(all_panels, short, title=title)
+    if fig is None:
+        return None
+    fig.savefig(out, dpi=130)
+    _pyplot().close(fig)
+    return out
+
+
+def keep_rate_runs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs the per-source keep plot shows: those whose images came from at least two sources."""
+    return [r for r in rows if len(r["vz_by_source"]) >= 2]
+
+
+def keep_rate_figure(rows: Sequence[dict[str, Any]], *, title: str):
+    """The figure of :func:`plot_keep_rate_by_source` (not saved), or None when no run mixed sources."""
+    runs = keep_rate_runs(rows)
+    if not runs:
+        return None
+    plt = _pyplot()
+    sources = sorted({s for r in runs for s in r["vz_by_source"]})
+    width = 0.8 / len(sources)
+    fig_w = max(7.0, 0.9 * len(runs) * len(sources) / 2 + 2)
+    fig, ax = plt.subplots(figsize=(fig_w, 5.0), layout="constrained")
+    for j, src in enumerate(sources):
+        xs = [i + (j - (len(sources) - 1) / 2) * width for i in range(len(runs))]
+        ys = [100 * r["vz_by_source"].get(src, float("nan")) for r in runs]
+        ax.bar(xs, ys, width=width, label=src)
+    for i, r in enumerate(runs):
+        ax.hlines(100 * r["vz_keep"], i - 0.45, i + 0.45, colors="black", linestyles="--", lw=1)
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels([f"{r['label']}\n{r['dataset']}" for r in runs], fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("visual tokens kept (% of the source's tokens)")
+    ax.set_ylim(0, 125)
+    ax.set_yticks(range(0, 101, 20))
+    ax.set_xlabel("run (VisionZip setting, dataset)")
+    ax.plot([], [], "k--", lw=1, label="nominal keep (visionzip.keep)")
+    ax.legend(fontsize=8, title="image source", title_fontsize=8, loc="upper center", ncol=len(sources) + 1)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(wrap_title(f"VisionZip keep rate per image source\n{title}", fig_w, 10), fontsize=10)
+    return fig
+
+
+def plot_keep_rate_by_source(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -> Path | None:
+    """Grouped bars: achieved keep rate per image source for every VisionZip run that mixed sources."""
+    fig = keep_rate_figure(rows, title=title)
+    if fig is None:
+        return None
+    fig.savefig(out, dpi=130)
+    _pyplot().close(fig)
+    return out

@@ -1,0 +1,464 @@
+"""One experiment, end to end: dataset → prompts → engine → answers → scores → result files → W&B.
+
+Read top to bottom, this is the whole path a number takes. Nothing here is engine- or dataset-specific:
+loaders, engines and scorers come from their registries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.engines.base import TechniqueNotAvailable  # noqa: F401 (also importable from here)
+from harness.models.load import resolve_model  # noqa: F401 (also importable from here)
+from harness.results.schema import SamplesLog, run_block, utc_now, write_json
+from harness.run.validate import validate_config, validate_model
+
+log = logging.getLogger(__name__)
+
+
+def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: dict[str, Any]) -> None:
+    """The SERE engagement canary (``harness.techniques.sere.graphs``): a run with SERE on whose decode tokens
+    were not all re-routed fails (run state ``failed`` with the reason) instead of reporting a stock run as SERE."""
+    from harness.run.state import mark_failed
+    from harness.techniques.sere.graphs import SereNotEngaged, check_engagement
+
+    try:
+        check_engagement(technique_stats)
+    except SereNotEngaged as e:
+        mark_failed(run_dir, state, str(e), sere_engagement=technique_stats["sere"]["engagement"])
+        log.error("SERE not engaged: %s", e)
+        raise
+
+
+def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
+    (the OCRBench+CCBench budget competition) and the time spent on importance. Requests without per-image
+    counts (``kept_per_image`` None: vLLM with ``scope=request``, whose split stays in the worker) count in
+    the totals, not in the per-image and per-source rates (``requests_with_per_image_counts``)."""
+    from harness.engines.hf.visionzip import keep_rate_by_source
+    from harness.metrics.latency import summarize
+
+    per_request = []
+    tokens_in = kept = n_requests = 0
+    for r in records:
+        v = r.get("visionzip")
+        if not v:
+            continue
+        n_requests += 1
+        tokens_in += sum(v["tokens_per_image"])
+        # engines record the request's total; a block with only the per-image split (written before the total
+        # was recorded) sums it
+        kept += v["visual_tokens_after"] if "visual_tokens_after" in v else sum(v["kept_per_image"])
+        if v.get("kept_per_image") is None:  # vLLM scope=request: the split between images stays in the worker
+            continue
+        sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
+            v["tokens_per_image"])
+        per_request.append((sources, v["tokens_per_image"], v["kept_per_image"]))
+    image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
+    return {
+        "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
+        "min_per_image": vz_cfg.min_per_image, "requests": n_requests,
+        "requests_with_per_image_counts": len(per_request),
+        "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
+        "keep_rate": kept / tokens_in if tokens_in else None,
+        "image_keep_rate": summarize(image_rates),
+        "by_source": keep_rate_by_source(per_request),
+        # each request carries its share of its batch's importance time: the sum is the run's total
+        "importance_ms_total": sum(r["visionzip"]["importance_ms"] or 0.0 for r in records
+                                   if r.get("visionzip") and not r.get("cached")),
+        # token counts cover every request (replayed ones carry their visionzip block from the cache); the
+        # importance time only the requests generated in this attempt
+        "importance_ms_requests": sum(1 for r in records if r.get("visionzip") and not r.get("cached")),
+        "requests_replayed": sum(1 for r in records if r.get("visionzip") and r.get("cached")),
+        "importance_ms_partial": any(r.get("visionzip") and r.get("cached") for r in records),
+    }
+
+
+def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, latency_cfg: Any = None,
+                seed: int = 0) -> dict[str, Any]:
+    """``summary.json`` ``latency`` over the requests generated and timed in this run (never the cache's).
+
+    ``partial`` is true when some requests were replayed from the generation cache; ``n_measured`` counts the
+    timed requests, ``n_cached`` the replayed ones. With the measurement protocol's ``timer``
+    (:class:`harness.latency.runner.TimedBatches`) the TTFT/TPOT/ITL/E2E distributions cover every timed pass
+    minus the excluded batches, with their interval, spread and ``noisy`` flag (harness/latency/stats.py), and
+    ``protocol`` says how they were taken; counts and throughput stay those of the first pass."""
+    from harness.metrics.latency import latency_summary
+
+    measured = [r for r in records if not r.get("cached")]
+    n_cached = len(records) - len(measured)
+    out = latency_summary(measured, duration_s=gen_s if measured else None)
+    out.update({"partial": n_cached > 0, "n_measured": sum(1 for r in measured if not r.get("error")),
+                "n_cached": n_cached})
+    if timer is not None and timer.samples:
+        from harness.latency.stats import repeat_summary
+
+        stats = repeat_summary(timer.samples, confidence=float(getattr(latency_cfg, "confidence", 0.95)),
+                               n_resamples=int(getattr(latency_cfg, "bootstrap_resamples", 2000)),
+                               max_cv=getattr(latency_cfg, "max_cv", None), seed=seed)
+        out.update(stats)
+        out.update({"repeats": timer.repeats, "max_cv": getattr(latency_cfg, "max_cv", None),
+                    "noisy": [m for m, block in stats.items() if block["noisy"]], "protocol": timer.protocol_block()})
+    return out
+
+
+def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``summary.json`` already in ``run_dir`` when it was written for this very configuration (a resumed
+    sweep re-enters its finished jobs' directories), else None."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("config") == json.loads(json.dumps(config)) else None
+
+
+CACHE_READ = ("resume", "always", "never")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``samples.jsonl`` (a torn last line of a killed writer is skipped)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _finish_wandb(cfg: Any, run_dir: Path, config: dict[str, Any], summary: dict[str, Any], state: dict[str, Any],
+                  ) -> dict[str, Any]:
+    """Redo the W&B logging of a finished run whose attempt was killed while logging (``summary.json`` written,
+    ``run_state.json`` ``wandb.logged`` false): the same W&B run id, from the files in the directory."""
+    from harness.run.state import mark_wandb_logged
+    from harness.results.tracking import log_run
+
+    log.warning("%s: finished earlier but its W&B logging did not complete: logging it now", run_dir)
+    wandb_dir = log_run(cfg.wandb, config, summary, read_records(run_dir / "samples.jsonl"), run_dir,
+                        name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"))
+    if wandb_dir:
+        summary["run"]["wandb_dir"] = wandb_dir
+        write_json(run_dir / "summary.json", summary)
+    mark_wandb_logged(run_dir, state, wandb_dir)
+    return summary
+
+
+def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """Run the configured experiment, write ``config.yaml``, ``samples.jsonl``, ``summary.json``.
+
+    The run directory is locked for the whole run (:class:`harness.run.state.RunLock`; a second process gets
+    :class:`~harness.run.state.RunDirLocked`), and its ``run_state.json`` records the attempt before anything
+    else, so a rerun after a kill at any point resumes (see :mod:`harness.run.state`)."""
+    from omegaconf import OmegaConf
+
+    from harness.run.logs import run_logging
+    from harness.run.progress import RunProgress
+    from harness.run.state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
+
+    validate_config(cfg)  # harness/run/validate.py: every key's range / enumeration, unknown keys, cross-key rules
+    from harness.latency.device_lock import DeviceLock, device_key
+
+    # latency.sequential: jobs take turns; built here, so an unsafe lock directory (UnsafeLockDir) stops the run
+    # before its state, W&B run or progress bar starts
+    device_lock = DeviceLock(device_key(str(cfg.engine.device)), sequential=bool(cfg.latency.sequential),
+                             timeout_s=cfg.latency.lock_timeout_s)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = utc_now()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if cfg.cache.read not in CACHE_READ:
+        raise ValueError(f"cache.read={cfg.cache.read!r}: expected one of {', '.join(CACHE_READ)}")
+    with RunLock(run_dir), run_logging(run_dir):
+        if cfg.cache.enabled and cfg.cache.read != "never":
+            done = finished_summary(run_dir, config)
+            if done is not None:
+                state = read_state(run_dir)
+                if state is not None and state.get("status") == "running":  # killed between the two writes
+                    mark_finished(run_dir, state)
+                if state is not None and wandb_pending(state, cfg.wandb.mode):
+                    return _finish_wandb(cfg, run_dir, config, done, state)
+                log.warning("%s: finished earlier with this configuration, not run again (cache.read=never "
+                            "re-runs it)", run_dir)
+                return done
+        state, resuming = begin_attempt(run_dir)
+        read_cache = cfg.cache.read == "always" or (cfg.cache.read == "resume" and resuming)
+        log.info("%s: attempt %d%s, cache %s", run_dir, state["attempt"], " (resuming an interrupted attempt)"
+                 if resuming else "", "read" if read_cache and cfg.cache.enabled else "not read")
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
+        live = _start_wandb(cfg, config, run_dir, state)
+        progress = RunProgress(f"{cfg.engine.name} · {cfg.dataset.name}")
+        try:
+            with device_lock:
+                summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live, device_lock)
+        except BaseException:
+            if live is not None:
+                live.fail()
+            raise
+        finally:
+            progress.close()
+    return summary
+
+
+def _start_wandb(cfg: Any, config: dict[str, Any], run_dir: Path, state: dict[str, Any]):
+    """The live W&B run of this attempt (None when disabled), opened before any data or model loads."""
+    from harness.results.tracking import start_run, sweep_info
+
+    return start_run(cfg.wandb, config, run_dir, name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"),
+                     sweep=sweep_info())
+
+
+def mark_partial(technique_stats: dict[str, Any], n_generated: int, n_replayed: int) -> dict[str, Any]:
+    """Technique statistics gathered by the engine (``summary.json`` ``sere``) cover only the requests generated
+    in this attempt: say so, with the counts, when some were replayed from the generation cache."""
+    for block in technique_stats.values():
+        if isinstance(block, dict):
+            block.update({"partial": n_replayed > 0, "requests_covered": n_generated,
+                          "requests_replayed": n_replayed})
+    return technique_stats
+
+
+def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any,
+         state: dict[str, Any], live: Any = None, device_lock: Any = None) -> dict[str, Any]:
+    """The run proper, phase by phase (``progress`` shows them): data → model → images → cache → warmup →
+    generate → finish."""
+    from omegaconf import OmegaConf
+
+    from harness.run.cache import GenerationCache, generation_from_cache, key_for, model_key
+    from harness.datasets import load_samples
+    from harness.engines import make_engine
+    from harness.engines.base import Request
+    from harness.metrics.scoring import Scorer, aggregate
+    from harness.run.outcome import parsed_answer, prompt_record, run_warnings
+    from harness.run.state import mark_finished, mark_wandb_logged
+    from harness.results.tracking import sweep_info
+
+    with progress.phase("data") as bar:
+        samples = []
+        for sample in load_samples(cfg.dataset):
+            samples.append(sample)
+            bar.update(1)
+    if not samples:
+        raise ValueError(f"dataset {cfg.dataset.name!r} produced no samples (check dataset.split / limit)")
+    with progress.phase("model", unit="step"):
+        model_path, model_info = resolve_model(cfg.model)
+        # values the checkpoint's config.json decides, before weights load (a shapes model: its config dict)
+        validate_model(cfg, model_path, model_info.pop("config", None))
+        extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
+                  "model_id": model_info["name"]}
+                 if cfg.engine.name in ("hf", "vllm") else {})
+        if model_path.startswith("shapes:"):  # harness/models/real_shapes.py: built by the HF engine
+            extra.update(shapes_cfg=cfg.model.shapes, seed=cfg.model.seed)
+        if cfg.engine.name == "hf" and cfg.get("offload") is not None and cfg.offload.policy is not None:
+            extra["offload_cfg"] = cfg.offload  # expert offload (harness/techniques/offload; docs/offload.md)
+        if cfg.engine.name == "vllm":
+            extra.update(load_cfg=cfg.load, max_images_per_prompt=cfg.model.max_images_per_prompt, seed=cfg.seed)
+            if cfg.load.get("endpoint") is not None:  # vllm serve: its log goes to the run directory
+                extra["run_dir"] = str(run_dir)
+        try:
+            engine = make_engine(cfg.engine.name, model_path, cfg.engine, cfg.generation,
+                                 trust_remote_code=cfg.model.trust_remote_code, **extra)
+        except NotImplementedError as e:  # a technique setting this engine cannot honour
+            raise TechniqueNotAvailable(str(e)) from e
+
+    cache = GenerationCache(cfg.cache.path, read=read_cache) if cfg.cache.enabled else None
+    cache_model_id = model_key(model_info, model_path, engine.describe()) if cache is not None else ""
+    cache_generation = {**OmegaConf.to_container(cfg.generation, resolve=True),
+                        **({"seed": cfg.seed} if cfg.generation.do_sample else {})}
+    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere, **({"moe": cfg.moe} if cfg.moe.top_k is not None else {})}
+
+    scorer = Scorer(cfg.scoring)
+    samples_log = SamplesLog(run_dir / "samples.jsonl")
+    records: list[dict[str, Any]] = []
+    wall0 = time.perf_counter()
+
+    def record(sample, gen=None, error: str | None = None, uid: str | None = None) -> None:
+        error = error or (gen.error if gen else None)
+        answer = gen.text if gen and not error else ""
+        scores = scorer(sample, answer, error)
+        rec = {
+            "uid": uid or sample.uid,
+            "dataset": sample.dataset,
+            "task": sample.task,
+            "n_images": len(sample.images),
+            "prompt_tokens": gen.prompt_tokens if gen else None,
+            "visual_tokens": gen.visual_tokens if gen else None,
+            "output_tokens": gen.output_tokens if gen else None,
+            **prompt_record(sample),  # the prompt the model saw (text, image markers) and its SHA-256
+            "reference": sample.reference,
+            "answer": answer,
+            "parsed_answer": parsed_answer(sample, answer, scores),
+            "scores": scores,
+            "ttft_ms": gen.ttft_ms if gen else None,
+            "tpot_ms": gen.tpot_ms if gen else None,
+            "e2e_ms": gen.e2e_ms if gen else None,
+            "itl_ms": gen.extra.get("itl_ms") if gen else None,  # load mode: gaps between streamed chunks
+            "error": error,
+            # "data": the row or its image is defective (error_reason: a harness.datasets.faults.REASONS key);
+            # "engine": generation (or anything else in the run) failed
+            "error_kind": ("data" if sample.error_reason or sample.error else "engine") if error else None,
+            "error_reason": sample.error_reason if error else None,
+            "cached": bool(gen and gen.extra.get("cached")),  # replayed from the generation cache: no timings
+            "timing": gen.extra.get("timing") if gen else None,  # latency protocol: re-timed / excluded, and why
+            "visionzip": gen.extra.get("visionzip") if gen else None,
+            "meta": sample.meta,
+        }
+        records.append(rec)
+        samples_log.write(rec)
+        if error:  # the log file names each failure; the console summary counts them
+            log.info("sample %s failed: %s", rec["uid"], error)
+
+    def live_progress(chunk: list[Any]) -> None:  # W&B, per batch: a killed run still shows how far it got
+        if live is None:
+            return
+        timed = [g for g in chunk if g is not None and not g.error and g.ttft_ms is not None]
+        values = {"progress/samples_done": len(records), "progress/samples_total": len(samples),
+                  "progress/errors": sum(1 for r in records if r["error"]),
+                  "progress/replayed": sum(1 for r in records if r["cached"])}
+        if timed:
+            values["batch/ttft_ms"] = sum(g.ttft_ms for g in timed) / len(timed)
+            tpots = [g.tpot_ms for g in timed if g.tpot_ms is not None]
+            if tpots:
+                values["batch/tpot_ms"] = sum(tpots) / len(tpots)
+            values["batch/size"] = len(chunk)
+        live.log(values)
+
+    pass1_stats = None  # technique statistics of the first (scored) pass, taken before any repeat
+    try:
+        runnable: list[tuple[Any, Request]] = []
+        with progress.phase("images", total=len(samples)) as bar:
+            for sample in samples:
+                bar.update(1)
+                if sample.error:
+                    record(sample, error=sample.error)
+                    continue
+                try:
+                    runnable.append((sample, Request(sample.uid, sample.content, sample.load_images())))
+                except Exception as e:  # noqa: BLE001 - a bad image costs its sample, never the run
+                    record(sample, error=f"{type(e).__name__}: {e}")
+        keys: dict[str, str] = {}
+        n_replayed = 0
+        if cache is None:
+            progress.skip("cache")
+        else:  # keys for writing; when reading, replay hits and generate only the misses
+            with progress.phase("cache", total=len(runnable)) as bar:
+                todo = []
+                for sample, req in runnable:
+                    keys[sample.uid] = key_for(cache_model_id, req, cache_generation, cache_techniques)
+                    hit = cache.get(keys[sample.uid])
+                    if hit is None:
+                        todo.append((sample, req))
+                    else:
+                        record(sample, generation_from_cache(hit, sample.uid))
+                        n_replayed += 1
+                    bar.update(1)
+                runnable = todo
+            if n_replayed:
+                log.info("%d of %d samples replayed from the generation cache %s", n_replayed,
+                         len(samples), cache.path)
+        live_progress([])
+        bs = max(1, cfg.engine.batch_size)
+        # the measurement protocol (harness/latency/, latency.*): warm-up per shape, verified timed batches, repeats
+        from harness.latency.runner import TimedBatches
+        from harness.latency.shapes import technique_state
+
+        timer = TimedBatches(engine, cfg.latency, technique_state(cfg), warmup_rounds=cfg.engine.warmup)
+        load_mode = cfg.load.qps is not None
+        batches = [runnable[i : i + bs] for i in range(0, len(runnable), bs)]
+        with progress.phase("warmup", unit="batch") as bar:
+            # load mode: its first batch's requests only (vLLM streams one); otherwise one batch per shape key
+            warm = [[r for _, r in b] for b in (batches[:1] if load_mode else batches)]
+            chosen = [0][:len(warm)] if load_mode and cfg.engine.warmup > 0 and hasattr(engine, "warmup") \
+                else timer.plan(warm)
+            bar.total = len(chosen) * max(0, cfg.engine.warmup)
+            bar.refresh()
+            timer.warm_up(warm, chosen, bar)
+        gen0 = time.perf_counter()
+        load_info = None
+        with progress.phase("generate", total=len(runnable)) as bar:
+            if n_replayed:
+                bar.set_postfix_str(f"{n_replayed} replayed from the cache")
+            if cfg.load.qps is not None and runnable:  # serving latency: Poisson arrivals at load.qps
+                by_uid = {s.uid: s for s, _ in runnable}
+                gens, load_info = engine.run_load([r for _, r in runnable], cfg.load)
+                for gen in gens:  # requests cycle through the dataset: uid#k is the k-th pass over uid
+                    record(by_uid[gen.extra.get("source_uid", gen.uid)], gen, uid=gen.uid)
+                bar.update(len(runnable))
+                live_progress(gens)
+                runnable = []
+            for bi, chunk in enumerate(batches if runnable else []):
+                gens = timer.time_batch([r for _, r in chunk], 0, bi)  # re-timed when it compiled (latency.on_compile)
+                for (sample, _), gen in zip(chunk, gens):
+                    if cache is not None and not gen.error:
+                        cache.put(keys[sample.uid], gen)
+                    record(sample, gen)
+                bar.update(len(chunk))
+                live_progress(gens)
+        gen_s = load_info["duration_s"] if load_info else time.perf_counter() - gen0
+        pass1_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}  # the scored pass's
+        timed = batches if runnable else []
+        if cfg.latency.repeats > 1 and timed:
+            with progress.phase("repeats", total=(cfg.latency.repeats - 1) * len(runnable)) as bar:
+                for p in range(1, cfg.latency.repeats):  # timings only: answers and scores are the first pass's
+                    bar.set_postfix_str(f"pass {p + 1}/{cfg.latency.repeats}")
+                    for bi, chunk in enumerate(timed):
+                        timer.time_batch([r for _, r in chunk], p, bi)
+                        bar.update(len(chunk))
+        else:
+            progress.skip("repeats")
+        if device_lock is not None:
+            device_lock.end_of_measurement()
+    finally:
+        samples_log.close()
+        if cache is not None:
+            cache.close()
+        engine_info = engine.describe()
+        if pass1_stats is None:  # generation did not finish: what the engine gathered so far
+            pass1_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
+        technique_stats = mark_partial(pass1_stats,
+                                       sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
+                                       sum(1 for r in records if r["cached"]))
+        engine.close()
+    _check_sere_engaged(run_dir, state, technique_stats)
+
+    with progress.phase("finish", unit="step"):  # aggregate, write summary.json, log to W&B
+        wall_s = time.perf_counter() - wall0
+        summary = {
+            "run": {**run_block(engine_info, model_info, cfg.seed, started), "end_time": utc_now(),
+                    "wall_time_s": round(wall_s, 3), "run_dir": str(run_dir), "sweep": sweep_info(),
+                    "attempt": state["attempt"]},
+            "config": config,
+            "metrics": aggregate(records),
+            "latency": run_latency(records, gen_s, timer, cfg.latency, cfg.seed),
+            **technique_stats,
+        }
+        summary["run"]["scoring"] = scorer.describe()  # which encoders scored, and whether their weights are random
+        if cfg.visionzip.keep < 1.0:
+            summary["visionzip"] = visionzip_summary(cfg.visionzip, records)
+        if cache is not None:
+            summary["cache"] = cache.stats()
+        if load_info is not None:
+            summary["load"] = load_info
+        if device_lock is not None:
+            summary["latency"].setdefault("protocol", {})["device"] = device_lock.info()
+        if timer.samples:  # every timing taken, one line per request and pass (excluded ones flagged)
+            with open(run_dir / "timings.jsonl", "w", encoding="utf-8") as f:
+                for sample in timer.samples:
+                    f.write(json.dumps(sample) + "\n")
+        summary["run"]["phase_s"] = dict(progress.times)  # seconds per phase (not "finish", still running)
+        summary["warnings"] = run_warnings(summary)  # what a reader must know (random weights, unparsable, …)
+        for warning in summary["warnings"]:  # INFO: the console shows them once, in the end-of-run summary
+            log.info("warning: %s", warning)
+        write_json(run_dir / "summary.json", summary)
+        mark_finished(run_dir, state)
+        log.info("%s written", run_dir / "summary.json")
+        if live is not None:  # a kill from here on is redone by the rerun (run_state.json wandb.logged false)
+            wandb_dir = live.finish(config, summary, records, run_dir)
+            if wandb_dir:
+                summary["run"]["wandb_dir"] = wandb_dir
+                write_json(run_dir / "summary.json", summary)
+            mark_wandb_logged(run_dir, state, wandb_dir)
+    return summary

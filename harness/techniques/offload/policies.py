@@ -1,0 +1,154 @@
+"""The built-in offload policies: ``none``, ``staging``, ``lru``, ``lru+gate``, ``oracle`` (``lease``: another module).
+
+- ``none`` — every expert resident (the model's own weights stay on the device): the upper bound;
+- ``staging`` — no cache: every needed expert copied on every access, forgotten after the layer: the lower bound;
+- ``lru`` — per-layer least-recently-used eviction (the mixtral-offloading baseline);
+- ``lru+gate`` — LRU plus, in decode, a speculative prefetch of layer ``l+1``'s experts chosen by layer ``l+1``'s
+  router applied to layer ``l``'s MoE input (the hidden state one layer early: the residual stream changes
+  little between adjacent layers, which is what makes this guess useful and cheap);
+- ``oracle`` — Belady's eviction (evict the candidate used farthest in the future) on a recorded routing trace of
+  the same requests: the ceiling any eviction rule on this cache can reach (no prefetch: it bounds eviction,
+  not overlap).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from harness.techniques.offload.policy import Clock, OffloadPolicy, PolicyContext, register_policy
+
+__all__ = ["NonePolicy", "StagingPolicy", "LRUPolicy", "LRUGatePolicy", "OraclePolicy"]
+
+
+@register_policy("none")
+class NonePolicy(OffloadPolicy):
+    """All experts resident; never asked anything."""
+
+    mode = "resident"
+
+
+@register_policy("staging")
+class StagingPolicy(OffloadPolicy):
+    """Copy every needed expert on every access (the cache forgets a layer's experts after its compute)."""
+
+    mode = "staging"
+
+
+@register_policy("lru")
+class LRUPolicy(OffloadPolicy):
+    """Per-layer LRU. Recency is a counter of accesses (pass, layer order), so it is exact and clock-free."""
+
+    def __init__(self, ctx: PolicyContext):
+        super().__init__(ctx)
+        self._tick = 0
+        self.last_use: list[dict[int, int]] = [dict() for _ in range(ctx.geometry.num_layers)]
+
+    def touch(self, layer: int, experts: Iterable[int]) -> None:
+        self._tick += 1
+        for e in experts:
+            self.last_use[layer][e] = self._tick
+
+    def on_access(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        self.touch(layer, experts)
+
+    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
+        lu = self.last_use[layer]
+        return sorted(candidates, key=lambda e: (lu.get(e, -1), e))[:n]
+
+    def on_evict(self, layer: int, expert: int, clock: Clock) -> None:
+        self.last_use[layer].pop(expert, None)
+
+
+@register_policy("lru+gate")
+class LRUGatePolicy(LRUPolicy):
+    """LRU + next layer's router on the current hidden state → prefetch (decode only; ``params.prefetch_prefill``
+    turns it on for prefill too). A prefetched expert counts as just used, so LRU does not evict it at once."""
+
+    needs_gate = True
+
+    def prefetch(self, layer: int, clock: Clock, hidden: Any = None) -> Iterable[tuple[int, int]]:
+        nxt = layer + 1
+        if (nxt >= self.geometry.num_layers or hidden is None or self.ctx.gate is None
+                or (clock.phase != "decode" and not self.ctx.params.get("prefetch_prefill", False))):
+            return ()
+        ids = self.ctx.gate(nxt, hidden)
+        experts = rank_gate_guess(ids, self.geometry.num_experts)
+        self.touch(nxt, experts)
+        return [(nxt, e) for e in experts]
+
+
+def rank_gate_guess(ids: Any, num_experts: int) -> list[int]:
+    """The gate's guessed experts ``[T, k]`` (each row's top-k, best first), best first: by the number of rows
+    naming the expert, then by its best rank in a row, then id. The cache admits only the first few
+    (``offload.prefetch.max_per_layer``), so the order is the prefetch priority."""
+    rows = ids.reshape(-1, ids.shape[-1]).tolist() if hasattr(ids, "reshape") else [list(ids)]
+    score: dict[int, list[int]] = {}
+    for row in rows:
+        for rank, e in enumerate(row):
+            e = int(e)
+            if 0 <= e < num_experts:
+                s = score.setdefault(e, [0, rank])
+                s[0] += 1
+                s[1] = min(s[1], rank)
+    return sorted(score, key=lambda e: (-score[e][0], score[e][1], e))
+
+
+@register_policy("oracle")
+class OraclePolicy(OffloadPolicy):
+    """Belady on ``ctx.trace`` (an object with ``steps_by_batch(B)`` → per decode step ``[b, L, k]`` ids, the
+    order this run decodes in; ``params.batch_size`` = the engine's batch size). Decode step ``t`` of the
+    measured run (``clock.tokens`` after the warm-up reset) is trace step ``t - 1``; a prefill looks ahead from
+    the next decode step. Steps whose routing differs from the trace are counted (``trace_mismatch_steps``):
+    the ceiling is exact only when that is 0."""
+
+    needs_trace = True
+
+    def __init__(self, ctx: PolicyContext):
+        super().__init__(ctx)
+        steps = ctx.trace.steps_by_batch(int(ctx.params.get("batch_size", 1)))
+        num_layers = ctx.geometry.num_layers
+        self.sets: list[list[frozenset[int]]] = []  # [step][layer] -> experts
+        self.uses: list[dict[int, list[int]]] = [dict() for _ in range(num_layers)]
+        for t, ids in enumerate(steps):
+            if ids.shape[1] != num_layers:
+                raise ValueError(f"trace has {ids.shape[1]} MoE layers, the model {num_layers}")
+            row = []
+            for layer in range(num_layers):
+                s = frozenset(int(e) for e in ids[:, layer].reshape(-1).tolist() if e >= 0)
+                row.append(s)
+                for e in s:
+                    self.uses[layer].setdefault(e, []).append(t)
+            self.sets.append(row)
+        self.mismatch_steps: set[int] = set()
+        self.beyond_trace = 0
+
+    def _now(self, clock: Clock) -> int:
+        return clock.tokens - 1 if clock.phase == "decode" else clock.tokens
+
+    def next_use(self, layer: int, expert: int, now: int) -> float:
+        uses = self.uses[layer].get(expert, [])
+        i = bisect.bisect_left(uses, now)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
+        now = self._now(clock)
+        return sorted(candidates, key=lambda e: (-self.next_use(layer, e, now), e))[:n]
+
+    def on_access(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        if clock.phase != "decode":
+            return
+        now = self._now(clock)
+        if now >= len(self.sets):
+            self.beyond_trace += 1
+        elif not set(experts) <= self.sets[now][layer]:
+            self.mismatch_steps.add(now)
+
+    def on_reset(self, clock: Clock) -> None:
+        self.mismatch_steps.clear()
+        self.beyond_trace = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"trace_steps": len(self.sets), "trace_mismatch_steps": len(self.mismatch_steps),
+                "accesses_beyond_trace": self.beyond_trace}
