@@ -63,6 +63,17 @@ def _vllm_flash_with_lse(op, q, k, v, cu, max_seqlen):
         return None
 
 
+_REPORTED: list[str] = []
+
+
+def _report_once(source: str) -> None:
+    """One log line per process saying where the scoring block's LSE came from (a server's log is the only
+    place a ``vllm serve`` run can show it: benchmarks/bench_vllm_serve.py reads it)."""
+    if not _REPORTED:
+        _REPORTED.append(source)
+        logger.warning("harness VisionZip scoring-block LSE source: %s", source)
+
+
 def install(op, qkv_module=None, want_keys: bool = False) -> Capture:
     """Make ``op`` (the scoring block's ``MMEncoderAttention``) record q, k, cu_seqlens, lse (and the
     pre-rotary keys from ``qkv_module``'s output when ``want_keys``) into the returned :class:`Capture`."""
@@ -95,9 +106,12 @@ def install(op, qkv_module=None, want_keys: bool = False) -> Capture:
         cap.seen.update(q=q3, k=k3, cu=cu, lse=None)
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         got = _vllm_flash_with_lse(op, q3, k3, v3, cu.to(torch.int32), longest)
+        source = "vLLM flash_attn_varlen_func (vLLM's own attention LSE reused)" if got is not None else None
         if got is None:
             out, lse = varlen_attention_with_lse(q3, k3, v3, cu, scale=op.scale, max_seqlen=longest)
             got = (out, lse) if lse is not None else None
+            source = "torch varlen flash op (LSE reused)" if got is not None else None
+        _report_once(source or "none: stock attention, the importance kernel's own LSE pass")
         if got is None:
             cap.fallback_calls += 1
             return stock(query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

