@@ -471,7 +471,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from harness.envinfo import package_version
+    from harness.results.envinfo import package_version
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor()})"
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-serve-"))
