@@ -51,6 +51,7 @@ class DatasetConfig:
     """Where samples come from. ``name`` selects the loader in ``harness.datasets``."""
 
     name: str = MISSING
+    loader: Optional[str] = None  # "package.module:function": a loader outside harness, registered under `name`
     path: Optional[str] = None  # data file or directory; relative paths resolve from the project root
     image_root: Optional[str] = None  # where image files live (default: beside the data file)
     split: Optional[str] = None  # e.g. "dev" for RAG-IGBench; None = every row
@@ -149,6 +150,10 @@ class VisionZipConfig:
     scope: str = "request"  # "request" = one budget for all images of a request; "image" = per image
     layer: int = -1  # vision layer whose attention scores tokens (-1 = last)
     min_per_image: int = 1
+    # attention = VisionZip; random | pool | first: trivial baselines at the same kept count (issue 31,
+    # harness/techniques/visionzip/baselines.py)
+    method: str = "attention"
+    seed: int = 0  # method=random: the generator's seed (one draw per request)
 
 
 @dataclass
@@ -173,6 +178,13 @@ class MoeConfig:
 
     top_k: Optional[int] = None  # keep each token's K highest experts, renormalised as the router does
     scope: str = "decode"  # "decode" = decode steps only (as SERE), "all" = every pass (prefill too)
+    # trivial routing baselines of SERE (issue 31, harness/techniques/moe_routing.py): null = off |
+    # random_p (secondary slots outside P to a random member of P; P = the batch's top-k_primary union) |
+    # top_p (per token, experts until the cumulative probability reaches p, renormalised)
+    routing: Optional[str] = None
+    k_primary: int = 2  # random_p: primary experts per token (match sere.k)
+    p: float = 0.5  # top_p: cumulative router probability kept
+    seed: int = 0  # random_p: the generator's seed (per layer and step)
 
 
 @dataclass
