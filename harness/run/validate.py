@@ -95,6 +95,9 @@ RULES: tuple[Rule, ...] = (
     Rule("visionzip.scope", one_of("request", "image")),
     Rule("visionzip.layer", number(integer=True, note="-1 = last; checked against the vision depth")),
     Rule("visionzip.min_per_image", at_least(0)),
+    # trivial baselines (issue 31; the names of harness/techniques/visionzip/baselines.py's METHODS)
+    Rule("visionzip.method", one_of("attention", "random", "pool", "first")),
+    Rule("visionzip.seed", at_least(0)),
     # SERE (k=0 is normalised to null before the rules run: see NORMALIZE)
     Rule("sere.k", optional(at_least(1, "below the model's experts per token"), "off, as is 0")),
     Rule("sere.rho", number(0, 1)),
@@ -104,6 +107,11 @@ RULES: tuple[Rule, ...] = (
     # plain top-K truncation (the `moe` group; inert until it exists)
     Rule("moe.top_k", optional(at_least(1, "below the model's experts per token"), "the model's top-k")),
     Rule("moe.scope", one_of("decode", "all")),
+    # trivial routing baselines of SERE (issue 31; harness/techniques/moe_routing.py's ROUTINGS)
+    Rule("moe.routing", optional(one_of("random_p", "top_p"), "off")),
+    Rule("moe.k_primary", at_least(1, "below the model's experts per token")),
+    Rule("moe.p", number(0, 1, lo_open=True)),
+    Rule("moe.seed", at_least(0)),
     # scoring
     Rule("scoring.rouge_variant", one_of("reference", "rouge_score")),
     Rule("scoring.stopwords", optional(Check(lambda v: v in ("public", "project", "none") or existing_file(v),
@@ -186,6 +194,17 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: f"an integer below moe.top_k={_moe_top_k(cfg)} (SERE keeps k of the top-"
               f"{_moe_top_k(cfg)} experts and re-routes the rest; 0 or null = off, which leaves plain top-"
               f"{_moe_top_k(cfg)})"),
+    # the baselines keep tokens without merging: contextual tokens are VisionZip's own (issue 31)
+    CrossRule("visionzip.contextual", lambda cfg: _select(cfg, "visionzip.method", "attention") != "attention",
+              lambda cfg: cfg.visionzip.contextual == 0,
+              lambda cfg: f"0 with visionzip.method={cfg.visionzip.method} (only method=attention merges "
+              "contextual tokens)"),
+    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None, _technique_engine,
+              lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in "
+              f"{', '.join(TECHNIQUE_ENGINES)})"),
+    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None,
+              lambda cfg: _moe_top_k(cfg) is None and not _sere_on(cfg),
+              "null with moe.top_k or sere.k set (a routing baseline replaces the routing: run it alone)"),
     CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
               "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
     # --- real-shape models and synthetic load (issue 17) ---
