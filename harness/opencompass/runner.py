@@ -121,7 +121,7 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     from harness.metrics.latency import latency_summary
     from harness.opencompass.config_gen import write_config
-    from harness.results.schema import run_block, utc_now, write_json
+    from harness.results.schema import run_block, utc_now, write_summary
     from harness.models.load import resolve_model
     from harness.results.tracking import log_run, sweep_info
     from harness.run.validate import validate_config, validate_model
@@ -180,9 +180,9 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     }
     if crosscheck:
         summary["opencompass_crosscheck"] = crosscheck
-    write_json(run_dir / "summary.json", summary)
+    write_summary(run_dir / "summary.json", summary)
     wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
     if wandb_dir:
         summary["run"]["wandb_dir"] = wandb_dir
-        write_json(run_dir / "summary.json", summary)
+        write_summary(run_dir / "summary.json", summary)
     return summary

@@ -4,7 +4,8 @@ latency axes per benchmark, baseline deltas, panels and their Pareto fronts (``s
 ``report_plots``, ``report_wandb``) share lives here, below them, so none of them imports another to get it;
 ``harness.report.build`` re-exports every name.
 
-Reads result files only: the standard library is all it imports.
+Reads result files only: the standard library and the results schema (harness/results/schema.py) are all it
+imports.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.results.schema import MalformedSummary, read_summary  # noqa: F401 (MalformedSummary: re-exported)
 
 log = logging.getLogger("harness.report")  # the report's logger
 
@@ -154,21 +157,10 @@ def random_scorers(scoring: Any) -> list[str]:
     return [k for k in ("clip", "embed") if scoring.get(f"{k}_weights") == "random-init"]
 
 
-class MalformedSummary(ValueError):
-    """A ``summary.json`` that is not a JSON object of the results schema."""
-
-
 def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
-    """One flat row from one ``summary.json`` (:class:`MalformedSummary` when it cannot be one)."""
-    try:
-        s = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        raise MalformedSummary(f"not readable JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(s, dict):
-        raise MalformedSummary(f"a JSON {type(s).__name__}, not an object")
-    bad = [k for k in ("run", "config", "metrics", "latency") if s.get(k) is not None and not isinstance(s[k], dict)]
-    if bad:
-        raise MalformedSummary(f"{', '.join(bad)} not an object")
+    """One flat row from one ``summary.json`` (:class:`MalformedSummary` when it cannot be one), read through the
+    results schema (harness/results/schema.py: checked, older versions upgraded)."""
+    s = read_summary(path)
     run, cfg, metrics, lat = (s.get(k) or {} for k in ("run", "config", "metrics", "latency"))
     run_dir = path.parent
     sweep, job = _sweep_of(s, run_dir)

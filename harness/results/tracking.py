@@ -7,11 +7,18 @@ later) and ``disabled`` in tests. wandb is imported only when a run logs.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SAMPLE_COLUMNS = ("uid", "prompt_tokens", "visual_tokens", "output_tokens", "ttft_ms", "tpot_ms", "answer",
-                  "parsed_answer", "error", "cached", "prompt_sha256")
+from harness.results.schema import TECHNIQUE_BLOCKS, Summary
+
+# the samples table: what was asked, what was expected, what came back, how long it took; the scorer's values
+# follow as ``score/<name>`` columns (a scorer's own ``error`` is ``score/error``, never a second ``error``)
+SAMPLE_COLUMNS = ("uid", "prompt", "reference", "answer", "parsed_answer", "error", "prompt_tokens",
+                  "visual_tokens", "output_tokens", "ttft_ms", "tpot_ms", "cached", "prompt_sha256")
+_USER_DATA_DIR = os.environ.get("WANDB_DATA_DIR")  # set by the user: theirs; else each run stages in its directory
 
 
 def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
@@ -21,6 +28,35 @@ def _flatten(prefix: str, data: dict[str, Any], out: dict[str, Any]) -> dict[str
             _flatten(name, value, out)
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[name] = value
+    return out
+
+
+def summary_values(summary: Summary) -> dict[str, Any]:
+    """The W&B run summary of a ``summary.json`` (harness/results/schema.py): every number of ``metrics``,
+    ``latency`` (each interval as ``ci_lo`` / ``ci_hi``) and the technique blocks, the ``run`` metadata
+    (``run/*``: versions, device, dtype, weights, scorers, schema version), and the ``warnings`` (one text, one
+    line each, and ``warnings_count``)."""
+    out: dict[str, Any] = {}
+    for key in ("metrics", "latency", *TECHNIQUE_BLOCKS, "run"):
+        block = summary.get(key)  # type: ignore[misc]
+        if isinstance(block, Mapping):
+            _flatten(key, _with_intervals(block), out)
+    warnings = [str(w) for w in summary.get("warnings") or []]
+    out["warnings"] = "\n".join(warnings)
+    out["warnings_count"] = len(warnings)
+    return out
+
+
+def _with_intervals(block: Mapping[str, Any]) -> dict[str, Any]:
+    """``ci: [lo, hi]`` → ``ci_lo`` / ``ci_hi`` at every depth (W&B summaries plot numbers, not lists)."""
+    out: dict[str, Any] = {}
+    for key, value in block.items():
+        if isinstance(value, Mapping):
+            out[key] = _with_intervals(value)
+        elif key == "ci" and isinstance(value, (list, tuple)) and len(value) == 2:
+            out["ci_lo"], out["ci_hi"] = value
+        else:
+            out[key] = value
     return out
 
 
@@ -114,10 +150,9 @@ class LiveRun:
             tags = technique_tags(config, summary)
             if hasattr(run, "tags"):  # tags known only at the end (latency-partial)
                 run.tags = tuple(dict.fromkeys([*(run.tags or ()), *tags]))
-            blocks = {k: summary[k] for k in ("metrics", "latency", "visionzip", "sere", "cache", "offload") if summary.get(k)}
-            run.summary.update(_flatten("", blocks, {}))
+            run.summary.update(summary_values(summary))
             score_keys = sorted({k for r in records for k in r.get("scores", {})})
-            table = wandb.Table(columns=[*SAMPLE_COLUMNS, *score_keys])
+            table = wandb.Table(columns=[*SAMPLE_COLUMNS, *(f"score/{k}" for k in score_keys)])
             for r in records:
                 table.add_data(*[_cell(r.get(c)) for c in SAMPLE_COLUMNS],
                                *[_cell(r.get("scores", {}).get(k)) for k in score_keys])
@@ -178,6 +213,7 @@ def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, 
     when known, else from the config)."""
     if wandb_cfg.mode == "disabled":
         return None
+    _quiet_and_local(run_dir)
     import wandb
 
     summary = summary or {"run": {"engine": (config.get("engine") or {}).get("name"),
@@ -199,6 +235,15 @@ def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, 
         **kwargs,
     )
     return LiveRun(run)
+
+
+def _quiet_and_local(run_dir: Path) -> None:
+    """W&B's own lines go nowhere near the console (``WANDB_SILENT``; its log stays in ``<run_dir>/wandb/``), and
+    its artifact staging (default ``~/.local/share/wandb``, outside the run) is ``<run_dir>/wandb/staging``, so a
+    copied ``results/`` keeps the offline artifacts. A value the user exported wins."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    if _USER_DATA_DIR is None:
+        os.environ["WANDB_DATA_DIR"] = str(Path(run_dir) / "wandb" / "staging")
 
 
 def log_run(wandb_cfg: Any, config: dict[str, Any], summary: dict[str, Any], records: list[dict[str, Any]],

@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.engines.base import TechniqueNotAvailable  # noqa: F401 (also importable from here)
 from harness.models.load import resolve_model  # noqa: F401 (also importable from here)
-from harness.results.schema import SamplesLog, run_block, utc_now, write_json
+from harness.results.schema import SamplesLog, run_block, utc_now, write_summary
 from harness.run.validate import validate_config, validate_model
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def _finish_wandb(cfg: Any, run_dir: Path, config: dict[str, Any], summary: dict
                         name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"))
     if wandb_dir:
         summary["run"]["wandb_dir"] = wandb_dir
-        write_json(run_dir / "summary.json", summary)
+        write_summary(run_dir / "summary.json", summary)
     mark_wandb_logged(run_dir, state, wandb_dir)
     return summary
 
@@ -452,13 +452,13 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         summary["warnings"] = run_warnings(summary)  # what a reader must know (random weights, unparsable, …)
         for warning in summary["warnings"]:  # INFO: the console shows them once, in the end-of-run summary
             log.info("warning: %s", warning)
-        write_json(run_dir / "summary.json", summary)
+        write_summary(run_dir / "summary.json", summary)
         mark_finished(run_dir, state)
         log.info("%s written", run_dir / "summary.json")
         if live is not None:  # a kill from here on is redone by the rerun (run_state.json wandb.logged false)
             wandb_dir = live.finish(config, summary, records, run_dir)
             if wandb_dir:
                 summary["run"]["wandb_dir"] = wandb_dir
-                write_json(run_dir / "summary.json", summary)
+                write_summary(run_dir / "summary.json", summary)
             mark_wandb_logged(run_dir, state, wandb_dir)
     return summary
