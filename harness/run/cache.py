@@ -132,6 +132,13 @@ def technique_settings(techniques: Any) -> dict[str, Any]:
     for name, block in sorted(t.items()):
         if name == "visionzip":
             out[name] = None if block is None or float(block.get("keep", 1.0)) >= 1.0 else block
+            if out[name] is not None:  # issue 31's keys enter only where they change the output: old keys stay
+                block = dict(block)
+                if block.get("method", "attention") == "attention":
+                    block.pop("method", None)
+                if block.get("method") != "random":
+                    block.pop("seed", None)
+                out[name] = block
         elif name == "sere":
             if block is None or block.get("k") is None:
                 out[name] = None

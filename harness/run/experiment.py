@@ -61,7 +61,11 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
     image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
     return {
         "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
-        "min_per_image": vz_cfg.min_per_image, "requests": n_requests,
+        "min_per_image": vz_cfg.min_per_image,
+        # attention = VisionZip, else a trivial baseline at the same kept count (issue 31); seed: method=random's
+        "method": vz_cfg.get("method", "attention") if hasattr(vz_cfg, "get") else getattr(vz_cfg, "method", "attention"),
+        "seed": vz_cfg.get("seed", 0) if hasattr(vz_cfg, "get") else getattr(vz_cfg, "seed", 0),
+        "requests": n_requests,
         "requests_with_per_image_counts": len(per_request),
         "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
         "keep_rate": kept / tokens_in if tokens_in else None,
@@ -268,7 +272,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     cache_model_id = model_key(model_info, model_path, engine.describe()) if cache is not None else ""
     cache_generation = {**OmegaConf.to_container(cfg.generation, resolve=True),
                         **({"seed": cfg.seed} if cfg.generation.do_sample else {})}
-    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere, **({"moe": cfg.moe} if cfg.moe.top_k is not None else {})}
+    cache_techniques = {"visionzip": cfg.visionzip, "sere": cfg.sere,
+                        **({"moe": cfg.moe} if cfg.moe.top_k is not None or cfg.moe.get("routing") else {})}
 
     scorer = Scorer(cfg.scoring)
     samples_log = SamplesLog(run_dir / "samples.jsonl")

@@ -52,6 +52,13 @@ def _n(x: Any) -> int:
     return int(x) if isinstance(x, (int, float)) else 0
 
 
+def _has_metric(metrics: Mapping[str, Any], key: str) -> bool:
+    """``key`` has a value in ``metrics`` or in one of its ``per_task`` blocks."""
+    if metrics.get(key) is not None:
+        return True
+    return any(isinstance(b, Mapping) and b.get(key) is not None for b in (metrics.get("per_task") or {}).values())
+
+
 def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     """The caveats of one run's numbers, one sentence each (``summary.json`` ``warnings``)."""
     run, metrics, lat = (summary.get(k) or {} for k in ("run", "metrics", "latency"))
@@ -63,12 +70,14 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
         out.append("trained-synthetic model weights (the embedded model, docs/embedded_model.md): quality numbers show "
                    "what a technique costs this machinery-level model, not a real model's quality")
     scoring = run.get("scoring") or {}
-    random_scorers = [f"{kind} {scoring.get(f'{kind}_model')}" for kind in ("clip", "embed")
-                      if scoring.get(f"{kind}_weights") == "random-init"]
-    if random_scorers:
-        hit = [m for kind in ("clip", "embed") if scoring.get(f"{kind}_weights") == "random-init"
-               for m in RANDOM_SCORER_METRICS[kind]]
-        out.append(f"random-init scorers ({', '.join(random_scorers)}): {', '.join(hit)} and comprehensive "
+    # only scorers whose metrics this run has (OCRBench and CCBench use neither CLIP nor the embedder)
+    kinds = [kind for kind in ("clip", "embed") if scoring.get(f"{kind}_weights") == "random-init"
+             and any(_has_metric(metrics, m) for m in RANDOM_SCORER_METRICS[kind])]
+    if kinds:
+        hit = [m for kind in kinds for m in RANDOM_SCORER_METRICS[kind]]
+        names = ", ".join(f"{kind} {scoring.get(kind + '_model')}" for kind in kinds)
+        out.append(f"random-init scorers ({names}): "
+                   f"{', '.join(hit)}{' and comprehensive' if _has_metric(metrics, 'comprehensive') else ''} "
                    "mean nothing")
     n = _n(metrics.get("n_samples"))
     blocks = [metrics, *(metrics.get("per_task") or {}).values()] if metrics.get("per_task") else [metrics]

@@ -278,8 +278,12 @@ def test_console_summary_and_warnings():
     summary = {"run": {"run_dir": "/r", "weights": "random-init", "model": {"name": "tiny"}, "engine": "hf",
                        "scoring": {"clip_model": "tiny-clip", "clip_weights": "random-init", "embed_model": None,
                                    "embed_weights": None}},
-               "metrics": {"n_samples": 12, "n_scored": 0, "format_invalid": 12, "errors": 0, "rouge1": 0.0},
+               "metrics": {"n_samples": 12, "n_scored": 0, "format_invalid": 12, "errors": 0, "rouge1": 0.0,
+                           "clip_score": 0.1},
                "latency": {"ttft_ms": {"p50": 240.0}, "tpot_ms": {"p50": 4.5}, "n_measured": 12, "n_cached": 0}}
+    # issue 25: a run whose metrics no random scorer feeds (OCRBench, CCBench) gets no scorer warning
+    ocr = {**summary, "metrics": {"n_samples": 12, "ocrbench_score": 300.0}}
+    assert not any("scorers" in w for w in run_warnings(ocr))
     warnings = run_warnings(summary)
     assert "all 12 answers unparsable (format_invalid): see scores.reason / the answers in samples.jsonl" in warnings
     assert any(w.startswith("random-init model weights (tiny)") for w in warnings)
