@@ -80,6 +80,7 @@ from harness.techniques.visionzip.pruning import (
     merge_units,
     select_tokens,
 )
+from harness.techniques.visionzip.baselines import baseline_scores, check_method, pool_counts, pool_image
 
 __all__ = [
     "RequestStats",
@@ -183,7 +184,14 @@ def _check_cfg(cfg: Any) -> tuple[float, float, str, int, int]:
         raise ValueError(f"visionzip.scope must be one of {SCOPES}, got {scope!r}")
     if min_per_image < 0:
         raise ValueError(f"visionzip.min_per_image must be >= 0, got {min_per_image}")
+    check_method(_method(cfg), contextual)
     return keep, contextual, scope, layer, min_per_image
+
+
+def _method(cfg: Any) -> str:
+    """``visionzip.method`` (``attention`` = VisionZip; ``random`` / ``pool`` / ``first``: the trivial
+    baselines of :mod:`harness.techniques.visionzip.baselines`, issue 31)."""
+    return str(getattr(cfg, "method", "attention") or "attention")
 
 
 # ----------------------------------------------------------------------------------------- scoring
@@ -338,12 +346,18 @@ def prepare_visionzip_inputs(model, inputs: Any, cfg: Any, *, pad_token_id: int 
 
     # 1. vision tower once, scores per LLM visual token
     timings: dict[str, float] = {}
-    vision_output, patch_scores, _, patch_keys = encode_and_score(
-        model, pixel_values, grid, layer=layer, want_keys=contextual > 0, timings=timings
-    )
+    method, seed = _method(cfg), int(getattr(cfg, "seed", 0) or 0)
     sizes = (grid.prod(-1) // (merge * merge)).tolist()
-    unit_scores = merge_unit_scores(patch_scores, grid, merge)
-    unit_keys = merge_units(patch_keys, grid, merge) if patch_keys is not None else None
+    if method == "attention":
+        vision_output, patch_scores, _, patch_keys = encode_and_score(
+            model, pixel_values, grid, layer=layer, want_keys=contextual > 0, timings=timings
+        )
+        unit_scores = merge_unit_scores(patch_scores, grid, merge)
+        unit_keys = merge_units(patch_keys, grid, merge) if patch_keys is not None else None
+    else:  # a trivial baseline (issue 31): the tower runs as stock, nothing is scored by attention
+        vision_output = base.get_image_features(pixel_values, grid, return_dict=True)
+        unit_scores, unit_keys = [torch.empty(0)] * len(sizes), None
+    grid_rows = [(int(t) * int(h) // merge, int(w) // merge) for t, h, w in grid.tolist()]
     pooled = list(vision_output.pooler_output)
     levels, ds_split = _deepstack_levels(vision_output.deepstack_features, sizes)
 
@@ -355,8 +369,23 @@ def prepare_visionzip_inputs(model, inputs: Any, cfg: Any, *, pad_token_id: int 
     new_levels = [list(level) for level in levels]
     requests: list[RequestStats] = []
     for images in rows_images:
-        selection = select_tokens([unit_scores[j] for j in images], keep, scope, min_per_image) if images else []
-        for j, kept in zip(images, selection):
+        if method == "pool":  # average pooling of each image's grid to its share of the budget
+            counts = pool_counts([sizes[j] for j in images], keep, scope, min_per_image) if images else []
+            for j, k in zip(images, counts):
+                rows_j, cols_j = grid_rows[j]
+                kept_idx[j], new_pooled[j] = pool_image(pooled[j], rows_j, cols_j, k)
+                for lvl in range(len(levels)):
+                    new_levels[lvl][j] = pool_image(levels[lvl][j], rows_j, cols_j, k)[1]
+            selection, images_sel = [], []
+        elif method != "attention":
+            picked = baseline_scores(method, [sizes[j] for j in images], seed)
+            for j, sc in zip(images, picked):
+                unit_scores[j] = sc.float()
+            selection, images_sel = select_tokens(picked, keep, scope, min_per_image) if images else [], images
+        else:
+            selection = select_tokens([unit_scores[j] for j in images], keep, scope, min_per_image) if images else []
+            images_sel = images
+        for j, kept in zip(images_sel, selection):
             kept = kept.to(pooled[j].device)
             if contextual > 0:
                 keys_j, scores_j = unit_keys[j], unit_scores[j].to(pooled[j].device)
