@@ -112,6 +112,9 @@ class HFEngine:
         from harness.techniques.moe_topk import moe_settings
 
         moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before the model loads
+        from harness.techniques.moe_routing import routing_settings
+
+        routing_settings(moe_cfg)  # moe.routing too
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
         self.device = resolve_device(engine_cfg.device)
@@ -186,6 +189,11 @@ class HFEngine:
             from harness.engines.hf.topk import install_topk
 
             self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.stop_ids))
+        routing = routing_settings(moe_cfg)
+        if routing is not None:  # moe.routing: SERE's trivial baselines (issue 31), alone (validate refuses a mix)
+            from harness.engines.hf.routing_baselines import install_routing_baseline
+
+            self.moe = install_routing_baseline(self.model, routing, eos_token_ids=sorted(self.stop_ids))
         if sere_artifacts is not None:
             from harness.engines.hf.sere import install_sere
 
