@@ -9,9 +9,13 @@ before scoring (bad image, engine error) carries ``error`` and counts 0 everywhe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from harness.datasets.base import Sample
+from harness.datasets.synthetic_load import REASON as SYNTHETIC_LOAD_REASON
+from harness.registry import Registry
 
 TINY = "tiny"  # the embedded random-weight encoders (harness.metrics.tiny_encoders)
 TRANSFORMERS_PREFIX = "transformers:"  # scoring.clip_model=transformers:<hub id or directory>: a transformers CLIPModel
@@ -163,60 +167,96 @@ class Scorer:
         return out
 
     def __call__(self, sample: Sample, answer: str, error: str | None = None) -> dict[str, Any]:
-        if sample.task == "rag_igbench":
-            from harness.metrics import rag_igbench
+        return TASKS.load(sample.task).score(self, sample, answer, error)
 
-            return rag_igbench.score_sample(
-                answer if error is None else None,
-                sample.reference.get("answer"),
-                n_candidates=sample.reference.get("n_candidates"),
-                candidate_images=[img.path or img.key for img in sample.images] if self.clip else None,
-                clip=self.clip,
-                embed=self.embed,
-                error=error,
-                rouge_variant=self.cfg.rouge_variant,
-                stopwords=self.stopwords,
-                reference_faults=self.reference_faults,
-                image_zero=self.image_zero,
-            )
-        if sample.task == "ocrbench":
-            from harness.metrics.ocrbench import score_one
 
-            ref = sample.reference
-            return {"score": 0 if error else score_one(answer, ref["answers"], ref.get("dataset_name")),
-                    "type": ref.get("type"), "error": error}
-        if sample.task == "mcq":
-            from harness.metrics.mcq import extract
+@dataclass(frozen=True)
+class TaskScoring:
+    """How one task is scored: ``score(scorer, sample, answer, error)`` → the per-sample scores (a failed sample
+    scores too, with ``error``), ``aggregate(scores)`` → the task's block of ``summary.json`` ``metrics``."""
 
-            ref = sample.reference
-            pred = None if error else extract(answer, ref["options"], self.mcq_extraction)
-            return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
-                    "group": ref.get("group"), "category": ref.get("category"), "error": error}
-        if sample.task == "no_reference":  # dataset=synthetic_load: nothing to compare with, null (not 0)
-            from harness.datasets.synthetic_load import REASON
+    score: Callable[[Scorer, Sample, str, str | None], dict[str, Any]]
+    aggregate: Callable[[list[dict[str, Any]]], dict[str, Any]]
 
-            return {"score": None, "reason": REASON, "error": error}
-        raise KeyError(f"no scorer for task {sample.task!r}")
+
+def _score_rag_igbench(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
+    from harness.metrics import rag_igbench
+
+    return rag_igbench.score_sample(
+        answer if error is None else None,
+        sample.reference.get("answer"),
+        n_candidates=sample.reference.get("n_candidates"),
+        candidate_images=[img.path or img.key for img in sample.images] if scorer.clip else None,
+        clip=scorer.clip,
+        embed=scorer.embed,
+        error=error,
+        rouge_variant=scorer.cfg.rouge_variant,
+        stopwords=scorer.stopwords,
+        reference_faults=scorer.reference_faults,
+        image_zero=scorer.image_zero,
+    )
+
+
+def _aggregate_rag_igbench(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    from harness.metrics import rag_igbench
+
+    return rag_igbench.aggregate(scores)
+
+
+def _score_ocrbench(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
+    from harness.metrics.ocrbench import score_one
+
+    ref = sample.reference
+    return {"score": 0 if error else score_one(answer, ref["answers"], ref.get("dataset_name")),
+            "type": ref.get("type"), "error": error}
+
+
+def _aggregate_ocrbench(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    from harness.metrics import ocrbench
+
+    return ocrbench.aggregate(scores)
+
+
+def _score_mcq(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
+    from harness.metrics.mcq import extract
+
+    ref = sample.reference
+    pred = None if error else extract(answer, ref["options"], scorer.mcq_extraction)
+    return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
+            "group": ref.get("group"), "category": ref.get("category"), "error": error}
+
+
+def _aggregate_mcq(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    from harness.metrics.mcq import circular_accuracy
+
+    return circular_accuracy(scores)
+
+
+# dataset=synthetic_load: requests of exact shapes with nothing to compare with — null, never 0
+NO_REFERENCE_REASON = SYNTHETIC_LOAD_REASON
+
+
+def _score_no_reference(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
+    return {"score": None, "reason": NO_REFERENCE_REASON, "error": error}
+
+
+def _aggregate_no_reference(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"quality": None, "quality_reason": NO_REFERENCE_REASON,
+            "errors": sum(1 for s in scores if s.get("error"))}
+
+
+#: Sample.task → how it is scored and aggregated. A dataset with a new kind of answer registers its task from
+#: its loader module (imported before any sample is scored): ``TASKS.register("mine", TaskScoring(...))``.
+TASKS: Registry = Registry("task scorer", "Sample.task", {
+    "rag_igbench": TaskScoring(_score_rag_igbench, _aggregate_rag_igbench),
+    "ocrbench": TaskScoring(_score_ocrbench, _aggregate_ocrbench),
+    "mcq": TaskScoring(_score_mcq, _aggregate_mcq),
+    "no_reference": TaskScoring(_score_no_reference, _aggregate_no_reference),
+})
 
 
 def _aggregate_task(task: str, scores: list[dict[str, Any]]) -> dict[str, Any]:
-    if task == "rag_igbench":
-        from harness.metrics import rag_igbench
-
-        return rag_igbench.aggregate(scores)
-    if task == "ocrbench":
-        from harness.metrics import ocrbench
-
-        return ocrbench.aggregate(scores)
-    if task == "mcq":
-        from harness.metrics.mcq import circular_accuracy
-
-        return circular_accuracy(scores)
-    if task == "no_reference":
-        from harness.datasets.synthetic_load import REASON
-
-        return {"quality": None, "quality_reason": REASON, "errors": sum(1 for s in scores if s.get("error"))}
-    raise KeyError(f"no aggregation for task {task!r}")
+    return TASKS.load(task).aggregate(scores)
 
 
 def data_errors(records: list[dict[str, Any]]) -> dict[str, Any]:

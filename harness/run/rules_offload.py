@@ -104,9 +104,10 @@ OFFLOAD_CROSS_RULES = (
               lambda cfg: False, "null with offload.policy=none (every expert stays resident: no cache to size)"),
     CrossRule("offload.capacity_gb", lambda cfg: cfg.offload.policy == "none" and cfg.offload.capacity_gb is not None,
               lambda cfg: False, "null with offload.policy=none (every expert stays resident: no cache to size)"),
-    CrossRule("offload.trace", lambda cfg: _offload_on(cfg) and cfg.offload.policy == "oracle",
+    CrossRule("offload.trace", lambda cfg: _offload_on(cfg) and cfg.offload.policy in ("oracle", "static_hot"),
               lambda cfg: cfg.offload.trace is not None,
-              "a routing trace of the same requests with offload.policy=oracle (record one with "
+              lambda cfg: f"a routing trace with offload.policy={cfg.offload.policy} (oracle: of the same requests; "
+              "static_hot: its hot set, issue 31) (record one with "
               "offload.policy=none offload.record_trace=PATH)"),
 )
 

@@ -42,6 +42,19 @@ from harness.run.rules_latency import LATENCY_CROSS_RULES, LATENCY_RULES
 from harness.run.rules_offload import (LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES,
                                       PREFETCH_RULES, _offload_caches)
 
+def _loader_target_ok(value: Any) -> bool:
+    """``dataset.loader``: ``package.module:function`` with a module Python can find (not imported here)."""
+    import importlib.util
+    import re
+
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+        return False
+    try:
+        return importlib.util.find_spec(value.partition(":")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 #: Rules on one key each. Enumerations follow the code that reads the key (the registries of engines and
 #: loaders, the experts registry of harness.engines.hf.engine, the VisionZip scopes); ranges follow what the code
 #: can honour (a batch of 0 runs as 1, a keep rate above 1 prunes nothing).
@@ -52,6 +65,8 @@ RULES: tuple[Rule, ...] = (
     Rule("model.seed", at_least(0)),
     Rule("model.max_images_per_prompt", at_least(1)),
     # dataset
+    Rule("dataset.loader", optional(Check(_loader_target_ok, "a 'package.module:function' whose module is importable"),
+                                    "the loader registered under dataset.name")),
     Rule("dataset.name", registered(LOADERS)),
     Rule("dataset.limit", optional(at_least(1), "every sample")),
     Rule("dataset.format", optional(one_of("json", "tsv", "hf"), "detect")),
@@ -410,6 +425,9 @@ def validate_config(cfg: Any) -> list[str]:
     """Refuse (``ConfigError``) any value outside :data:`RULES` / :data:`CROSS_RULES`; apply :data:`NORMALIZE`.
     Returns the notes of applied normalisations (also printed to stderr). Before any model loads."""
     check_keys(cfg)
+    loader = _select(cfg, "dataset.loader")
+    if loader is not _MISSING and loader is not None and _loader_target_ok(loader):
+        LOADERS.register(str(cfg.dataset.name), str(loader))  # a dataset from outside the package (README)
     notes = []
     for n in NORMALIZE:
         value = _select(cfg, n.key)
