@@ -9,6 +9,16 @@
 - ``oracle`` — Belady's eviction (evict the candidate used farthest in the future) on a recorded routing trace of
   the same requests: the ceiling any eviction rule on this cache can reach (no prefetch: it bounds eviction,
   not overlap).
+
+Trivial baselines (issue 31), for a predictive policy to beat at the same capacity:
+
+- ``lfu`` — per-layer least-frequently-used eviction: each expert's count of passes that computed it (kept across
+  evictions: "perfect" LFU, the stronger variant), ties to the least recently used, then the lower id;
+- ``static_hot`` — the most frequent experts of a recorded routing trace (``offload.trace``: counts per layer over
+  every token row of the trace), pinned: a victim is always the coldest candidate by the trace's counts (ties:
+  lower id), so once loaded the ``capacity`` hottest experts of a layer are never evicted for a colder one; no
+  adaptation at run time. Record the trace on other requests than the measured ones for an honest baseline
+  (the same requests make it an in-sample, optimistic one).
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from typing import Any
 
 from harness.techniques.offload.policy import Clock, OffloadPolicy, PolicyContext, register_policy
 
-__all__ = ["NonePolicy", "StagingPolicy", "LRUPolicy", "LRUGatePolicy", "OraclePolicy"]
+__all__ = ["NonePolicy", "StagingPolicy", "LRUPolicy", "LRUGatePolicy", "OraclePolicy", "LFUPolicy",
+           "StaticHotPolicy"]
 
 
 @register_policy("none")
@@ -152,3 +163,76 @@ class OraclePolicy(OffloadPolicy):
     def stats(self) -> dict[str, Any]:
         return {"trace_steps": len(self.sets), "trace_mismatch_steps": len(self.mismatch_steps),
                 "accesses_beyond_trace": self.beyond_trace}
+
+
+@register_policy("lfu")
+class LFUPolicy(LRUPolicy):
+    """Per-layer LFU (module doc): evict the candidate computed in the fewest passes, then the least recent."""
+
+    def __init__(self, ctx: PolicyContext):
+        super().__init__(ctx)
+        self.count: list[dict[int, int]] = [dict() for _ in range(ctx.geometry.num_layers)]
+
+    def on_access(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        super().on_access(layer, experts, clock)
+        counts = self.count[layer]
+        for e in experts:
+            counts[e] = counts.get(e, 0) + 1
+
+    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
+        counts, lu = self.count[layer], self.last_use[layer]
+        return sorted(candidates, key=lambda e: (counts.get(e, 0), lu.get(e, -1), e))[:n]
+
+    def stats(self) -> dict[str, Any]:
+        return {"distinct_experts_counted": sum(len(c) for c in self.count)}
+
+
+def trace_counts(ids: Any, num_layers: int, num_experts: int) -> list[list[int]]:
+    """Per MoE layer, how many token rows of a trace ``ids`` [N, L, k] name each expert (ids < 0 ignored)."""
+    import torch
+
+    if ids.dim() != 3 or ids.shape[1] != num_layers:
+        raise ValueError(f"trace ids {tuple(ids.shape)}: expected [N, {num_layers}, k]")
+    out = []
+    for layer in range(num_layers):
+        flat = ids[:, layer].reshape(-1).long()
+        flat = flat[(flat >= 0) & (flat < num_experts)]
+        out.append(torch.bincount(flat, minlength=num_experts).tolist())
+    return out
+
+
+def _trace_ids(trace: Any) -> Any:
+    """``[N, L, k]`` ids of a ``RoutingTrace`` (``.ids``) or of any object with ``steps_by_batch`` (a replay)."""
+    import torch
+
+    ids = getattr(trace, "ids", None)
+    if ids is None:
+        ids = torch.cat([torch.as_tensor(s) for s in trace.steps_by_batch(1)], dim=0)
+    return ids
+
+
+@register_policy("static_hot")
+class StaticHotPolicy(OffloadPolicy):
+    """The trace's hottest experts pinned (module doc): victims are the coldest candidates by trace counts."""
+
+    needs_trace = True
+
+    def __init__(self, ctx: PolicyContext):
+        super().__init__(ctx)
+        g = ctx.geometry
+        self.counts = trace_counts(_trace_ids(ctx.trace), g.num_layers, g.num_experts)
+        self.hot = [sorted(range(g.num_experts), key=lambda e, c=c: (-c[e], e))[:g.capacity] for c in self.counts]
+        self.hot_sets = [frozenset(h) for h in self.hot]
+        self.hot_evictions = 0
+
+    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
+        c = self.counts[layer]
+        victims = sorted(candidates, key=lambda e: (c[e], e))[:n]
+        self.hot_evictions += sum(1 for e in victims if e in self.hot_sets[layer])
+        return victims
+
+    def stats(self) -> dict[str, Any]:
+        """``hot``: the pinned set per layer; ``hot_evictions``: hot experts evicted (only when every candidate
+        was hot: a layer needing more than its capacity in one pass)."""
+        return {"hot": self.hot, "hot_evictions": self.hot_evictions,
+                "trace_rows": int(_trace_ids(self.ctx.trace).shape[0])}

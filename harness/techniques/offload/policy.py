@@ -152,6 +152,8 @@ POLICY_MODULES: dict[str, str] = {
     "lru": "harness.techniques.offload.policies",
     "lru+gate": "harness.techniques.offload.policies",
     "oracle": "harness.techniques.offload.policies",
+    "lfu": "harness.techniques.offload.policies",  # trivial baselines (issue 31)
+    "static_hot": "harness.techniques.offload.policies",
     "lease": "harness.techniques.offload.lease",
 }
 KNOWN_POLICIES: tuple[str, ...] = tuple(POLICY_MODULES)
