@@ -103,31 +103,56 @@ class ReportResult:
     wandb_url: str | None = None
     skipped: list[tuple[Path, str]] = field(default_factory=list)  # malformed summary.json files, with why
     unfinished: dict[str, Any] = field(default_factory=dict)  # harness.report.build.unfinished
+    wandb_not_saved: str | None = None  # why the W&B report was not saved, and what to do first (one line)
+    vector_plots: list[Path] = field(default_factory=list)  # the SVG beside each PNG
 
 
-CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics"}
+CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics", "comparisons", "quality_metrics"}
+
+
+def default_title(rows: Sequence[dict[str, Any]]) -> str:
+    """What the report compares: ``visionzip, sere vs baseline · rag_igbench · Qwen3-VL-30B-A3B``."""
+    families = sorted({r["family"] for r in rows}, key=FAMILY_ORDER.index)
+    variants = [f for f in families if f != "baseline"]
+    what = (", ".join(variants) + (" vs baseline" if "baseline" in families else " (no baseline)")
+            if variants else "baseline")
+    datasets = ", ".join(dict.fromkeys(r["dataset"] for r in rows))
+    models = ", ".join(dict.fromkeys(r["model"] for r in rows))
+    return f"{what} · {datasets} · {models}"
+
+
+def check_metrics(requested: Sequence[str] | None) -> list[str] | None:
+    """``--metric`` values, each a quality metric the report knows (ValueError naming the known ones)."""
+    if not requested:
+        return None
+    unknown = [m for m in requested if m not in QUALITY]
+    if unknown:
+        raise ValueError(f"--metric {', '.join(unknown)}: unknown; one of {', '.join(QUALITY)}")
+    return list(dict.fromkeys(requested))
 
 
 def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
-                 wandb_target: str | None = None, title: str | None = None, save_wandb: bool | None = None
-                 ) -> ReportResult:
-    """Build the report files (and the W&B report object when ``wandb_target`` = ``ENTITY/PROJECT``)."""
+                 wandb_target: str | None = None, title: str | None = None, save_wandb: bool | None = None,
+                 metrics: Sequence[str] | None = None) -> ReportResult:
+    """Build the report files (and the W&B report object when ``wandb_target`` = ``ENTITY/PROJECT``).
+    ``metrics``: the quality metrics to compare (``--metric``); default: each setup's first meaningful one."""
     paths = [Path(p) for p in paths]
+    requested = check_metrics(metrics)
     skipped: list[tuple[Path, str]] = []
-    rows = load_rows(paths, skipped)
+    rows = load_rows(paths, skipped, requested)
     pending = unfinished(paths)
     out = Path(out_dir) if out_dir else (paths[0] if paths[0].is_dir() else paths[0].parent) / "report"
     out.mkdir(parents=True, exist_ok=True)
     sweeps = sorted({r["sweep"] for r in rows if r["sweep"]})
-    title = title or ("Sweep " + ", ".join(sweeps) if sweeps else f"Runs under {paths[0]}")
-    all_panels = panels(rows)
+    title = title or default_title(rows)
+    all_panels = panels(rows, requested)
     plots = [p for p in (
         plot_quality_vs_latency(all_panels, "ttft", out / "quality_vs_ttft.png", title=title),
         plot_quality_vs_latency(all_panels, "tpot", out / "quality_vs_tpot.png", title=title),
         plot_keep_rate_by_source(rows, out / "keep_rate_by_source.png", title=title),
     ) if p is not None]
     md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
-                  pending=pending)
+                  pending=pending, requested=requested, sweeps=sweeps)
     (out / "report.md").write_text(md + "\n", encoding="utf-8")
     keys = [k for k in rows[0] if k not in CSV_SKIP]
     sources = sorted({s for r in rows for s in r["vz_by_source"]})
@@ -137,22 +162,28 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         for r in rows:
             w.writerow([r.get(k) for k in keys] + [r["vz_by_source"].get(s) for s in sources])
     result = ReportResult(rows=rows, out_dir=out, markdown=out / "report.md", plots=plots, skipped=skipped,
-                          unfinished=pending)
+                          unfinished=pending, vector_plots=[p.with_suffix(".svg") for p in plots
+                                                            if p.with_suffix(".svg").is_file()])
     if wandb_target:
         entity, _, project = wandb_target.partition("/")
         if not entity or not project:
             raise ValueError(f"--wandb {wandb_target!r}: expected ENTITY/PROJECT")
-        from harness.report.wandb_report import _wandb_offline, build_wandb_report, wandb_report_spec
+        from harness.report.wandb_report import build_wandb_report, wandb_report_spec, why_not_saved
 
         table = md.split("## Runs", 1)[1].split("## Plots", 1)[0].strip()
         report = build_wandb_report(rows, all_panels, entity, project, title=title, table_md=table)
         result.wandb_report = report
         (out / "wandb_report.json").write_bytes(wandb_report_spec(report))
-        if save_wandb is None:
-            save_wandb = not _wandb_offline()
-        if save_wandb:
-            report.save()
-            result.wandb_url = report.url
+        if save_wandb is not False:
+            result.wandb_not_saved = why_not_saved()
+        if save_wandb is not False and result.wandb_not_saved is None:
+            try:
+                report.save()
+                result.wandb_url = report.url
+            except Exception as e:  # noqa: BLE001 - the local report is written; W&B's refusal in one line
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                result.wandb_not_saved = (f"W&B report built, not saved: {type(e).__name__}: {first}; the "
+                                          "specification is in wandb_report.json")
     return result
 
 
@@ -165,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", help="run directories, sweep directories or results/ (every summary.json "
                                              "below is read)")
     ap.add_argument("--out", help="output directory (default: <first path>/report)")
-    ap.add_argument("--title", help="report title (default: from the sweep ids)")
+    ap.add_argument("--title", help="report title (default: what is compared — techniques, datasets, models)")
+    ap.add_argument("--metric", action="append", metavar="NAME",
+                    help="quality metric to compare (repeatable; default: the first whose scorers are meaningful "
+                         "for the runs); one of " + ", ".join(QUALITY))
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also build a W&B report for this project")
     ap.add_argument("--no-save", action="store_true", help="build the W&B report but do not save it")
     ap.add_argument("--status", action="store_true", help="only print how far each sweep directory is "
@@ -185,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         res = build_report(args.paths, args.out, wandb_target=args.wandb, title=args.title,
-                           save_wandb=False if args.no_save else None)
+                           save_wandb=False if args.no_save else None, metrics=args.metric)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -197,7 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in res.plots:
         print(f"  {p}")
     if res.wandb_report is not None:
-        print(f"  W&B report: {res.wandb_url or 'built, not saved (offline); spec in ' + str(res.out_dir / 'wandb_report.json')}")
+        if res.wandb_url:
+            print(f"  W&B report: {res.wandb_url}")
+        else:
+            print(f"  {res.wandb_not_saved or 'W&B report built, not saved (--no-save)'}: "
+                  f"{res.out_dir / 'wandb_report.json'}")
     return 0
 
 

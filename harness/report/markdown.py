@@ -16,16 +16,41 @@ def _md_escape(s: Any) -> str:
 
 
 def _speedup(r: Mapping[str, Any], short: str) -> str:
-    """``1.43×``, ``1.02× n.s.`` (intervals overlap), ``+ partial/full`` when partial and full latency meet."""
+    """``1.43×`` + what the comparison rests on: ``[1.21, 1.66]`` (paired, within one run: its interval),
+    ``n.s.`` (not significant), ``across runs`` (against a baseline measured at another time: drift unseen, never
+    called significant), ``partial/full`` (partial and full latency meet)."""
     from harness.report.rows import _fmt
 
     text = _fmt(r.get(f"{short}_speedup"), "{:.2f}×")
     if r.get(f"{short}_speedup") is None:
         return text
+    ci = r.get(f"{short}_speedup_ci")
+    if ci:
+        text += f" [{ci[0]:.2f}, {ci[1]:.2f}]"
     if r.get(f"{short}_significant") is False:
         text += " n.s."
+    elif r.get(f"{short}_comparison") == "across runs":
+        text += " across runs"
     if r.get("latency_mixed"):
         text += " partial/full"
+    return text
+
+
+def _delta(r: Mapping[str, Any], metric: str | None) -> str:
+    """The quality change on ``metric``: ``+0.012``, or with a paired interval ``+0.012 [-0.003, +0.027] n.s.``."""
+    from harness.report.rows import QUALITY, _fmt
+
+    delta = r.get(f"{metric}_delta") if metric else None
+    if delta is None:
+        return "n/a"
+    _, _, scale, spec = QUALITY[metric]
+    signed = spec.replace("{:", "{:+")
+    text = _fmt(delta * scale, signed)
+    ci = r.get(f"{metric}_delta_ci")
+    if ci:
+        text += f" [{_fmt(ci[0] * scale, signed)}, {_fmt(ci[1] * scale, signed)}]"
+        if r.get(f"{metric}_delta_significant") is False:
+            text += " n.s."
     return text
 
 
@@ -47,16 +72,23 @@ def _passes(r: Mapping[str, Any]) -> str:
 
 def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: Sequence[Path], *, title: str,
              sources: Sequence[str], skipped: Sequence[tuple[Path, str]] = (),
-             pending: Mapping[str, Any] | None = None) -> str:
-    from harness.report.rows import LATENCY_AXES, QUALITY, _fmt, pareto_front, quality_metrics_for
+             pending: Mapping[str, Any] | None = None, requested: Sequence[str] | None = None,
+             sweeps: Sequence[str] = ()) -> str:
+    from harness.report.rows import LATENCY_AXES, QUALITY, _fmt, pareto_front
     from harness.report.status import unfinished_lines
 
-    metrics = [m for m in QUALITY if any(r.get(m) is not None for r in rows)]
+    metrics = [m for m in (requested or QUALITY) if any(r.get(m) is not None for r in rows)]
     n_random = sum(r["random_init"] for r in rows)
     n_partial = sum(r["latency_partial"] for r in rows)
     lines = [f"# {title}", "",
              f"{len(rows)} runs from {', '.join(f'`{s}`' for s in sources)}; generated "
-             f"{datetime.now(timezone.utc).isoformat(timespec='seconds')} by `python -m harness.report`.", ""]
+             f"{datetime.now(timezone.utc).isoformat(timespec='seconds')} by `python -m harness.report`"
+             + (f"; sweeps {', '.join(f'`{x}`' for x in sweeps)}" if sweeps else "") + ".", ""]
+    shown = sorted({m for r in rows for m in r.get("quality_metrics", ())}, key=list(QUALITY).index)
+    if shown:
+        lines += [f"Quality compared on: {', '.join(QUALITY[m][0] for m in shown)}"
+                  + (" (`--metric`)." if requested else " (the default: the first metric whose scorers are "
+                     "meaningful for these runs; choose with `--metric`)."), ""]
     if n_random:
         lines += [f"> **⚠ random-init weights in {n_random} of {len(rows)} runs** (marked **RANDOM** below): "
                   "their quality numbers measure nothing; only their latency means something.", ""]
@@ -90,6 +122,14 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
     if n_mixed:
         lines += [f"> **⚠ {n_mixed} speed-ups compare a partial (resumed) latency with a full one** (marked "
                   "`partial/full`): the two cover different requests.", ""]
+    n_across = sum(r.get(f"{s}_comparison") == "across runs" and r.get(f"{s}_significant") is not False
+                   for r in rows for s in ("ttft", "tpot"))
+    if n_across:
+        lines += [f"> **⚠ {n_across} latency speed-ups compare runs measured at different times** (marked "
+                  "`across runs`): drift between the runs — machine load, the cold start a sweep's first job pays — "
+                  "is in neither run's interval, so none of them is called significant. A comparison that holds "
+                  "times the variant and the baseline in one process (paired A/B timing: `summary.json` "
+                  "`comparisons`, shown with its interval).", ""]
     if not any(r["family"] == "baseline" for r in rows):
         lines += ["> No baseline run (VisionZip off and SERE off) among these: speed-ups and quality changes "
                   "are n/a. Run `sweeps/baseline.yaml` and give its directory too.", ""]
@@ -103,8 +143,7 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
         head[at:at] = ["TTFT mean [CI] (ms)", "TPOT mean [CI] (ms)", "passes · CV"]
     lines += ["## Runs", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows, 1):
-        prim = next((m for m in quality_metrics_for([r])), None)
-        delta = r.get(f"{prim}_delta") if prim else None
+        prim = next(iter(r.get("quality_metrics") or ()), None)
         qual = [(_fmt(r[m] * QUALITY[m][2], QUALITY[m][3]) + (" †" if m in r["random_scorer_metrics"] else "")
                  if r[m] is not None else "–") for m in metrics]
         n_timed = r["latency_n_measured"] if r["latency_n_measured"] is not None else r["ttft_n"]
@@ -117,8 +156,7 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
                  r["sere_k"] if r["sere_k"] is not None else "–",
                  _fmt(r["sere_rho"], "{:g}") if r["sere_k"] is not None else "–",
                  r["sere_protect"] if r["sere_k"] is not None else "–", *qual,
-                 (_fmt(delta * QUALITY[prim][2], QUALITY[prim][3].replace("{:", "{:+")) if delta is not None
-                  else "n/a"),
+                 _delta(r, prim),
                  _fmt(r["ttft_p50"]), _fmt(r["ttft_p90"]), _fmt(r["tpot_p50"]), _fmt(r["tpot_p90"]),
                  _speedup(r, "ttft"), _speedup(r, "tpot"),
                  *([_mean_ci(r, "ttft"), _mean_ci(r, "tpot"), _passes(r)] if with_ci else []), timed,
@@ -128,11 +166,15 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     lines += ["", "Quality: the benchmark's own score over all samples (failed and unparsable answers count 0). "
               "Δ quality: against the mean of the baseline runs of the same setup (model, engine, device, dtype, "
-              "batch size, dataset selection, max_new_tokens), on the row's first quality column. TTFT × / TPOT ×: baseline p50 / run p50 (> 1 is faster); "
-              "**n.s.**: not significant, the run's and the baseline's intervals of the mean overlap (bootstrap, "
-              "resampling requests; several baselines: the hull of their intervals); no mark: significant, or "
-              "unknown for runs without intervals (written before latency.*). `partial/full`: one side's latency "
-              "covers only the requests timed after a resume (docs/latency.md).", ""]
+              "batch size, dataset selection, max_new_tokens), on the setup's first compared metric; with an "
+              "interval when the run scored itself against the baseline on the same samples (paired). "
+              "TTFT × / TPOT ×: baseline p50 / run p50 (> 1 is faster). With an interval `[lo, hi]`: measured "
+              "against the baseline in one process (paired A/B timing), significant unless marked **n.s.** "
+              "(the interval holds 1). `across runs`: the baseline ran at another time, so drift between the "
+              "runs is unseen and the speed-up is never called significant; **n.s.**: not significant even "
+              "within the runs, their intervals of the mean overlap (bootstrap over requests; several "
+              "baselines: the hull of their intervals). `partial/full`: one side's latency covers only the "
+              "requests timed after a resume (docs/latency.md).", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     fronts = []

@@ -1,6 +1,7 @@
 """The PNG plots of ``python -m harness.report`` (split from ``harness/report/build.py``, which loads and tabulates).
 
-- :func:`quality_figure` / :func:`plot_quality_vs_latency`: quality against TTFT or TPOT p50 (whisker to p90),
+- :func:`quality_figure` / :func:`plot_quality_vs_latency`: quality against TTFT or TPOT — the mean with the
+  run's interval of the mean as an error bar when every run has one (``latency.repeats``), else the p50 —
   one subplot per (setup, quality metric), Pareto front dashed, baseline a star. Point labels are placed so they
   neither overlap each other nor leave their subplot (:func:`place_labels`); titles are wrapped to the figure's
   width (a long sweep list used to run off the figure); random-init model weights *and* random-init scorers are
@@ -9,7 +10,7 @@
   sources compete for one budget (a single-source run's keep rate is in the report's table: a plot of one bar
   per run showed nothing the table does not, and it padded the other runs' bar groups with empty slots).
 
-matplotlib is imported lazily, with the Agg backend.
+Each figure is written as PNG and as SVG beside it. matplotlib is imported lazily, with the Agg backend.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
     to_label = []
     for ax, panel in zip(axes.flat, usable):
         label, unit, scale, _ = QUALITY[panel.metric]
-        pts = [(r, r[f"{short}_p50"], r[panel.metric] * scale) for r in panel.rows if r[f"{short}_p50"] is not None]
+        stat, pts, errs = latency_points(panel.rows, short)
+        pts = [(r, x, r[panel.metric] * scale) for r, x in pts]
         front = set(pareto_front([(x, y) for _, x, y in pts]))
         fx = sorted(((x, y) for i, (_, x, y) in enumerate(pts) if i in front))
         if len(fx) > 1:
@@ -128,9 +130,10 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
         markers = []
         for i, (r, x, y) in enumerate(pts):
             color = FAMILY_COLOR[r["family"]]
-            p90 = r[f"{short}_p90"]
-            if p90 is not None and p90 > x:
-                ax.plot([x, p90], [y, y], color=color, lw=0.8, alpha=0.45, zorder=2)
+            if errs[i] is not None:  # the interval of the mean (the run's own, over requests)
+                lo, hi = errs[i]
+                ax.errorbar([x], [y], xerr=[[max(x - lo, 0.0)], [max(hi - x, 0.0)]], fmt="none", ecolor=color,
+                            elinewidth=1.0, capsize=3, alpha=0.8, zorder=2)
             base = r["family"] == "baseline"
             markers.append((x, y, 8.0 if base or i in front else 4.0))
             marker = "*" if base else "s" if r["vz_scope"] == "image" else "^" if r["sere_protect"] else "o"
@@ -144,7 +147,8 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
                 # baseline and front first: they get the nearest free spots
                 labels.append((0 if base else 1 if i in front else 2, x, y, r["label"]))
         to_label.append((ax, [(x, y, lab) for _, x, y, lab in sorted(labels, key=lambda t: t[0])], markers))
-        ax.set_xlabel(f"{name} p50 (ms) — whisker to p90")
+        ax.set_xlabel(f"{name} {stat} (ms)" + (" — bars: interval of the mean (within each run)"
+                                                if stat == "mean" else ""))
         ax.set_ylabel(f"{label} [{unit}]")
         note = _random_note(panel.rows, panel.metric)
         ax.set_title(wrap_title(panel.title + (f"\n{panel.platform}" if several_platforms else "")
@@ -166,7 +170,10 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
         handles.append(Line2D([], [], marker="o", ls="", markerfacecolor="none", color="0.4",
                               label="latency partial (cache replay)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    suptitle = f"{title}: quality vs {name} ({long})"
+    suptitle = f"{title}\nquality vs {name} ({long})"
+    if any(r.get(f"{short}_comparison") == "across runs" for p in usable for r in p.rows):
+        suptitle += ("\nlatency of runs measured at different times: drift between them is not in the bars, "
+                     "so no difference here is significant on its own")
     if any_random:
         suptitle += "\n⚠ random-init weights in some runs: their quality numbers are meaningless (latency only)"
     if any_random_scorer:
@@ -179,14 +186,33 @@ def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
     return fig
 
 
+def latency_points(rows: Sequence[dict[str, Any]], short: str
+                   ) -> tuple[str, list[tuple[dict[str, Any], float]], list[tuple[float, float] | None]]:
+    """(statistic, [(row, x)], [interval or None]) of one panel: the mean with its interval when every run has one
+    (the measurement protocol, ``latency.repeats``), else the p50 without bars — never a p50→p90 whisker drawn where
+    an interval belongs."""
+    with_ci = [r for r in rows if r.get(f"{short}_mean") is not None and r.get(f"{short}_ci_lo") is not None]
+    timed = [r for r in rows if r.get(f"{short}_p50") is not None]
+    if timed and len(with_ci) == len(timed):
+        return "mean", [(r, r[f"{short}_mean"]) for r in with_ci], [(r[f"{short}_ci_lo"], r[f"{short}_ci_hi"])
+                                                                    for r in with_ci]
+    return "p50", [(r, r[f"{short}_p50"]) for r in timed], [None] * len(timed)
+
+
+def save(fig: Any, out: Path) -> Path:
+    """``out`` (PNG, 150 dpi) and the same figure as SVG beside it (vector, for papers)."""
+    fig.savefig(out, dpi=150)
+    fig.savefig(out.with_suffix(".svg"))
+    _pyplot().close(fig)
+    return out
+
+
 def plot_quality_vs_latency(all_panels: Sequence[Any], short: str, out: Path, *, title: str) -> Path | None:
-    """One figure, one subplot per panel: quality against ``short`` latency (p50, whisker to p90)."""
+    """One figure, one subplot per panel: quality against ``short`` latency (mean ± interval, or p50); + SVG."""
     fig = quality_figure(all_panels, short, title=title)
     if fig is None:
         return None
-    fig.savefig(out, dpi=130)
-    _pyplot().close(fig)
-    return out
+    return save(fig, out)
 
 
 def keep_rate_runs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -228,6 +254,4 @@ def plot_keep_rate_by_source(rows: Sequence[dict[str, Any]], out: Path, *, title
     fig = keep_rate_figure(rows, title=title)
     if fig is None:
         return None
-    fig.savefig(out, dpi=130)
-    _pyplot().close(fig)
-    return out
+    return save(fig, out)

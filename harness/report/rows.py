@@ -168,7 +168,9 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     sere = s.get("sere") or {}
     model = run.get("model") or {}
     weights = run.get("weights") or model.get("weights") or _get(cfg, "model", "weights")
-    scorers = random_scorers(run.get("scoring"))
+    # scorers with random weights, counted only where the run has a metric they feed (OCRBench / CCBench: none)
+    scorers = [k for k in random_scorers(run.get("scoring"))
+               if any(_num(metrics.get(m)) is not None for m in RANDOM_SCORER_METRICS[k])]
     row: dict[str, Any] = {
         "run_dir": str(run_dir.relative_to(root)) if root and run_dir.is_relative_to(root) else str(run_dir),
         "sweep": sweep,
@@ -215,6 +217,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     row["sere_experts_before"] = _num(sere.get("expert_union_before"))
     row["sere_experts_after"] = _num(sere.get("expert_union_after"))
     row["sere_moved_fraction"] = _num(sere.get("moved_fraction"))
+    row["comparisons"] = within_run_comparisons(s.get("comparisons"))
     row["platform"] = " · ".join(str(x) for x in (row["model"], row["engine"], row["device"], row["dtype"],
                                                   f"bs{row['batch_size']}") if x is not None)
     # what else must match for two runs to be compared: the dataset selection and the generation length
@@ -281,8 +284,8 @@ def _sort_key(r: Mapping[str, Any]) -> tuple:
             r["vz_scope"] or "", r["moe_top_k"] or 0, r["sere_k"] or 0, r["sere_rho"] or 0.0, r["sere_protect"] or 0, r["run_dir"])
 
 
-def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None
-              ) -> list[dict[str, Any]]:
+def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]] | None = None,
+              metrics: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Rows of every readable ``summary.json`` below ``paths``; a malformed one is skipped with a warning naming
     it (and appended to ``skipped`` as (path, reason)), never the whole report."""
     summaries = find_summaries(paths)
@@ -306,50 +309,121 @@ def load_rows(paths: Sequence[str | os.PathLike], skipped: list[tuple[Path, str]
                          f"({len(summaries)} malformed)")
     _label_setups(rows)
     rows.sort(key=_sort_key)
-    _add_baseline_deltas(rows)
+    _add_baseline_deltas(rows, metrics)
     return rows
 
 
 # --------------------------------------------------------------------------------------------- analysis
 
 
-def quality_metrics_for(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The quality metrics shown for a set of runs of one dataset: RAG-IGBench's first available of
-    ``RAG_METRICS``, plus ``ocrbench_score`` and ``mcq_accuracy`` when present."""
+def quality_metrics_for(rows: Sequence[Mapping[str, Any]], requested: Sequence[str] | None = None) -> list[str]:
+    """The quality metrics shown for a set of runs of one dataset.
+
+    ``requested`` (``--metric``, repeatable): those of them the runs have, in the order given. Else the default:
+    RAG-IGBench's first of ``RAG_METRICS`` whose scorers are meaningful for every run that has it (a metric a
+    random-init scorer feeds — CLIP score, alignment, their ``comprehensive`` mean — is never the default), plus
+    ``ocrbench_score`` and ``mcq_accuracy`` when present."""
+    if requested:
+        return [m for m in requested if any(r.get(m) is not None for r in rows)]
     out = []
-    rag = next((m for m in RAG_METRICS if any(r.get(m) is not None for r in rows)), None)
+    rag = next((m for m in RAG_METRICS if any(r.get(m) is not None for r in rows)
+                and not any(m in r.get("random_scorer_metrics", ()) for r in rows)), None)
     if rag:
         out.append(rag)
     out += [m for m in ("ocrbench_score", "mcq_accuracy") if any(r.get(m) is not None for r in rows)]
     return out
 
 
-def _add_baseline_deltas(rows: list[dict[str, Any]]) -> None:
+def within_run_comparisons(block: Any) -> dict[str, dict[str, Any]]:
+    """``summary.json`` ``comparisons`` (harness/results/schema.py :class:`Comparison`) against the baseline, by
+    metric: the variant and the baseline measured in one process on the same requests (paired A/B timing,
+    paired quality intervals: issue 31). Entries without an estimate or a two-sided interval are ignored."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in block if isinstance(block, list) else []:
+        if not isinstance(c, Mapping) or c.get("against", "baseline") != "baseline":
+            continue
+        ci = c.get("ci")
+        est = _num(c.get("estimate"))
+        if est is None or not (isinstance(ci, Sequence) and len(ci) == 2 and all(_num(x) is not None for x in ci)):
+            continue
+        out[str(c.get("metric"))] = {"estimate": est, "lo": _num(ci[0]), "hi": _num(ci[1]),
+                                     "kind": c.get("kind") or "ratio", "confidence": _num(c.get("confidence")),
+                                     "n": c.get("n"), "method": c.get("method")}
+    return out
+
+
+def compare_latency(row: Mapping[str, Any], base: Sequence[Mapping[str, Any]], short: str) -> dict[str, Any]:
+    """The speed-up of ``row`` over its baseline on ``short`` (``ttft`` / ``tpot``) and how far it can be trusted.
+
+    - ``paired``: the run measured itself against the baseline in one process (``comparisons``): the speed-up and
+      its interval are the run's own; significant when the interval excludes 1.
+    - ``across runs``: the run's p50 against the baseline runs' (measured at another time, in another process):
+      drift between the runs (load, cold start of a sweep's first job) is in neither run's interval, so such a
+      comparison is never called significant — ``significant`` is False (``n.s.``) when even the within-run
+      intervals of the means overlap, else None (unknown).
+    """
+    paired = (row.get("comparisons") or {}).get(f"{short}_ms")
+    if paired and paired["kind"] == "ratio":
+        return {"speedup": paired["estimate"], "lo": paired["lo"], "hi": paired["hi"], "kind": "paired",
+                "significant": not (paired["lo"] <= 1.0 <= paired["hi"])}
+    b = _mean(x[f"{short}_p50"] for x in base)
+    v = row[f"{short}_p50"]
+    out = {"speedup": b / v if b and v else None, "lo": None, "hi": None, "kind": "across runs" if base else None,
+           "significant": None}
+    mine, theirs = _interval([row], short), _interval(base, short)
+    if mine is not None and theirs is not None and not (mine[1] < theirs[0] or theirs[1] < mine[0]):
+        out["significant"] = False
+    return out
+
+
+def compare_quality(row: Mapping[str, Any], base: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any]:
+    """The quality change of ``row`` against its baseline on ``metric``: a paired interval when the run has one
+    (``comparisons``, kind ``difference``; significant when it excludes 0), else the difference of the scores
+    (no interval: ``significant`` None)."""
+    paired = (row.get("comparisons") or {}).get(metric)
+    if paired and paired["kind"] == "difference":
+        return {"delta": paired["estimate"], "lo": paired["lo"], "hi": paired["hi"], "kind": "paired",
+                "significant": not (paired["lo"] <= 0.0 <= paired["hi"])}
+    b = _mean(x[metric] for x in base)
+    return {"delta": row[metric] - b if b is not None and row[metric] is not None else None, "lo": None, "hi": None,
+            "kind": "across runs" if base else None, "significant": None}
+
+
+def _add_baseline_deltas(rows: list[dict[str, Any]], requested: Sequence[str] | None = None) -> None:
     """Speed-up (baseline p50 / run p50) and quality change against the baseline run of the same setup
-    (platform, dataset and its selection, generation length); the mean when the baseline ran several times."""
+    (platform, dataset and its selection, generation length); the mean when the baseline ran several times.
+    Each comparison says what it rests on (:func:`compare_latency`, :func:`compare_quality`): ``*_kind``
+    ``paired`` or ``across runs``, ``*_significant`` True / False (n.s.) / None (cannot tell)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r["setup"], []).append(r)
     for group in groups.values():
         base = [r for r in group if r["family"] == "baseline"]
-        metrics = quality_metrics_for(group)
+        metrics = quality_metrics_for(group, requested)
         base_partial = {bool(x["latency_partial"]) for x in base}
         for r in group:
             r["baseline_runs"] = len(base)
+            is_base = r["family"] == "baseline"
             # a partial (resumed) latency compared with a full one, or baselines that mix both: said in the cell
-            r["latency_mixed"] = bool(base) and r["family"] != "baseline" and (
+            r["latency_mixed"] = bool(base) and not is_base and (
                 len(base_partial) > 1 or base_partial != {bool(r["latency_partial"])})
             for short in ("ttft", "tpot"):
-                b = _mean(x[f"{short}_p50"] for x in base)
-                v = r[f"{short}_p50"]
-                r[f"{short}_speedup"] = b / v if b and v else None
-                # significant: the run's interval of the mean and the baseline's do not overlap (None: unknown)
-                mine, theirs = _interval([r], short), _interval(base, short)
-                r[f"{short}_significant"] = (None if r["family"] == "baseline" or mine is None or theirs is None
-                                             else mine[1] < theirs[0] or theirs[1] < mine[0])
+                if is_base:  # against the baselines' mean (several baseline runs: their spread), no claim
+                    b, v = _mean(x[f"{short}_p50"] for x in base), r[f"{short}_p50"]
+                    c = {"speedup": b / v if b and v else None, "lo": None, "hi": None, "kind": None,
+                         "significant": None}
+                else:
+                    c = compare_latency(r, base, short)
+                r[f"{short}_speedup"] = c["speedup"]
+                r[f"{short}_speedup_ci"] = (c["lo"], c["hi"]) if c["lo"] is not None else None
+                r[f"{short}_comparison"] = c["kind"]
+                r[f"{short}_significant"] = c["significant"]
             for m in metrics:
-                b = _mean(x[m] for x in base)
-                r[f"{m}_delta"] = r[m] - b if b is not None and r[m] is not None else None
+                q = compare_quality(r, base, m)
+                r[f"{m}_delta"] = q["delta"]
+                r[f"{m}_delta_ci"] = (q["lo"], q["hi"]) if q["lo"] is not None else None
+                r[f"{m}_delta_significant"] = q["significant"] if not is_base else None
+            r["quality_metrics"] = metrics
 
 
 def _mean(values: Iterable[Any]) -> float | None:
@@ -380,14 +454,14 @@ class Panel:
         return f"{QUALITY[self.metric][0]} · {self.dataset}" + (f" ({self.variant})" if self.variant else "")
 
 
-def panels(rows: Sequence[dict[str, Any]]) -> list[Panel]:
-    """One panel per (setup, quality metric)."""
+def panels(rows: Sequence[dict[str, Any]], metrics: Sequence[str] | None = None) -> list[Panel]:
+    """One panel per (setup, quality metric): ``metrics`` (``--metric``) or each setup's default."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r["setup"], []).append(r)
     return [Panel(g[0]["platform"], g[0]["dataset"], g[0]["dataset_variant"], m,
                   [r for r in g if r.get(m) is not None])
-            for g in groups.values() for m in quality_metrics_for(g)]
+            for g in groups.values() for m in quality_metrics_for(g, metrics)]
 
 
 # --------------------------------------------------------------------------------------------- plots

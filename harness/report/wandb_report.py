@@ -75,3 +75,28 @@ def wandb_report_spec(report) -> bytes:
 
 def _wandb_offline() -> bool:
     return os.environ.get("WANDB_MODE", "").lower() in {"offline", "disabled", "dryrun"}
+
+
+def _logged_in() -> bool:
+    """An API key W&B would use: ``WANDB_API_KEY``, or the ``~/.netrc`` entry ``wandb login`` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def why_not_saved() -> str | None:
+    """One line saying why the report cannot be saved to W&B now and what to do first; None when it can."""
+    how = ("upload the runs first (`wandb sync <run_dir>/wandb/offline-run-*`), then build again with --wandb; "
+           "the specification is in wandb_report.json")
+    if _wandb_offline():
+        return f"W&B report built, not saved: WANDB_MODE={os.environ.get('WANDB_MODE')}; {how}"
+    if not _logged_in():
+        return f"W&B report built, not saved: not logged in to W&B (`wandb login` or WANDB_API_KEY); {how}"
+    return None

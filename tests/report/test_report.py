@@ -77,7 +77,7 @@ def test_markdown_table_and_warnings(built):
     for col in ("comprehensive", "OCRBench score", "CCBench accuracy", "TTFT p50 (ms)", "TTFT p90 (ms)",
                 "TPOT p50 (ms)", "TPOT p90 (ms)", "engine", "weights"):
         assert col in header, col
-    assert "| 1.43× |" in md  # keep 0.6 TTFT speed-up on RAG-IGBench
+    assert "| 1.43× across runs |" in md  # keep 0.6 TTFT speed-up on RAG-IGBench, against a baseline run apart
     assert "## Pareto fronts" in md and "K2 ρ0.3 P16 (17.2 ms, 0.505)" in md
     assert "| `multirun/visionzip_keep/2026-01-01_00-00-00/5` | ocr_cc_mix | keep 0.6 | 0.6 | 60.0% | 46.0% | 74.0% |" in md
     assert "None" not in md
@@ -88,6 +88,9 @@ def test_plots_and_csv(built):
     assert names == ["keep_rate_by_source.png", "quality_vs_tpot.png", "quality_vs_ttft.png"]
     for p in built.plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 20_000
+    assert [p.name for p in built.vector_plots] == [p.with_suffix(".svg").name for p in built.plots]  # issue 25
+    for p in built.vector_plots:
+        assert b"<svg" in p.read_bytes()[:2000]
     with open(built.out_dir / "runs.csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 13 and {"ttft_p50", "tpot_p90", "vz_keep_rate_ocrbench", "weights"} <= set(rows[0])
@@ -154,7 +157,7 @@ def test_wandb_report_is_built_offline(tmp_path, monkeypatch):
     for p in grid.panels:
         p._to_model()  # every panel converts to W&B's internal form without a server
     spec = json.loads((tmp_path / "wandb_report.json").read_text())
-    assert spec["entity"] == "my-team" and spec["title"].startswith("Sweep ")
+    assert spec["entity"] == "my-team" and spec["title"].startswith("visionzip, sere vs baseline")
     with pytest.raises(ValueError, match="ENTITY/PROJECT"):
         rp.build_report([FIXTURES], tmp_path / "x", wandb_target="just-a-project")
 
@@ -252,7 +255,7 @@ def test_random_init_scorers_are_flagged_like_random_weights(tmp_path):
     real = {"clip_model": "ViT-L-14", "clip_weights": "pretrained", "embed_model": "e", "embed_weights": "pretrained"}
     _summary(tmp_path, "r1", scoring=rnd, comprehensive=0.5)
     _summary(tmp_path, "r2", scoring=real, comprehensive=0.6, keep=0.6, ttft=80.0)
-    res = rp.build_report([tmp_path], tmp_path / "out")
+    res = rp.build_report([tmp_path], tmp_path / "out", metrics=["comprehensive"])  # asked for: shown, flagged
     rows = by_dir(res.rows)
     assert rows["r1"]["random_scorers"] == ["clip", "embed"] and rows["r2"]["random_scorers"] == []
     md = res.markdown.read_text(encoding="utf-8")
@@ -260,7 +263,7 @@ def test_random_init_scorers_are_flagged_like_random_weights(tmp_path):
     assert "| 0.500 † |" in md and "| 0.600 |" in md and "**RANDOM** (clip, embed)" in md
     from harness.report.plots import quality_figure
 
-    fig = quality_figure(rp.panels(res.rows), "ttft", title="t")
+    fig = quality_figure(rp.panels(res.rows, ["comprehensive"]), "ttft", title="t")
     (ax,) = [a for a in fig.axes if a.get_visible() and a.get_title()]
     assert "RANDOM-INIT SCORERS (clip, embed)" in ax.get_title() and "random-init scorers" in fig._suptitle.get_text()
 
@@ -322,3 +325,115 @@ def test_top_k_truncation_runs_are_never_the_baseline():
         assert family in FAMILY_ORDER and family in FAMILY_COLOR
     assert _technique({"config": cfg(2)})["label"] == "top-2" and _technique({"config": cfg(2)})["moe_top_k"] == 2
     assert "moe.top_k=2" in technique_tags(cfg(2), {"run": {}})
+
+
+# ------------------------------------------------------------------------------------------ issue 25
+
+
+def _rag(tmp_path, name, *, scoring=None, keep=1.0, sere_k=None, ttft=100.0, ttft_ci=None, comparisons=None,
+         metrics=None, dataset="rag_igbench"):
+    run = tmp_path / name
+    run.mkdir(parents=True)
+    lat = {"ttft_ms": {"p50": ttft, "p90": ttft * 1.2, "mean": ttft, **({"ci": ttft_ci} if ttft_ci else {})},
+           "tpot_ms": {"p50": 10.0, "mean": 10.0}}
+    s = {"run": {"schema_version": 1, "engine": "hf", "weights": "real", "model": {"name": "m"},
+                 **({"scoring": scoring} if scoring else {})},
+         "config": {"dataset": {"name": dataset}, "visionzip": {"keep": keep}, "sere": {"k": sere_k}},
+         "metrics": metrics or {"comprehensive": 0.5, "rouge1": 0.3, "clip_score": 0.2, "n_samples": 4},
+         "latency": lat}
+    if comparisons:
+        s["comparisons"] = comparisons
+    (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+RND = {"clip_model": "tiny-clip", "clip_weights": "random-init", "embed_model": "e", "embed_weights": "random-init"}
+
+
+def test_a_random_scorer_metric_is_never_the_default_and_metric_chooses(tmp_path):
+    """Old code: `comprehensive` (random-init CLIP and embedder under default scoring) headlined every plot."""
+    _rag(tmp_path, "base", scoring=RND)
+    _rag(tmp_path, "vz", scoring=RND, keep=0.5, ttft=80.0)
+    rows = rp.load_rows([tmp_path])
+    assert rp.quality_metrics_for(rows) == ["rouge1"]
+    assert [p.metric for p in rp.panels(rows)] == ["rouge1"]
+    assert rp.quality_metrics_for(rows, ["edit_score", "rouge1"]) == ["rouge1"]  # only what the runs have
+    res = rp.build_report([tmp_path], tmp_path / "out", metrics=["rouge1", "clip_score"])
+    assert [p.metric for p in rp.panels(res.rows, ["rouge1", "clip_score"])] == ["rouge1", "clip_score"]
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "Quality compared on: RAG-IGBench Rouge-1, RAG-IGBench CLIP score (`--metric`)" in md
+    assert rp.main([str(tmp_path), "--out", str(tmp_path / "o2"), "--metric", "rouge1", "--metric", "kendall"]) == 0
+    assert rp.main([str(tmp_path), "--out", str(tmp_path / "o3"), "--metric", "comprehensve"]) == 2
+
+
+def test_ocrbench_runs_are_not_flagged_for_scorers_they_do_not_use(tmp_path):
+    _rag(tmp_path, "ocr", scoring=RND, dataset="ocrbench", metrics={"ocrbench_score": 500.0, "n_samples": 4})
+    (row,) = rp.load_rows([tmp_path])
+    assert row["random_scorers"] == [] and rp.quality_metrics_for([row]) == ["ocrbench_score"]
+
+
+def test_speedups_across_runs_are_never_significant_and_paired_ones_carry_their_interval(tmp_path):
+    """Old code: SERE (decode-only) got a 2.30× / 10.2× TTFT speed-up against a baseline run minutes earlier,
+    unmarked; within-run intervals cannot see the drift between runs."""
+    _rag(tmp_path, "base", ttft=636.0, ttft_ci=[630.0, 642.0])
+    _rag(tmp_path, "sere", sere_k=2, ttft=62.0, ttft_ci=[61.0, 63.0])  # intervals far apart: still not significant
+    _rag(tmp_path, "vz", keep=0.6, ttft=630.0, ttft_ci=[600.0, 650.0])  # overlapping: n.s.
+    paired = [{"metric": "ttft_ms", "against": "baseline", "kind": "ratio", "estimate": 1.5, "ci": [1.3, 1.7],
+               "confidence": 0.95, "n": 12, "method": "paired bootstrap, A/B interleaved"},
+              {"metric": "tpot_ms", "against": "baseline", "kind": "ratio", "estimate": 1.02, "ci": [0.97, 1.07]},
+              {"metric": "comprehensive", "against": "baseline", "kind": "difference", "estimate": -0.01,
+               "ci": [-0.03, 0.01]}]
+    _rag(tmp_path, "vz_paired", keep=0.5, ttft=90.0, comparisons=paired)
+    res = rp.build_report([tmp_path], tmp_path / "out")
+    rows = by_dir(res.rows)
+    assert rows["sere"]["ttft_speedup"] == pytest.approx(636 / 62)
+    assert (rows["sere"]["ttft_comparison"], rows["sere"]["ttft_significant"]) == ("across runs", None)
+    assert (rows["vz"]["ttft_comparison"], rows["vz"]["ttft_significant"]) == ("across runs", False)
+    p = rows["vz_paired"]
+    assert (p["ttft_speedup"], p["ttft_speedup_ci"], p["ttft_comparison"], p["ttft_significant"]) == \
+        (1.5, (1.3, 1.7), "paired", True)
+    assert (p["tpot_comparison"], p["tpot_significant"]) == ("paired", False)
+    assert p["comprehensive_delta"] == -0.01 and p["comprehensive_delta_ci"] == (-0.03, 0.01)
+    assert p["comprehensive_delta_significant"] is False
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "| 10.26× across runs |" in md and "| 1.01× n.s. |" in md
+    assert "| 1.50× [1.30, 1.70] |" in md and "| 1.02× [0.97, 1.07] n.s. |" in md
+    assert "| -0.010 [-0.030, +0.010] n.s. |" in md
+    assert "latency speed-ups compare runs measured at different times" in md
+    from harness.report.plots import quality_figure
+
+    fig = quality_figure(rp.panels(res.rows), "ttft", title="t")
+    assert "no difference here is significant on its own" in fig._suptitle.get_text()
+
+
+def test_plots_draw_intervals_not_p90_whiskers(tmp_path):
+    from harness.report.plots import latency_points, quality_figure
+
+    _rag(tmp_path, "base", ttft=100.0, ttft_ci=[90.0, 110.0])
+    _rag(tmp_path, "vz", keep=0.6, ttft=80.0, ttft_ci=[70.0, 85.0])
+    rows = rp.load_rows([tmp_path])
+    stat, pts, errs = latency_points(rows, "ttft")
+    assert stat == "mean" and sorted(errs) == [(70.0, 85.0), (90.0, 110.0)]
+    fig = quality_figure(rp.panels(rows), "ttft", title="visionzip vs baseline")
+    ax = next(a for a in fig.axes if a.get_visible() and a.get_title())
+    assert "interval of the mean" in ax.get_xlabel() and "p90" not in ax.get_xlabel()
+    assert fig._suptitle.get_text().startswith("visionzip vs baseline")
+    assert latency_points(rows, "tpot")[0] == "p50"  # no interval: the p50, no bars
+
+
+def test_wandb_report_not_logged_in_is_one_line_not_a_crash(tmp_path, monkeypatch):
+    """Old code: `--wandb` without `WANDB_MODE=offline` crashed "not logged in"."""
+    wr = pytest.importorskip("wandb_workspaces.reports.v2")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+
+    def no_network(*a, **k):
+        raise AssertionError("not logged in: must not try to save")
+
+    monkeypatch.setattr(wr.Report, "save", no_network)
+    _rag(tmp_path, "runs/base")
+    res = rp.build_report([tmp_path / "runs"], tmp_path / "out", wandb_target="team/proj")
+    assert res.wandb_url is None and "not logged in" in res.wandb_not_saved and "wandb sync" in res.wandb_not_saved
+    assert "\n" not in res.wandb_not_saved and (tmp_path / "out/wandb_report.json").is_file()
