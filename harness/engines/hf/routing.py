@@ -72,6 +72,26 @@ class RoutedLayer:
     offsets: torch.Tensor | None = None
     offsets_key: tuple | None = None
     hooks: list = field(default_factory=list)
+    # the family's routing rule (harness.models.families; None: the Qwen3 softmax rule) and its selection bias,
+    # read live (DeepSeek-V3's e_score_correction_bias; None without one)
+    rule: Any = None
+    bias: Callable[[], Any] | None = None
+
+    @classmethod
+    def of(cls, ref: Any, similarity: torch.Tensor | None = None, protected: torch.Tensor | None = None
+           ) -> "RoutedLayer":
+        """The layer of a ``harness.models.moe_blocks.MoeBlockRef``: its router, rule and bias."""
+        rule = getattr(ref, "rule", None)
+        return cls(ref.layer, ref.block, ref.gate, ref.num_experts, similarity, protected,
+                   renormalize=rule.renormalize if rule is not None else True, rule=rule,
+                   bias=ref.bias if hasattr(ref, "bias") else None)
+
+
+def _with(output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+    """The router output ``(logits, weights, ids, ...)`` with new weights and ids (tuple or list kept)."""
+    rest = output[3:]
+    return (output[0], weights, ids, *rest) if isinstance(output, tuple) else type(output)(
+        [output[0], weights, ids, *rest])
 
 
 class RoutingHandle:
@@ -173,7 +193,16 @@ class RoutingHandle:
         def gate_post(module, args, output):
             if not st.active:
                 return None
-            return self._rewrite(st, output, self._live_rows(output[2].shape[0]))
+            live = self._live_rows(output[2].shape[0])
+            rule = st.rule
+            if rule is None or rule.sorted_slots:
+                return self._rewrite(st, output, live)
+            # a router with unsorted slots (DeepSeek): slot 0 must be the highest-ranked expert before a technique
+            # reads "the first K slots"; the same experts and weights, so the MoE output is unchanged
+            output = _with(output, *rule.sort_slots(output[0], output[1], output[2],
+                                                    st.bias() if st.bias is not None else None))
+            new = self._rewrite(st, output, live)
+            return output if new is None else new
 
         st.hooks = [
             st.block.register_forward_pre_hook(block_pre, with_kwargs=True),
@@ -384,8 +413,9 @@ class RoutingHandle:
         self.remove()
 
 
-def block_device(block: torch.nn.Module) -> torch.device:
-    return block.gate.weight.device if hasattr(block.gate, "weight") else block.experts.gate_up_proj.device
+def block_device(block: torch.nn.Module, router: torch.nn.Module | None = None) -> torch.device:
+    router = router if router is not None else getattr(block, "gate", None)
+    return router.weight.device if hasattr(router, "weight") else block.experts.gate_up_proj.device
 
 
 def refuse_if_installed(blocks: list, slot: str = "_harness_sere") -> None:
@@ -409,7 +439,7 @@ def model_eos_ids(model: torch.nn.Module, eos_token_ids: Any = None) -> list[int
 
 def attach(handle: RoutingHandle, model: torch.nn.Module, eos_token_ids: Any = None) -> None:
     """Put the handle's hooks on the model (live-row hook) and on every layer of ``handle.layers``."""
-    device = block_device(handle.layers[0].block)
+    device = block_device(handle.layers[0].block, handle.layers[0].gate)
     handle._install_model_hook(model, model_eos_ids(model, eos_token_ids), device)
     for st in handle.layers:
         handle._install(st)

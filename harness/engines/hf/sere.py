@@ -1,11 +1,12 @@
 """SERE in the Hugging Face engine: re-route each MoE router's top-k ids at decode steps.
 
 :func:`install_sere` puts three hooks on every MoE block (found as in
-``harness.models.moe_blocks.find_moe_blocks``; Qwen3-MoE and Qwen3-VL-MoE; the hook mechanism is
-``harness.engines.hf.routing``, shared with ``moe.top_k``):
+``harness.models.moe_blocks.find_moe_blocks``: every family of ``harness.models.families``; the hook mechanism
+is ``harness.engines.hf.routing``, shared with ``moe.top_k``; a router with unsorted slots, DeepSeek's, has its
+slots sorted by the family's rank key first, so the primary slots are the highest-ranked experts):
 
 - a forward **pre-hook on the block** decides whether this pass is re-routed and raises the block's flag;
-- a forward **hook on ``block.gate``** (the router, returning ``(logits, weights, ids)``) replaces the ids
+- a forward **hook on the router** (``block.gate``; GPT-OSS ``block.router``, returning ``(logits, weights, ids)``) replaces the ids
   by ``reroute_op(ids, similarity, k_primary, rho, protected)`` when the flag is up — the fused Triton op
   on CUDA, the torch reference on CPU, same ids. The weights are returned unchanged (the reference
   semantics: a moved slot's gate weight multiplies its new expert's output);
@@ -134,7 +135,10 @@ def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | t
 
     handle = SereHandle(k_primary, rho, mode, collect_stats, op or _default_op())
     for ref in blocks:
-        device = block_device(ref.block)
+        refusal = ref.family.refusal("sere") if ref.family is not None else None
+        if refusal:
+            raise ValueError(refusal)
+        device = block_device(ref.block, ref.gate)
         e = ref.num_experts
         sim = similarity[ref.layer].detach().to(device=device, dtype=torch.float32).contiguous()
         prot = (protected or {}).get(ref.layer)
@@ -144,7 +148,7 @@ def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | t
         check_reroute_args(probe, sim, k_primary, rho, prot, None)  # shapes/devices only
         if sim.shape[0] != e:
             raise ValueError(f"layer {ref.layer}: similarity is {tuple(sim.shape)}, the block has {e} experts")
-        handle.layers.append(_Layer(ref.layer, ref.block, ref.block.gate, e, sim, prot))
+        handle.layers.append(_Layer.of(ref, sim, prot))
     attach(handle, model, eos_token_ids)
     return handle
 

@@ -1,7 +1,9 @@
 """``moe.top_k`` in the Hugging Face engine: every router keeps its K highest experts (plain top-K truncation).
 
 The definition is :mod:`harness.techniques.moe_topk` (the router's K highest ids, weights recomputed from
-the router logits and renormalised as the router does). The mechanism is SERE's — both stand on the shared
+the router logits and renormalised as the router does; for every family through its rule,
+``harness.models.families``: what the family's router built with K returns, DeepSeek's scaling, bias and groups
+included). The mechanism is SERE's — both stand on the shared
 base :mod:`harness.engines.hf.routing` — so both behave alike where it matters for comparing them:
 
 - the same three hooks per MoE block (block pre-hook: is this a decode step; gate hook: rewrite the router's
@@ -69,7 +71,10 @@ class TopKHandle(RoutingHandle):
             if self.collect_stats:
                 self._record(st, ids, ids, live)
             return None
-        weights, ids_k = truncate_routing(logits, ids, self.top_k, st.renormalize)
+        if st.rule is not None:  # the family's rule (harness.models.families): its router built with K
+            weights, ids_k = st.rule.truncate(logits, ids, self.top_k, st.bias() if st.bias is not None else None)
+        else:
+            weights, ids_k = truncate_routing(logits, ids, self.top_k, st.renormalize)
         if self.collect_stats:  # the padded form names exactly the kept experts: union after = top-K's
             self._record(st, ids, pad_routing(weights, ids_k, k)[1], live)
         rest = output[3:]
@@ -102,8 +107,10 @@ def install_topk(model: torch.nn.Module, top_k: int, scope: str = "decode", *, c
                            "(hooks run in the order they were installed)")
     handle = TopKHandle(top_k, scope, collect_stats)
     for ref in blocks:
-        handle.layers.append(RoutedLayer(ref.layer, ref.block, ref.block.gate, ref.num_experts, None, None,
-                                    renormalize=router_renormalizes(ref.block.gate)))
+        refusal = ref.family.refusal("moe.top_k") if ref.family is not None else None
+        if refusal:
+            raise ValueError(refusal)
+        handle.layers.append(RoutedLayer.of(ref))
     attach(handle, model, eos_token_ids)
     return handle
 
