@@ -36,9 +36,9 @@ def trace_path(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("policy", ["none", "staging", "lru", "lru+gate", "oracle"])
+@pytest.mark.parametrize("policy", ["none", "staging", "lru", "lru+gate", "oracle", "lfu", "static_hot"])
 def test_tokens_identical(policy, resident, trace_path):
-    extra = {"trace": str(trace_path)} if policy == "oracle" else {}
+    extra = {"trace": str(trace_path)} if policy in ("oracle", "static_hot") else {}
     if policy == "lru+gate":  # 5 slots, top-4 at B=2: every slot was used within 2 tokens, so the default
         extra = {"prefetch": {"protect_tokens": 0}}  # protection would refuse every prefetch: let some happen
     texts, n, stats = run(make_engine(offload_cfg(policy, **extra)))
@@ -53,8 +53,12 @@ def test_tokens_identical(policy, resident, trace_path):
             stats["misses"] + stats["prefetch_issued"] - _prefill_prefetch(stats)) * stats["expert_bytes"]
     if policy != "none":  # 5 slots < the experts a prefill needs: streamed in chunks
         assert stats["chunked_layer_passes"] > 0 and stats["prefill_misses"] > 0
-    if policy in ("lru", "lru+gate", "oracle"):
+    if policy in ("lru", "lru+gate", "oracle", "lfu", "static_hot"):
         assert stats["evictions"] > 0 and 0 < stats["hit_rate"] < 1
+    if policy == "lfu":  # the policy counted what it saw (issue 31)
+        assert stats["policy_stats"]["distinct_experts_counted"] > 0
+    if policy == "static_hot":  # the trace's 5 hottest experts of each of the 4 layers pinned (issue 31)
+        assert [len(h) for h in stats["policy_stats"]["hot"]] == [5] * 4 and stats["policy_stats"]["trace_rows"] > 0
     if policy == "staging":
         assert stats["hits"] == 0
     if policy == "lru+gate":
