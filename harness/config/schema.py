@@ -44,6 +44,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     max_images_per_prompt: int = 64
     shapes: ShapesConfig = field(default_factory=ShapesConfig)
+    family: Optional[str] = None  # embedded: true + a family (harness/models/families): its tiny random model
 
 
 @dataclass

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["load_model_for_calibration", "resolve_device", "resolve_dtype", "resolve_model"]
+__all__ = ["TextProcessor", "load_model_for_calibration", "load_processor", "model_class_for", "resolve_device",
+           "resolve_dtype", "resolve_model"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -54,6 +55,14 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
         config = shapes_config(shapes.arch, shapes.num_layers, dict(shapes.text or {}), dict(shapes.vision or {}))
         return f"shapes:{shapes.arch}", {"name": model_cfg.name, "path": None, "weights": "random-init",
                                          "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
+    family = model_cfg.get("family") if hasattr(model_cfg, "get") else getattr(model_cfg, "family", None)
+    if model_cfg.embedded and family:  # a family's tiny random checkpoint (harness.models.families.build)
+        from harness.models.families.build import ensure_tiny_family, tiny_family_fingerprint
+
+        path = ensure_tiny_family(str(family), int(model_cfg.seed))
+        return str(path), {"name": model_cfg.name, "path": str(path), "family": str(family),
+                           "fingerprint": tiny_family_fingerprint(str(family), int(model_cfg.seed)),
+                           "weights": "random-init"}
     if model_cfg.embedded:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
@@ -66,13 +75,68 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
     return model_cfg.path, {"name": model_cfg.name, "path": model_cfg.path, "weights": model_cfg.weights}
 
 
+def model_class_for(config: Any):
+    """The transformers auto class that loads a checkpoint of ``config``: image-text-to-text when the config has
+    a vision part (Qwen3-VL-MoE, multimodal Qwen3.5-MoE), else the family's class (``harness.models.families``;
+    text-only families: causal LM)."""
+    import transformers
+
+    from harness.models.families import family_of
+
+    if hasattr(config, "vision_config"):
+        return transformers.AutoModelForImageTextToText
+    family = family_of(config)
+    return getattr(transformers, family.auto_class if family is not None else "AutoModelForCausalLM")
+
+
+class TextProcessor:
+    """``AutoProcessor``'s stand-in for a text-only model: ``.tokenizer`` (left padding), the tokenizer's chat
+    template with the message parts joined into one string (text-only chat templates want a string), and
+    ``__call__(text=..., return_tensors=..., padding=...)``. An image refuses with one line."""
+
+    tokenizer_free = False
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def _no_images(what: str) -> ValueError:
+        return ValueError(f"{what}: this is a text-only model (no vision tower): use a text dataset "
+                          "(e.g. dataset=synthetic_load, or an OpenCompass text task)")
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
+        flat = []
+        for msg in messages:
+            content = msg.get("content")
+            if not isinstance(content, str):
+                if any(part.get("type") == "image" for part in content):
+                    raise self._no_images("an image in the prompt")
+                content = "".join(part.get("text", "") for part in content)
+            flat.append({**msg, "content": content})
+        return self.tokenizer.apply_chat_template(flat, **kwargs)
+
+    def __call__(self, text: Any = None, images: Any = None, **kwargs: Any) -> Any:
+        if images:
+            raise self._no_images("images given")
+        kwargs.setdefault("add_special_tokens", False)  # the chat template wrote the special tokens
+        return self.tokenizer(text, **kwargs)
+
+
+def load_processor(path: str, config: Any = None, trust_remote_code: bool = False) -> Any:
+    """``AutoProcessor`` for a multimodal checkpoint, :class:`TextProcessor` over ``AutoTokenizer`` otherwise."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    config = config if config is not None else AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "vision_config"):
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return TextProcessor(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
 def load_model_for_calibration(path: str, device: str = "auto", dtype: str = "auto"):
-    """(model, tokenizer) for a local directory or hub id: image-text-to-text when the config has a
-    vision part, causal LM otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    """(model, tokenizer) for a local directory or hub id, with :func:`model_class_for`'s auto class."""
+    from transformers import AutoConfig, AutoTokenizer
 
     dev = resolve_device(device)
     cfg = AutoConfig.from_pretrained(path)
-    cls = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=resolve_dtype(dtype, dev)).to(dev).eval()
+    model = model_class_for(cfg).from_pretrained(path, dtype=resolve_dtype(dtype, dev)).to(dev).eval()
     return model, AutoTokenizer.from_pretrained(path)

@@ -107,7 +107,6 @@ class HFEngine:
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None,
                  moe_cfg: Any = None, offload_cfg: Any = None, shapes_cfg: Any = None, seed: int = 0):
         import torch
-        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from harness.techniques.moe_topk import moe_settings
 
@@ -129,7 +128,20 @@ class HFEngine:
                 shapes_cfg, self.device, self.dtype, self.experts_impl, seed=seed,
                 attn_implementation=engine_cfg.attn_implementation)
         else:
-            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            from transformers import AutoConfig
+
+            from harness.models.load import load_processor, model_class_for
+
+            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            model_cls = model_class_for(hf_config)  # the family's auto class (text-only families: causal LM)
+            self.family = self._family_checks(hf_config, visionzip_cfg, offload_cfg)
+            if self.experts_impl == "harness_fused_moe" and self.family is not None \
+                    and self.family.refusal("harness_fused_moe"):
+                if engine_cfg.experts_implementation == "auto":  # auto: transformers' own experts instead
+                    self.experts_impl = None
+                else:
+                    raise ValueError(self.family.refusal("harness_fused_moe"))
+            self.processor = load_processor(model_path, hf_config, trust_remote_code)
             self.processor.tokenizer.padding_side = "left"
             kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
             if self.experts_impl:
@@ -140,10 +152,10 @@ class HFEngine:
                 if max_memory:
                     kwargs["max_memory"] = {int(k) if str(k).isdigit() else str(k): str(v)
                                             for k, v in max_memory.items()}
-                self.model = AutoModelForImageTextToText.from_pretrained(
+                self.model = model_cls.from_pretrained(
                     model_path, trust_remote_code=trust_remote_code, **kwargs).eval()
             else:
-                self.model = AutoModelForImageTextToText.from_pretrained(
+                self.model = model_cls.from_pretrained(
                     model_path, trust_remote_code=trust_remote_code, **kwargs
                 ).to(self.device).eval()
         self.tokenizer_free = bool(getattr(self.processor, "tokenizer_free", False))
@@ -176,7 +188,8 @@ class HFEngine:
             from harness.engines.hf.visionzip import supports_visionzip
 
             if not supports_visionzip(self.model):
-                raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model, got {type(self.model).__name__}")
+                raise ValueError(f"VisionZip needs a Qwen3-VL(-MoE) model (deepstack vision tower), got "
+                                 f"{type(self.model).__name__}")
         self.sere = self.moe = None
         self._decode_tokens, self._sere_partial = 0, False  # the SERE canary's count (sere_graphs)
         sere_artifacts = None
@@ -203,6 +216,26 @@ class HFEngine:
         self.offload = None
         if offload_cfg is not None and offload_cfg.get("policy") is not None:
             self._install_offload(offload_cfg)
+
+    family = None  # the model's family (harness.models.families), None for the shapes path or an unknown type
+
+    @staticmethod
+    def _family_checks(hf_config: Any, visionzip_cfg: Any, offload_cfg: Any):
+        """The checkpoint's family; refuses, before the weights load, what the family cannot do (one line)."""
+        from harness.models.families import family_of
+
+        family = family_of(hf_config)
+        name = family.name if family is not None else getattr(hf_config, "model_type", "?")
+        if visionzip_cfg is not None and getattr(visionzip_cfg, "keep", 1.0) < 1.0:
+            if not hasattr(hf_config, "vision_config"):
+                raise ValueError(f"visionzip.keep={visionzip_cfg.keep}: {name} is a text-only model (no vision "
+                                 "tower): VisionZip does not apply")
+            if family is not None and family.refusal("visionzip"):
+                raise ValueError(family.refusal("visionzip"))
+        if offload_cfg is not None and offload_cfg.get("policy") is not None and family is not None \
+                and family.refusal("offload"):
+            raise ValueError(family.refusal("offload"))
+        return family
 
     def _make_decoder(self) -> None:
         """The static decoder of ``self.decode_path`` (None for eager); compiled: the regions wrapped first."""
