@@ -45,6 +45,10 @@ def _cuda_vllm() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _cuda_vllm(), reason="needs a CUDA build of vLLM and a visible GPU")
+if _cuda_vllm():
+    # CUDA may already be initialised in this process (other test modules, the HF model): a forked engine core
+    # then dies ("Cannot re-initialize CUDA in forked subprocess", seen on the H200)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _cfg(**over):

@@ -110,6 +110,9 @@ def server_env(techniques_env: dict[str, str], base: dict[str, str] | None = Non
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in ALL_ENV}
     env.update(techniques_env)
     env["VLLM_PLUGINS"] = plugins_allowlist(env.get("VLLM_PLUGINS"))
+    # the API server process loads the plugin too; on CUDA with SERE on, its engine core then died forked
+    # ("Cannot re-initialize CUDA in forked subprocess", H200, vLLM 0.26): spawn, unless the user chose
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return env
 
 

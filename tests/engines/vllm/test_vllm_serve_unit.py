@@ -36,6 +36,8 @@ def test_server_environment_carries_exactly_the_runs_techniques(monkeypatch):
     assert env["HARNESS_MOE_TOP_K"] == "2"
     plugins = env["VLLM_PLUGINS"].split(",")
     assert "moe_vlm_harness" in plugins and "moe_vlm_harness_endpoint" in plugins
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # a forked engine core died on CUDA (H200)
+    assert serve.server_env({}, base={"VLLM_WORKER_MULTIPROC_METHOD": "fork"})["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     # a user's allowlist is kept and extended
     env = serve.server_env({}, base={"VLLM_PLUGINS": "mine"})
     assert env["VLLM_PLUGINS"] == "mine,moe_vlm_harness,moe_vlm_harness_endpoint"
