@@ -126,6 +126,25 @@ class CrossRule:
     allowed: str | Callable[[Any], str]  # or a function of the config, to name the offending values
 
 
+@dataclass(frozen=True)
+class FileRule:
+    """``key`` names a file the run reads: ``problem(path, cfg)`` reads it the way the run will and says what is
+    wrong (None: usable); ``model_problem(path, cfg, facts)``, when given, checks it against the numbers the
+    checkpoint's ``config.json`` decides (before the weights load). ``what`` says what the file must be. Inert
+    when the key is absent or null, or when ``when(cfg)`` does not hold (the run would not read the file)."""
+
+    key: str
+    what: str
+    problem: Callable[[str, Any], str | None]
+    when: Callable[[Any], bool] | None = None
+    model_problem: Callable[[str, Any, Any], str | None] | None = None
+
+
+class StorageError(ConfigError):
+    """A directory the run writes (run directory, generation cache, artifact cache) cannot take the write:
+    read-only, not ours, full. The one line names the path, the OS's reason and what to do (exit code 2)."""
+
+
 def _select(cfg: Any, key: str, default: Any = _MISSING) -> Any:
     from omegaconf import OmegaConf
 

@@ -276,6 +276,34 @@ def generation_from_cache(entry: Mapping[str, Any], uid: str):
                       extra={**_untimed(entry.get("extra") or {}), "cached": True})
 
 
+def _count(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def entry_problem(obj: Any, key: str | None = None) -> str | None:
+    """Why a stored line is not a generation to replay (None: it is). Checked on read, so an entry with no
+    ``gen``, a non-string ``gen.text``, negative or non-integer token counts, or another format version is
+    skipped and regenerated — before, it was replayed as the answer or crashed the run."""
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    if key is not None and obj.get("key") != key:
+        return "another key at this offset"
+    if obj.get("v") != CACHE_VERSION:
+        return f"format version {obj.get('v')!r}, this harness writes {CACHE_VERSION}"
+    gen = obj.get("gen")
+    if not isinstance(gen, dict):
+        return "no gen object"
+    if not isinstance(gen.get("text"), str):
+        return f"gen.text is {type(gen.get('text')).__name__}, not a string"
+    for k in ("prompt_tokens", "visual_tokens", "output_tokens"):
+        if not _count(gen.get(k)):
+            return f"gen.{k} is {gen.get(k)!r}, not a count"
+    for k in ("extra", "measured"):
+        if gen.get(k) is not None and not isinstance(gen.get(k), dict):
+            return f"gen.{k} is not an object"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ the store
 
 
@@ -293,10 +321,18 @@ class GenerationCache:
         self.path = resolve_user_path(path)
         if self.path.suffix in {".sqlite", ".db", ".jsonl"}:
             raise ValueError(f"cache.path={path!s}: the generation cache is a directory of shards, not a file")
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from harness.run.state import storage_error
+
+            raise storage_error(e, self.path, "cache.path") from e
         self.read = read
         self.hits = self.misses = self.written = self.skipped_lines = 0
+        self.invalid_lines = 0  # lines with a key whose entry is not a valid generation (never replayed)
+        self.invalid_skipped: dict[str, int] = {}  # looked up, found only invalid: regenerated (reason -> count)
         self._index: dict[str, tuple[Path, int]] = {}
+        self._bad: dict[str, str] = {}  # key -> why its only entries are invalid
         self._shard: Path | None = None
         self._f = None
         if read:
@@ -305,34 +341,72 @@ class GenerationCache:
 
     # -- reading
     def _index_shard(self, shard: Path) -> None:
-        with open(shard, "rb") as f:
+        try:  # a shard is a regular file of the cache directory, never read through a link
+            fd = os.open(shard, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            self.skipped_lines += 1
+            return
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self.skipped_lines += 1
+            return
+        with os.fdopen(fd, "rb") as f:
             offset = 0
             for line in f:
                 if not line.endswith(b"\n"):  # a writer killed mid-line: the torn tail is not an entry
                     self.skipped_lines += 1
                     break
                 try:
-                    key = json.loads(line)["key"]
+                    obj = json.loads(line)
+                    key = obj["key"]
+                    if not isinstance(key, str):
+                        raise TypeError(key)
                 except (ValueError, KeyError, TypeError):
                     self.skipped_lines += 1
                 else:
-                    self._index.setdefault(key, (shard, offset))
+                    problem = entry_problem(obj)
+                    if problem is None:
+                        self._index.setdefault(key, (shard, offset))
+                    else:  # a later valid entry of the same key (the regenerated one) is the one replayed
+                        self.invalid_lines += 1
+                        self._bad.setdefault(key, problem)
                 offset += len(line)
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The stored generation for ``key`` (see :func:`generation_to_dict`), or None."""
         where = self._index.get(key) if self.read else None
         if where is None:
+            if self.read and key in self._bad:
+                self._skip(key, self._bad[key])
             self.misses += 1
             return None
         shard, offset = where
         if shard == self._shard and self._f is not None:
             self._f.flush()
-        with open(shard, "rb") as f:
-            f.seek(offset)
-            entry = json.loads(f.readline())
+        try:  # re-read and re-checked: the shard may have changed since it was indexed
+            with open(shard, "rb") as f:
+                f.seek(offset)
+                entry = json.loads(f.readline())
+            problem = entry_problem(entry, key)
+        except (OSError, ValueError) as e:
+            problem = f"unreadable ({type(e).__name__})"
+        if problem is not None:
+            del self._index[key]
+            self._skip(key, problem)
+            self.misses += 1
+            return None
         self.hits += 1
         return entry["gen"]
+
+    def _skip(self, key: str, problem: str) -> None:
+        """An invalid entry looked up: counted (``summary.json`` ``cache.invalid_skipped``), logged, regenerated."""
+        import logging
+
+        self.invalid_skipped[problem] = self.invalid_skipped.get(problem, 0) + 1
+        logging.getLogger(__name__).warning("generation cache %s: entry %s… skipped (%s); it is regenerated",
+                                            self.path, key[:12], problem)
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
@@ -345,9 +419,16 @@ class GenerationCache:
 
     # -- writing
     def _open_shard(self) -> None:
+        from harness.config.paths import open_new
+
         name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._shard = self.path / name
-        self._f = open(self._shard, "ab")
+        try:  # a new file, never through a link (O_EXCL | O_NOFOLLOW)
+            self._f = os.fdopen(open_new(self._shard, 0o644, append=True), "ab")
+        except OSError as e:
+            from harness.run.state import storage_error
+
+            raise storage_error(e, self.path, "cache.path") from e
 
     def put(self, key: str, generation: Any) -> None:
         """Append one finished generation (a Generation or a dict of its fields), flushed and fsynced.
@@ -361,10 +442,23 @@ class GenerationCache:
             self._open_shard()
         offset = self._f.tell()
         line = json.dumps({"key": key, "v": CACHE_VERSION, "gen": entry}, ensure_ascii=False) + "\n"
-        self._f.write(line.encode("utf-8"))
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._index.setdefault(key, (self._shard, offset))
+        try:
+            self._f.write(line.encode("utf-8"))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:  # a full disk: drop the torn line, keep every entry before it, stop with one line
+            from harness.run.state import storage_error
+
+            f, self._f = self._f, None
+            for undo in (f.close, lambda: os.truncate(self._shard, offset)):
+                try:
+                    undo()
+                except OSError:
+                    pass
+            raise storage_error(e, self._shard, "cache.path", resume=f"the {self.written} generations already "
+                                f"in {self.path} are replayed, not generated again") from e
+        self._index[key] = (self._shard, offset)
+        self._bad.pop(key, None)
         self.written += 1
 
     def close(self) -> None:
@@ -381,7 +475,9 @@ class GenerationCache:
     def stats(self) -> dict[str, Any]:
         """For ``summary.json["cache"]``."""
         return {"path": str(self.path), "read": self.read, "entries": len(self._index), "hits": self.hits,
-                "misses": self.misses, "written": self.written, "skipped_lines": self.skipped_lines}
+                "misses": self.misses, "written": self.written, "skipped_lines": self.skipped_lines,
+                "invalid_lines": self.invalid_lines, "invalid_skipped": sum(self.invalid_skipped.values()),
+                "invalid_reasons": dict(self.invalid_skipped)}
 
 
 def keys_for_requests(model_id: str, requests: Iterable[Any], generation_cfg: Any, technique_cfg: Any) -> list[str]:

@@ -165,17 +165,24 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from harness.run.state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
     validate_config(cfg)  # harness/run/validate.py: every key's range / enumeration, unknown keys, cross-key rules
+    from harness.run.rules_files import validate_files
+
+    validate_files(cfg)  # every file the run reads (artifacts, traces, predictors, scorer models), read and checked
     from harness.latency.device_lock import DeviceLock, device_key
 
     # latency.sequential: jobs take turns; built here, so an unsafe lock directory (UnsafeLockDir) stops the run
     # before its state, W&B run or progress bar starts
     device_lock = DeviceLock(device_key(str(cfg.engine.device)), sequential=bool(cfg.latency.sequential),
                              timeout_s=cfg.latency.lock_timeout_s)
-    run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.cache.read not in CACHE_READ:
         raise ValueError(f"cache.read={cfg.cache.read!r}: expected one of {', '.join(CACHE_READ)}")
+    from harness.run.state import check_storage
+
+    done = check_storage(cfg, run_dir, lambda: finished_summary(run_dir, config))  # StorageError, exit 2
+    if done is not None:  # a finished run on read-only media: read, not run again
+        return done
     with RunLock(run_dir), run_logging(run_dir):
         if cfg.cache.enabled and cfg.cache.read != "never":
             done = finished_summary(run_dir, config)
@@ -198,6 +205,15 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
         try:
             with device_lock:
                 summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live, device_lock)
+        except OSError as e:  # a full disk or a directory gone read-only mid-run: one line, exit 2 (state: running)
+            from harness.run.state import WRITE_ERRNOS, storage_error
+
+            if live is not None:
+                live.fail()
+            err = storage_error(e, run_dir, resume="the rerun resumes from the generation cache", errnos=WRITE_ERRNOS)
+            if err is e:
+                raise
+            raise err from e
         except BaseException:
             if live is not None:
                 live.fail()
@@ -250,7 +266,10 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     with progress.phase("model", unit="step"):
         model_path, model_info = resolve_model(cfg.model)
         # values the checkpoint's config.json decides, before weights load (a shapes model: its config dict)
-        validate_model(cfg, model_path, model_info.pop("config", None))
+        facts = validate_model(cfg, model_path, model_info.pop("config", None))
+        from harness.run.rules_files import validate_model_files
+
+        validate_model_files(cfg, facts)  # the artifacts' expert counts against the checkpoint's
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
                   "model_id": model_info["name"]}
                  if cfg.engine.name in ("hf", "vllm") else {})

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,13 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted at .lock (it would be truncated below); only a regular file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            raise storage_error(e, self.path.parent, "hydra.run.dir") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirLocked(f"{self.path} is not a regular file: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -93,6 +100,63 @@ class RunLock:
         self.release()
 
 
+#: errors of a write that the user, not the harness, must fix (space, quota, a read-only or foreign directory)
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+#: of those, the ones only a write gives (a run's read of a weight file may also give EACCES)
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def storage_error(exc: OSError, where: str | os.PathLike[str] | None = None, key: str = "hydra.run.dir",
+                  resume: str = "", errnos: set[int] | None = None) -> Exception:
+    """The one line for a write the disk refused (:class:`harness.config.checks.StorageError`, exit code 2):
+    the path, the OS's reason and what to do. Other ``OSError`` s are returned unchanged (a crash)."""
+    from harness.config.checks import StorageError
+
+    if exc.errno not in (STORAGE_ERRNOS if errnos is None else errnos):
+        return exc
+    path = exc.filename or where
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = "free space there (or point it elsewhere) and rerun the same command"
+    else:
+        todo = f"make it writable, or set {key} to a directory you can write, and rerun"
+    return StorageError(f"{path}: {exc.strerror or exc} ({key}): {todo}{'; ' + resume if resume else ''}")
+
+
+def check_storage(cfg: Any, run_dir: Path, finished: Any = None) -> dict[str, Any] | None:
+    """Before anything of an attempt is written: every directory the run will write (run directory, generation
+    cache, SERE's artifact cache when it builds artifacts) takes a probe file
+    (:func:`harness.config.paths.writable_problem`), or :class:`~harness.config.checks.StorageError` (exit 2)
+    names it, why, and what to do. A finished run on read-only media is returned by ``finished()`` (its
+    ``summary.json`` for this configuration), not refused: reading it needs no write."""
+    from harness.config.checks import StorageError
+    from harness.config.paths import cache_home, resolve_user_path, writable_problem
+
+    problem = writable_problem(run_dir)
+    if problem is not None:
+        done = finished() if finished is not None and cfg.cache.enabled and cfg.cache.read != "never" else None
+        if done is not None:
+            log.warning("%s %s: finished earlier with this configuration; its summary.json is read, not rerun",
+                        run_dir, problem)
+            return done
+        raise StorageError(f"run directory {run_dir} {problem}: set hydra.run.dir to a directory you can write "
+                           "(or free space there) and rerun")
+    if cfg.cache.enabled:
+        path = resolve_user_path(cfg.cache.path)
+        problem = writable_problem(path)
+        if problem is not None:
+            raise StorageError(f"cache.path={path} {problem}: set cache.path to a directory you can write, or "
+                               "cache.enabled=false, and rerun")
+    sere = cfg.get("sere")
+    if sere is not None and sere.k is not None and (not sere.similarity
+                                                    or (int(sere.protect or 0) > 0 and not sere.protection)):
+        path = cache_home() / "sere"
+        problem = writable_problem(path)
+        if problem is not None:
+            raise StorageError(f"SERE's artifact cache {path} {problem}: set HARNESS_CACHE to a directory you can "
+                               "write, or give sere.similarity=FILE (and sere.protection=FILE), and rerun")
+    return None
+
+
 def _read_holder(fd: int) -> str | None:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -118,13 +182,9 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
 
 def write_state(run_dir: Path, state: dict[str, Any]) -> None:
     """Atomically (temporary file, fsync, rename): a kill never leaves half a state file."""
-    path = Path(run_dir) / STATE_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(state, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    from harness.config.paths import write_atomic
+
+    write_atomic(Path(run_dir) / STATE_FILE, (json.dumps(state, indent=1) + "\n").encode("utf-8"))
 
 
 def was_interrupted(run_dir: Path, state: dict[str, Any] | None) -> bool:

@@ -136,7 +136,8 @@ def test_put_get_across_instances(tmp_path):
     assert entry["text"] == "answer" and entry["output_tokens"] == 7
     assert entry["measured"] == {"ttft_ms": 12.5, "tpot_ms": 3.0, "e2e_ms": 30.5}
     assert c2.stats() | {"path": None} == {"path": None, "read": True, "entries": 1, "hits": 1, "misses": 0,
-                                           "written": 0, "skipped_lines": 0}
+                                           "written": 0, "skipped_lines": 0, "invalid_lines": 0,
+                                           "invalid_skipped": 0, "invalid_reasons": {}}
 
 
 def test_failed_generations_are_not_cached(tmp_path):
