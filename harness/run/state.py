@@ -61,7 +61,13 @@ class RunLock:
         try:  # never through a link planted at .lock (it would be truncated below); only a regular file
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
         except OSError as e:
-            raise storage_error(e, self.path.parent, "hydra.run.dir") from e
+            if e.errno == errno.ELOOP:
+                raise RunDirLocked(f"{self.path} is a symbolic link (a lock is never taken through one): remove it"
+                                   ) from None
+            err = storage_error(e, self.path.parent, "hydra.run.dir")
+            if err is e:
+                raise
+            raise err from e
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise RunDirLocked(f"{self.path} is not a regular file: remove it")

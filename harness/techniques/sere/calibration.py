@@ -53,7 +53,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -386,19 +385,27 @@ def compute_similarity(model: torch.nn.Module, tokenizer: Any, *, text_path: str
 def _atomic_save(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     from safetensors.torch import save_file
 
+    import socket
+    import uuid
+
+    from harness.config.paths import open_new, remove_stale_temporaries, write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a build killed before its rename left its temporary file in the (shared) cache forever: the name says host
+    # and pid, so the next save removes this host's dead writers' leftovers
+    remove_stale_temporaries(path.parent, path.name)
     blob = json.dumps(meta, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+    os.close(open_new(tmp, 0o644))  # created here (O_EXCL | O_NOFOLLOW): safetensors then writes a file of ours
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={_META_KEY: blob})
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
-    Path(str(path) + ".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_atomic(Path(str(path) + ".json"), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return path
 
 
