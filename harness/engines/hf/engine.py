@@ -120,6 +120,7 @@ class HFEngine:
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
         self.experts_impl = resolve_experts_implementation(engine_cfg.experts_implementation, self.device)
         self.shapes_info = None
+        self.attn_implementation = engine_cfg.attn_implementation
         self.device_map = getattr(engine_cfg, "device_map", None)
         if shapes_cfg is not None and getattr(shapes_cfg, "arch", None):  # random weights, built on the device
             from harness.models.real_shapes import shapes_model_for_engine
@@ -143,7 +144,9 @@ class HFEngine:
                     raise ValueError(self.family.refusal("harness_fused_moe"))
             self.processor = load_processor(model_path, hf_config, trust_remote_code)
             self.processor.tokenizer.padding_side = "left"
-            kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": engine_cfg.attn_implementation}
+            if self.family is not None and self.family.attention and engine_cfg.attn_implementation == "sdpa":
+                self.attn_implementation = self.family.attention  # transformers has no SDPA path for it
+            kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": self.attn_implementation}
             if self.experts_impl:
                 kwargs["experts_implementation"] = self.experts_impl
             if self.device_map:  # accelerate places the weights (docs/real_shapes.md): no .to(device) after it
@@ -304,7 +307,7 @@ class HFEngine:
             "device": self.device,
             "device_name": device_name(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "attn_implementation": self.cfg.attn_implementation,
+            "attn_implementation": self.attn_implementation,
             "decode_attention": self.decode_attention,
             "decode_attention_reason": self.decode_attention_reason,
             "packed_qkv_layers": self.packed_qkv_layers,

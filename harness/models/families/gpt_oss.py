@@ -26,4 +26,4 @@ GPT_OSS = register(MoeFamily(
     router_attr="router", expert_layout="interleaved_transposed_bias", vllm_modules=("gpt_oss",),
     refuse={"offload": _LAYOUT.format(what="expert offload"),
             "harness_fused_moe": _LAYOUT.format(what="fused MoE kernel (engine.experts_implementation)")},
-    tiny=_tiny, real={"gpt_oss_20b": "openai/gpt-oss-20b"}))
+    attention="eager", tiny=_tiny, real={"gpt_oss_20b": "openai/gpt-oss-20b"}))
