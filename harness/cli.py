@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from harness.config.schema import register_configs
@@ -37,6 +38,10 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = run_experiment(cfg, run_dir)
     except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged, UnsafeLockDir) as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra records the job failed and runs the next one
+            from harness.run.progress import JobRefused
+
+            raise JobRefused(str(e)) from e
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     # a short summary (key metrics, latency, warnings) rather than a JSON dump: the numbers are in summary.json
@@ -56,6 +61,12 @@ def entry() -> None:
     try:
         main()
     except Exception as e:  # noqa: BLE001 - only composition errors are turned into a line; the rest re-raised
+        from harness.run.progress import JobRefused
+
+        if isinstance(e, JobRefused):  # a sweep whose valid jobs all ran: each failed one was named as it ended
+            print(f"error: a sweep job was refused: {e} (the other jobs ran; python -m harness.report --status "
+                  "SWEEP_DIR lists every failed job and why)", file=sys.stderr)
+            sys.exit(2)
         line = hydra_error_line(e)
         if line is None:
             raise

@@ -213,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"finished, {len(st['running_or_interrupted'])} running or interrupted "
                       f"{st['running_or_interrupted'] or ''}, {len(st['failed'])} failed {st['failed'] or ''}, "
                       f"{st['not_started'] if st['not_started'] is not None else '?'} not started")
+                for job, why in (st.get("failed_reasons") or {}).items():
+                    print(f"  job {job} failed: {why}")
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -45,15 +45,25 @@ def sweep_status(sweep_dir: str | os.PathLike) -> dict[str, Any]:
     # a job that started writes config.yaml and run_state.json first, samples.jsonl as it goes
     started = [p.name for p in jobs if p.name not in finished and any(
         (p / f).is_file() for f in ("config.yaml", "run_state.json", "samples.jsonl"))]
-    failed = []
+    failed: dict[str, str] = {}  # job → reason
     for m in (d / ".progress").glob("*.json") if (d / ".progress").is_dir() else []:
         try:
-            if json.loads(m.read_text())["status"] != "completed" and m.stem not in finished:
-                failed.append(m.stem)
+            marker = json.loads(m.read_text())
+            if marker["status"] != "completed" and m.stem not in finished:
+                failed[m.stem] = str(marker.get("reason") or "failed")
         except (ValueError, KeyError):
             pass
+    for p in jobs:  # run_state.json failed (harness/run/progress.py record_failure), whatever the launcher
+        if p.name not in finished and p.name not in failed and (p / "run_state.json").is_file():
+            try:
+                state = json.loads((p / "run_state.json").read_text())
+            except ValueError:
+                continue
+            if isinstance(state, dict) and state.get("status") == "failed":
+                failed[p.name] = str(state.get("reason") or "failed")
     seen = len(set(finished) | set(started) | set(failed))
     return {"sweep": str(d), "expected": expected, "finished": len(finished), "failed": sorted(failed, key=int),
+            "failed_reasons": {j: failed[j] for j in sorted(failed, key=int)},
             "running_or_interrupted": [j for j in started if j not in failed],
             "not_started": (expected - seen) if expected is not None else None}
 

@@ -193,7 +193,7 @@ def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> s
     for tech, keys in (("visionzip", ("keep_rate",)), ("sere", ("expert_union_before", "expert_union_after"))):
         block = summary.get(tech)
         if isinstance(block, Mapping) and any(block.get(k) is not None for k in keys):
-            lines.append(f"{tech:<9}" + " · ".join(f"{k} {block[k]:.3f}" for k in keys
+            lines.append(f"{tech:<9}{' ' if len(tech) >= 9 else ''}" + " · ".join(f"{k} {block[k]:.3f}" for k in keys
                                                    if isinstance(block.get(k), (int, float))))
     for w in summary.get("warnings") or run_warnings(summary):
         lines.append(f"warning  {w}")

@@ -6,8 +6,12 @@
   ``run.phase_s`` (model load vs generation vs scoring at a glance).
 * :class:`SweepProgress` — a Hydra callback (``hydra.callbacks.progress`` in ``conf/config.yaml``): with the
   basic launcher (jobs in this process) a bar over the sweep's jobs sits above the run bars; with any launcher
-  each finished job drops ``<sweep dir>/.progress/<job>.json`` (status, seconds), which
-  ``python -m harness.report SWEEP_DIR --status`` counts while a Slurm array runs.
+  each finished job drops ``<sweep dir>/.progress/<job>.json`` (status, seconds, and a failed job's reason), which
+  ``python -m harness.report SWEEP_DIR --status`` counts while a Slurm array runs. A job that fails — refused
+  (:class:`JobRefused`: the CLI raises it in a sweep instead of exiting, so Hydra runs the next job) or crashed —
+  is recorded where ``--status`` and a rerun look: its ``run_state.json`` says ``failed`` with the reason (a
+  crashed job that has generations to resume keeps ``running`` and gets ``last_error``), and one line on the
+  console names it.
 
 Bars go to stderr through tqdm. Where stderr is not a terminal (Slurm logs), they refresh at most once a
 minute instead of many times a second, so a log stays readable. ``HARNESS_PROGRESS=0`` turns them off.
@@ -69,6 +73,37 @@ class RunProgress:
         self.overall.close()
 
 
+class JobRefused(Exception):
+    """A sweep job refused before it ran (its configuration, data or technique): raised in a sweep instead of
+    exiting with code 2, so Hydra records the job as failed and goes on with the next one."""
+
+
+def failure_reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "failed"
+    if isinstance(exc, JobRefused):
+        return f"refused: {exc}"
+    return f"{type(exc).__name__}: {exc}".strip()[:500]
+
+
+def record_failure(run_dir: Path, reason: str) -> None:
+    """``run_state.json`` of a failed job: ``failed`` with ``reason`` (a job refused before its first attempt gets
+    one); a job whose interrupted generations a rerun resumes keeps ``running`` and records ``last_error``."""
+    from harness.run.state import mark_failed, read_state, write_state
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    state = read_state(run_dir)
+    if state is None:
+        write_state(run_dir, {"status": "failed", "reason": reason, "attempt": 0, "attempts": []})
+    elif state.get("status") == "running" and (run_dir / "samples.jsonl").is_file():
+        state["last_error"] = reason
+        write_state(run_dir, state)
+    elif state.get("status") == "running":
+        mark_failed(run_dir, state, reason)
+
+
 def _job_num(config: Any) -> int:
     """The job's number in a sweep; 0 for a single run, where Hydra leaves ``hydra.job.num`` unset (``???``:
     reading it directly raises MissingMandatoryValue, which Hydra printed as a warning on every plain run)."""
@@ -119,12 +154,25 @@ class SweepProgress(Callback):
 
         num = _job_num(config)
         status = "completed" if job_return.status == JobStatus.COMPLETED else "failed"
+        reason = None
+        if status == "failed":
+            reason = failure_reason(getattr(job_return, "_return_value", None))
+            try:
+                record_failure(Path(str(config.hydra.runtime.output_dir)), reason)
+            except Exception:  # noqa: BLE001 - bookkeeping must not hide the job's own error
+                pass
+            line = f"sweep job {num} failed ({' '.join(config.hydra.overrides.task)}): {reason}"
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
         if _is_multirun(config):
             marker = Path(str(config.hydra.sweep.dir)) / ".progress" / f"{num}.json"
             marker.parent.mkdir(parents=True, exist_ok=True)
             seconds = time.perf_counter() - self.t0.get(num, time.perf_counter())
             marker.write_text(json.dumps({"job": num, "status": status, "seconds": round(seconds, 1),
-                                          "overrides": list(config.hydra.overrides.task)}) + "\n")
+                                          "overrides": list(config.hydra.overrides.task),
+                                          **({"reason": reason} if reason else {})}) + "\n")
         if self.bar is not None:
             self.bar.update(1)
             if status == "failed":

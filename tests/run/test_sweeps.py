@@ -278,3 +278,26 @@ def test_wandb_group_job_type_and_tags(monkeypatch, tmp_path):
     tracking.log_run(OmegaConf.create(config["wandb"] | {"mode": "offline", "group": "mine", "job_type": "eval"}),
                      config, summary, [], tmp_path, "5")
     assert (seen["group"], seen["job_type"]) == ("mine", "eval")
+
+
+@pytest.mark.slow
+def test_a_refused_job_does_not_stop_the_sweep_and_is_recorded_failed(tmp_path):
+    """Issue 25: `-m visionzip.keep=1.5,0.9` refused job 0 and never ran job 1; the refused job's run_state.json
+    stayed `running`, so --status called it "running or interrupted"."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_SILENT": "true", "HARNESS_PROGRESS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "harness", "-m", "visionzip.keep=1.5,0.9",
+                           f"hydra.sweep.dir={sweep}", "wandb.mode=disabled", "dataset.limit=1",
+                           "generation.max_new_tokens=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (sweep / "1" / "summary.json").is_file(), proc.stderr[-3000:]  # the valid job ran
+    state = json.loads((sweep / "0" / "run_state.json").read_text())
+    assert state["status"] == "failed" and "visionzip.keep" in state["reason"]
+    assert "sweep job 0 failed (visionzip.keep=1.5 " in proc.stderr and "Traceback" not in proc.stderr
+    assert "Loading weights" not in proc.stderr  # transformers' bars: off during a run (harness/run/logs.py)
+    from harness.report.status import sweep_status
+
+    st = sweep_status(sweep)
+    assert (st["finished"], st["failed"], st["running_or_interrupted"]) == (1, ["0"], [])
+    assert "visionzip.keep" in st["failed_reasons"]["0"]
