@@ -36,5 +36,23 @@ def main(cfg: DictConfig) -> None:
                       "tpot_ms": summary["latency"].get("tpot_ms")}, ensure_ascii=False, indent=2))
 
 
+def entry() -> None:
+    """:func:`main`, with Hydra's composition errors (a misspelt key, a wrong type) as one line and exit code 2,
+    as ``python -m harness`` (harness.cli.entry)."""
+    import os
+
+    from harness.run.validate import hydra_error_line
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - only composition errors become a line; the rest re-raised
+        line = hydra_error_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

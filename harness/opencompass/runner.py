@@ -35,6 +35,60 @@ def check_engine(cfg: Any) -> None:
                                     "have nothing to prune. Use visionzip.keep=1.0.")
 
 
+def _opencompass_rules() -> tuple[Any, ...]:
+    """``opencompass.*`` in the vocabulary of harness/run/validate.py (checked before any OpenCompass import:
+    a bad value used to surface as mmengine's ``ModuleNotFoundError`` in the main venv, or deep in OpenCompass)."""
+    from harness.config.checks import NONEMPTY, Check, Rule, at_least, number, one_of, optional
+    from harness.opencompass.suites import SUITES
+
+    def is_dir(v: Any) -> bool:
+        return isinstance(v, str) and Path(v).expanduser().is_dir()
+
+    return (
+        Rule("opencompass.suite", one_of(*sorted(SUITES))),
+        Rule("opencompass.limit", optional(at_least(1, "rows per dataset"), "every row")),
+        Rule("opencompass.ci_items", at_least(1, "rows per generated dataset")),
+        Rule("opencompass.max_out_len", optional(at_least(1, "tokens"), "generation.max_new_tokens")),
+        Rule("opencompass.max_seq_len", at_least(1, "tokens")),
+        Rule("opencompass.num_gpus", optional(at_least(0), "1 when CUDA is visible, else 0")),
+        Rule("opencompass.model_abbr", optional(NONEMPTY, "model.name")),
+        Rule("opencompass.max_num_workers", at_least(1, "parallel OpenCompass tasks")),
+        Rule("opencompass.timeout_s", optional(number(0, lo_open=True, note="seconds"), "no limit")),
+        Rule("opencompass.data_cache", optional(Check(is_dir, "an existing directory (OpenCompass's data/ "
+                                                              "lives under it)"), "$COMPASS_DATA_CACHE")),
+    )
+
+
+#: the one line for a Python without OpenCompass (docs/opencompass.md, docs/validation.md)
+MISSING_OPENCOMPASS = ("{what} is not installed in this Python ({python}): python -m harness.opencompass runs in "
+                       ".venv-opencompass (OpenCompass's pins clash with the main venv's); build it with "
+                       "bash .ci/opencompass_lane.sh venv, then run .venv-opencompass/bin/python -m harness.opencompass")
+
+
+def check_opencompass(cfg: Any) -> None:
+    """Every ``opencompass.*`` value, then whether OpenCompass (and mmengine, which reads its configs) can be
+    imported at all — both before any OpenCompass import and before the run directory is written."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    from harness.config.checks import _MISSING, _select
+    from harness.opencompass.suites import OpenCompassDependencyMissing
+    from harness.run.validate import refusal
+
+    for rule in _opencompass_rules():
+        value = _select(cfg, rule.key)
+        if value is not _MISSING and not rule.check.ok(value):
+            raise refusal(rule.key, value, rule.check.text())
+    try:
+        version("opencompass")  # the distribution: a folder called opencompass on sys.path is not OpenCompass
+    except PackageNotFoundError:
+        raise OpenCompassDependencyMissing(MISSING_OPENCOMPASS.format(what="OpenCompass", python=sys.executable)) \
+            from None
+    if find_spec("mmengine") is None:
+        raise OpenCompassDependencyMissing(MISSING_OPENCOMPASS.format(what="mmengine (OpenCompass's config reader)",
+                                                                      python=sys.executable))
+
+
 def _data_cache(cfg: Any) -> str | None:
     return cfg.opencompass.data_cache or os.environ.get("COMPASS_DATA_CACHE") or None
 
@@ -128,12 +182,18 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     check_engine(cfg)
     validate_config(cfg)  # the same rules as python -m harness, before anything runs
+    from harness.run.rules_files import validate_files
+
+    validate_files(cfg)  # the SERE artifacts the engine will read (harness/run/rules_files.py)
+    check_opencompass(cfg)  # opencompass.* values, then OpenCompass itself: before any OpenCompass import
     run_dir.mkdir(parents=True, exist_ok=True)
     started = utc_now()
     config = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
     model_path, model_info = resolve_model(cfg.model)
-    validate_model(cfg, model_path)  # values the checkpoint decides (sere.k, moe.top_k vs its top-k)
+    from harness.run.rules_files import validate_model_files
+
+    validate_model_files(cfg, validate_model(cfg, model_path))  # sere.k, moe.top_k, artifacts vs the checkpoint
     server = None
     if cfg.engine.name == "vllm":  # vllm serve with the run's techniques; OpenCompass's OpenAISDK points at it
         from harness.opencompass import vllm_route
