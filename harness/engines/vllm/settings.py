@@ -47,6 +47,8 @@ ENV_VZ_MIN = "HARNESS_VZ_MIN_PER_IMAGE"
 ENV_VZ_SCOPE = "HARNESS_VZ_SCOPE"
 ENV_VZ_CONTEXTUAL = "HARNESS_VZ_CONTEXTUAL"
 ENV_VZ_SPAN_TEXT = "HARNESS_VZ_SPAN_TEXT"
+ENV_VZ_METHOD = "HARNESS_VZ_METHOD"  # attention (VisionZip) | random | pool | first (issue 31's baselines)
+ENV_VZ_SEED = "HARNESS_VZ_SEED"
 VZ_ENV = (ENV_VZ_KEEP, ENV_VZ_LAYER, ENV_VZ_MIN, ENV_VZ_SCOPE, ENV_VZ_CONTEXTUAL, ENV_VZ_SPAN_TEXT)
 VZ_ARCH = "HarnessVisionZipQwen3VLMoeForConditionalGeneration"
 VZ_REQUEST_ARCH = "HarnessVisionZipRequestQwen3VLMoeForConditionalGeneration"  # scope=request (the bundle)
@@ -143,6 +145,8 @@ class VisionZipSettings:
     scope: str = "image"
     contextual: float = 0.0
     span_text: int = DEFAULT_SPAN_TEXT
+    method: str = "attention"  # random | pool | first: issue 31's baselines (scope=request only)
+    seed: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "VisionZipSettings | None":
@@ -161,13 +165,16 @@ class VisionZipSettings:
             raise RuntimeError(f"{ENV_VZ_CONTEXTUAL}={contextual}: contextual tokens need {ENV_VZ_SCOPE}=request")
         return cls(keep=float(keep), layer=int(env.get(ENV_VZ_LAYER) or -1), min_per_image=min_per_image,
                    scope=scope, contextual=contextual,
-                   span_text=int(env.get(ENV_VZ_SPAN_TEXT) or DEFAULT_SPAN_TEXT))
+                   span_text=int(env.get(ENV_VZ_SPAN_TEXT) or DEFAULT_SPAN_TEXT),
+                   method=(env.get(ENV_VZ_METHOD) or "attention").strip(), seed=int(env.get(ENV_VZ_SEED) or 0))
 
     def env(self) -> dict[str, str]:
         out = {ENV_VZ_KEEP: repr(float(self.keep)), ENV_VZ_LAYER: str(self.layer),
                ENV_VZ_MIN: str(self.min_per_image), ENV_VZ_SCOPE: self.scope}
         if self.scope == "request":
             out.update({ENV_VZ_CONTEXTUAL: repr(float(self.contextual)), ENV_VZ_SPAN_TEXT: str(self.span_text)})
+        if self.method != "attention":
+            out.update({ENV_VZ_METHOD: self.method, ENV_VZ_SEED: str(self.seed)})
         return out
 
     @property

@@ -146,8 +146,11 @@ def resolve_visionzip(vz_cfg: Any):
             f"visionzip.min_per_image={min_per_image} with visionzip.scope=image in engine=vllm: an image pruned "
             "to 0 tokens leaves an empty placeholder, which vLLM's multimodal placeholder validation rejects; "
             "use visionzip.min_per_image >= 1 or scope=request (one placeholder for all images)")
+    method = str(_get(vz_cfg, "method", "attention") or "attention")
+    if method != "attention" and scope != "request":  # issue 31: the baselines ride on the request bundle
+        raise NotImplementedError(f"visionzip.method={method} in engine=vllm needs visionzip.scope=request")
     return VisionZipSettings(keep=keep, layer=int(_get(vz_cfg, "layer", -1)), min_per_image=min_per_image,
-                             scope=scope, contextual=contextual)
+                             scope=scope, contextual=contextual, method=method, seed=int(_get(vz_cfg, "seed", 0) or 0))
 
 
 V1_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -47,6 +47,42 @@ def make_topk_routing_function(layer: int, top_k: int, scope: str = "decode", st
                                        rule=rule, bias=bias)
 
 
+def make_baseline_routing_function(layer: int, routing: str, k_primary: int = 2, p: float = 0.5,
+                                   seed: int = 0) -> Callable:
+    """``moe.routing`` (random_p | top_p, issue 31) as a ``custom_routing_function``: the fused routing kernel
+    does not implement these baselines, so this is the torch path — the stock top-k
+    (:func:`harness.engines.vllm.routing.stock_topk`), then :func:`harness.techniques.moe_routing.random_p` /
+    :func:`~harness.techniques.moe_routing.top_p` on the step's decode rows (P over decode rows only; prefill
+    rows keep the stock routing), in vLLM's padded form (weights float32, ids int32). One generator per
+    device, seeded with ``seed``. Not graph-safe (``random_p`` draws; eager or prefill-only use)."""
+    import torch
+
+    from harness.engines.vllm.routing import DECODE, stock_topk
+    from harness.techniques.moe_routing import ROUTINGS, random_p, top_p
+
+    if routing not in ROUTINGS:
+        raise ValueError(f"moe.routing={routing!r}: expected one of {ROUTINGS}")
+    generators: dict[Any, Any] = {}
+
+    def fn(hidden_states, gating_output, topk, renormalize):
+        weights, ids = stock_topk(gating_output, int(topk), bool(renormalize))
+        decode = DECODE.rows(gating_output.device, gating_output.shape[0]).bool()
+        if routing == "random_p":
+            gen = generators.get(gating_output.device)
+            if gen is None:
+                gen = generators[gating_output.device] = torch.Generator(device=gating_output.device).manual_seed(seed)
+            new_ids = random_p(ids, k_primary, gating_output.shape[-1], gen, decode)
+            new_weights = weights
+        else:
+            w, moved = top_p(gating_output, ids, p)
+            new_ids = torch.where(decode[:, None], moved, ids)
+            new_weights = torch.where(decode[:, None], w, weights)
+        return new_weights.float(), new_ids.to(torch.int32)
+
+    fn.harness_layer = layer  # type: ignore[attr-defined]
+    return fn
+
+
 class TopKRouting:
     """``routing_for(prefix, num_experts)`` for the plugin's factory wrapper (as ``sere.SereArtifacts``)."""
 

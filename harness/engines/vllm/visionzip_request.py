@@ -54,8 +54,11 @@ __all__ = ["VZ_REQUEST_ARCH", "request_scope_classes", "bundle_hash"]
 
 def bundle_hash(image_hashes, span_ids, settings: VisionZipSettings) -> str:
     """The bundle's identity: its images (in order), the span around them and the selection settings."""
-    blob = json.dumps([list(image_hashes), list(span_ids), settings.keep, settings.layer, settings.min_per_image,
-                       settings.contextual], separators=(",", ":"))
+    fields = [list(image_hashes), list(span_ids), settings.keep, settings.layer, settings.min_per_image,
+              settings.contextual]
+    if settings.method != "attention":  # issue 31's baselines: the attention runs' hashes stay as they were
+        fields += [settings.method, settings.seed]
+    blob = json.dumps(fields, separators=(",", ":"))
     return "vzreq-" + hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -98,6 +101,7 @@ def request_scope_classes() -> dict[str, Any]:
     from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
     from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens
+    from harness.techniques.visionzip.baselines import baseline_scores, pool_counts, pool_image
 
     def settings() -> VisionZipSettings:
         st = VisionZipSettings.from_env()
@@ -199,6 +203,8 @@ def request_scope_classes() -> dict[str, Any]:
 
         def _vz_scores(self, grid):
             seen = self._vz_capture.take()
+            if self._vz.method != "attention":  # a trivial baseline (issue 31): nothing scored by attention
+                return [None] * int(grid.shape[0]), None, False
             q, k, cu = seen["q"], seen["k"], seen["cu"]
             scores = compute_importance(q.contiguous(), k.contiguous(), cu, scale=self._vz_op.scale,
                                         lse=seen.get("lse"))
@@ -236,11 +242,22 @@ def request_scope_classes() -> dict[str, Any]:
             merge = int(self.visual.spatial_merge_size)
             layout = SpanLayout(tuple(span.tolist()), tuple(tuple(int(x) for x in g) for g in grid.tolist()),
                                 merge, int(cfg.image_token_id))
-            kept = select_tokens(scores, self._vz.keep, scope="request", min_per_image=self._vz.min_per_image)
+            method = self._vz.method
+            if method == "pool":  # issue 31: each image average-pooled to its share of the request's budget
+                counts = pool_counts(layout.sizes, self._vz.keep, "request", self._vz.min_per_image)
+                pooled = [pool_image(emb, int(g[0]) * int(g[1]) // merge, int(g[2]) // merge, k)
+                          for emb, g, k in zip(images, grid.tolist(), counts)]
+                kept = [idx for idx, _ in pooled]
+            else:
+                if method != "attention":  # random | first: the same top-k on the baseline's scores (HF's)
+                    scores = baseline_scores(method, layout.sizes, self._vz.seed)
+                kept = select_tokens(scores, self._vz.keep, scope="request", min_per_image=self._vz.min_per_image)
             rows_per_image, idx_per_image = [], []
             for emb, sc, kp, i in zip(images, scores, kept, range(len(images))):
                 kp = kp.to(emb.device)
-                if self._vz.contextual > 0:
+                if method == "pool":
+                    idx, rows = kp, pooled[i][1]
+                elif self._vz.contextual > 0:
                     idx, rows = compress_image(emb, keys[i].to(emb.device), sc.to(emb.device), kp, self._vz.contextual)
                 else:
                     idx, rows = kp, emb[kp]

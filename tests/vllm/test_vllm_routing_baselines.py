@@ -1,0 +1,57 @@
+"""Issue 31's routing baselines in the vLLM plugin's routing path: the fused routing kernel does not implement
+``random_p`` / ``top_p``, so :func:`harness.engines.vllm.topk.make_baseline_routing_function` is the torch path —
+tested against the plain-torch reference (stock top-k, then harness.techniques.moe_routing) on a step that mixes
+decode and prefill rows. No engine: the routing function is called as vLLM's MoE layer calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.engines.vllm.routing import DECODE, stock_topk
+from harness.engines.vllm.topk import make_baseline_routing_function
+from harness.kernels.fused_routing_reference import RoutingSpec
+from harness.techniques.moe_routing import random_p, top_p
+
+E, K, T = 16, 4, 7
+
+
+@pytest.fixture
+def step():
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(T, E, generator=g)
+    decode = torch.tensor([True, True, False, True, False, True, True])  # rows 2 and 4: a prefill chunk
+    DECODE.steps.write(torch.device("cpu"), decode, T)
+    yield logits, decode
+    DECODE.clear()
+
+
+def test_the_kernel_spec_has_no_such_baseline():
+    fields = set(RoutingSpec.__slots__)
+    assert not {"routing", "top_p", "random_p"} & fields  # the torch path below is the only one
+
+
+def test_random_p_torch_path_equals_the_reference(step):
+    logits, decode = step
+    fn = make_baseline_routing_function(3, "random_p", k_primary=2, seed=9)
+    w, ids = fn(None, logits, K, True)
+    ref_w, ref_ids = stock_topk(logits, K, True)
+    want = random_p(ref_ids, 2, E, torch.Generator().manual_seed(9), decode)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.long(), want.long()) and torch.equal(w, ref_w.float())
+    assert torch.equal(ids[~decode].long(), ref_ids[~decode])  # prefill rows keep the stock routing
+    p = set(ref_ids[decode, :2].reshape(-1).tolist())
+    assert set(ids[decode].reshape(-1).tolist()) == p and not torch.equal(ids.long(), ref_ids)
+
+
+def test_top_p_torch_path_equals_the_reference(step):
+    logits, decode = step
+    w, ids = make_baseline_routing_function(0, "top_p", p=0.5)(None, logits, K, True)
+    stock_w, stock_ids = stock_topk(logits, K, True)
+    ref_w, ref_ids = top_p(logits, stock_ids, 0.5)
+    assert torch.equal(ids[decode].long(), ref_ids[decode].long())
+    assert torch.allclose(w[decode], ref_w[decode].float())
+    assert torch.equal(ids[~decode].long(), stock_ids[~decode]) and torch.equal(w[~decode], stock_w[~decode].float())
+    assert bool((w[decode] == 0).any())  # some slot was dropped: the baseline did something
+    with pytest.raises(ValueError):
+        make_baseline_routing_function(0, "nope")
