@@ -218,6 +218,11 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: cfg.engine.name == "hf",
               lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in the hf engine; "
               "the vLLM plugin's routing function exists but is not wired: issue 31)"),
+    CrossRule("visionzip.method", lambda cfg: _vllm(cfg) and _vz_on(cfg)
+              and _select(cfg, "visionzip.method", "attention") != "attention",
+              lambda cfg: cfg.visionzip.scope == "request",
+              "attention with engine=vllm visionzip.scope=image (the baselines ride on the request bundle: "
+              "visionzip.scope=request)"),
     CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None,
               lambda cfg: _moe_top_k(cfg) is None and not _sere_on(cfg),
               "null with moe.top_k or sere.k set (a routing baseline replaces the routing: run it alone)"),
