@@ -21,7 +21,7 @@ import contextlib
 import time
 from typing import Any
 
-from harness.engines.base import Generation, Request, generate_splitting
+from harness.engines.base import Generation, Request, TechniqueNotAvailable, generate_splitting
 
 # resolve_device / resolve_dtype live in harness.models.load (a technique or tool needs them without the engine)
 from harness.models.load import _DTYPES, resolve_device, resolve_dtype  # noqa: F401
@@ -141,7 +141,7 @@ class HFEngine:
                 if engine_cfg.experts_implementation == "auto":  # auto: transformers' own experts instead
                     self.experts_impl = None
                 else:
-                    raise ValueError(self.family.refusal("harness_fused_moe"))
+                    raise TechniqueNotAvailable(self.family.refusal("harness_fused_moe"))
             self.processor = load_processor(model_path, hf_config, trust_remote_code)
             self.processor.tokenizer.padding_side = "left"
             if self.family is not None and self.family.attention and engine_cfg.attn_implementation == "sdpa":
@@ -224,20 +224,21 @@ class HFEngine:
 
     @staticmethod
     def _family_checks(hf_config: Any, visionzip_cfg: Any, offload_cfg: Any):
-        """The checkpoint's family; refuses, before the weights load, what the family cannot do (one line)."""
+        """The checkpoint's family; refuses, before the weights load, what the family cannot do (one line,
+        ``TechniqueNotAvailable``: the CLI prints it and exits 2)."""
         from harness.models.families import family_of
 
         family = family_of(hf_config)
         name = family.name if family is not None else getattr(hf_config, "model_type", "?")
         if visionzip_cfg is not None and getattr(visionzip_cfg, "keep", 1.0) < 1.0:
             if not hasattr(hf_config, "vision_config"):
-                raise ValueError(f"visionzip.keep={visionzip_cfg.keep}: {name} is a text-only model (no vision "
-                                 "tower): VisionZip does not apply")
+                raise TechniqueNotAvailable(f"visionzip.keep={visionzip_cfg.keep}: {name} is a text-only model (no "
+                                            "vision tower): VisionZip does not apply")
             if family is not None and family.refusal("visionzip"):
-                raise ValueError(family.refusal("visionzip"))
+                raise TechniqueNotAvailable(family.refusal("visionzip"))
         if offload_cfg is not None and offload_cfg.get("policy") is not None and family is not None \
                 and family.refusal("offload"):
-            raise ValueError(family.refusal("offload"))
+            raise TechniqueNotAvailable(family.refusal("offload"))
         return family
 
     def _make_decoder(self) -> None:

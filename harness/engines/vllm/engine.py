@@ -113,16 +113,26 @@ class VLLMEngine(ServeMode, LoadMode):
         self.max_images = int(max_images_per_prompt or _get(engine_cfg, "limit_images", None) or 64)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
+        self.multimodal = self.shapes is None
         if self.shapes is not None:  # no tokenizer, no processor on disk: token-id prompts, ids decoded as ids
             self.processor, self.image_token_id = self.shapes.processor, None
         else:
-            from transformers import AutoConfig, AutoProcessor
+            from transformers import AutoConfig
 
-            self.processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+            from harness.models.families import family_of
+            from harness.models.load import load_processor
+
+            hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+            family = family_of(hf_cfg)
+            if family is not None and family.vllm_cpu and self.device == "cpu":
+                from harness.engines.base import TechniqueNotAvailable
+
+                raise TechniqueNotAvailable(f"engine=vllm on CPU, model family {family.name}: {family.vllm_cpu}")
+            self.multimodal = hasattr(hf_cfg, "vision_config")  # text-only families: the tokenizer's template
+            self.processor = load_processor(self.model_path, hf_cfg, trust_remote_code)
             tok = self.processor.tokenizer
             self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>") if "<|image_pad|>" in tok.get_vocab() \
                 else None
-            hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
             self.image_token_id = getattr(hf_cfg, "image_token_id", None) or self.image_token_id
         self.ignore_eos = bool(_get(generation_cfg, "ignore_eos", False))  # generation=synthetic_load
         self.sere = None if remote else resolve_sere(sere_cfg, self.model_path, model_id, shapes=self.shapes,
@@ -130,6 +140,11 @@ class VLLMEngine(ServeMode, LoadMode):
         from harness.engines.vllm.settings import MoeSettings
 
         self.moe = MoeSettings(*moe) if moe is not None and not remote else None  # HARNESS_MOE_* (vllm.topk)
+        from harness.techniques.moe_routing import routing_settings
+
+        routing = routing_settings(moe_cfg)  # moe.routing (issue 31): the torch routing function of vllm.topk
+        if routing is not None and not remote:
+            self.moe = MoeSettings(None, "decode", *routing)
         if self.sere is not None and sere_trace:
             self.sere.trace_path = sere_trace
         self._env_saved: dict[str, str | None] = {}
@@ -212,6 +227,8 @@ class VLLMEngine(ServeMode, LoadMode):
         if self.shapes is not None:  # model = the written config's directory, dummy weights, no tokenizer
             args.update(self.shapes.engine_args())
             args.pop("limit_mm_per_prompt")  # the text-only model has no multimodal inputs
+        elif not self.multimodal:
+            args.pop("limit_mm_per_prompt")  # a text-only family (harness.models.families)
         if self.visionzip is not None:
             # the plugin's Qwen3-VL-MoE subclass; multimodal pruning on = vLLM's runner recomputes mRoPE
             # positions from the kept tokens (the rate itself only concerns videos, which are refused)
@@ -274,7 +291,7 @@ class VLLMEngine(ServeMode, LoadMode):
                             "where": "vllm plugin custom_routing_function, decode rows only",
                             **({"calibrated_on": self.sere.calibrated_on} if self.sere.calibrated_on else {})}
         if self.moe is not None:
-            info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope,
+            info["moe"] = {"top_k": self.moe.top_k, "scope": self.moe.scope, "routing": self.moe.routing,
                            "where": "vllm plugin custom_routing_function (zero-weight padded slots)"}
         if self._server is not None:  # load.endpoint: the serve mode (serve_mode.py)
             report = self.server_report or {}

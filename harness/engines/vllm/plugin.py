@@ -325,7 +325,8 @@ def register() -> None:
             _patch_factory(TopKRouting(moe))
             _patch_runner()
             _patch_worker_stats_method()
-            logger.info("harness moe.top_k plugin: top_k=%d scope=%s (pid %d)", moe.top_k, moe.scope, os.getpid())
+            logger.info("harness moe plugin: top_k=%s routing=%s scope=%s (pid %d)", moe.top_k, moe.routing, moe.scope,
+                        os.getpid())
         if settings is None:
             if moe is None:  # this process's current settings name no routing change
                 _STATE["routing"] = None

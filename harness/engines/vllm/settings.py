@@ -55,7 +55,11 @@ VZ_REQUEST_ARCH = "HarnessVisionZipRequestQwen3VLMoeForConditionalGeneration"  #
 DEFAULT_SPAN_TEXT = 512
 ENV_MOE_TOP_K = "HARNESS_MOE_TOP_K"
 ENV_MOE_SCOPE = "HARNESS_MOE_SCOPE"
-MOE_ENV = (ENV_MOE_TOP_K, ENV_MOE_SCOPE)
+ENV_MOE_ROUTING = "HARNESS_MOE_ROUTING"  # random_p | top_p: issue 31's routing baselines (vllm.topk)
+ENV_MOE_K_PRIMARY = "HARNESS_MOE_K_PRIMARY"
+ENV_MOE_P = "HARNESS_MOE_P"
+ENV_MOE_SEED = "HARNESS_MOE_SEED"
+MOE_ENV = (ENV_MOE_TOP_K, ENV_MOE_SCOPE, ENV_MOE_ROUTING, ENV_MOE_K_PRIMARY, ENV_MOE_P, ENV_MOE_SEED)
 ENV_ROUTING_STATS = "HARNESS_ROUTING_STATS"
 ALL_ENV = SERE_ENV + VZ_ENV + MOE_ENV + (ENV_ROUTING_STATS,)  # every variable the plugin reads
 
@@ -113,8 +117,13 @@ class SereSettings:
 class MoeSettings:
     """``moe.top_k`` settings of this process, read from the environment."""
 
-    top_k: int
+    top_k: int | None
     scope: str = "decode"
+    # issue 31: a routing baseline instead of the truncation (top_k None), harness.techniques.moe_routing
+    routing: str | None = None
+    k_primary: int = 2
+    p: float = 0.5
+    seed: int = 0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "MoeSettings | None":
@@ -122,6 +131,10 @@ class MoeSettings:
 
         env = os.environ if env is None else env
         k = (env.get(ENV_MOE_TOP_K) or "").strip()
+        routing = (env.get(ENV_MOE_ROUTING) or "").strip()
+        if routing:
+            return cls(top_k=None, routing=routing, k_primary=int(env.get(ENV_MOE_K_PRIMARY) or 2),
+                       p=float(env.get(ENV_MOE_P) or 0.5), seed=int(env.get(ENV_MOE_SEED) or 0))
         if not k:
             return None
         scope = (env.get(ENV_MOE_SCOPE) or "decode").strip()
@@ -130,6 +143,9 @@ class MoeSettings:
         return cls(top_k=int(k), scope=scope)
 
     def env(self) -> dict[str, str]:
+        if self.routing:
+            return {ENV_MOE_ROUTING: self.routing, ENV_MOE_K_PRIMARY: str(self.k_primary), ENV_MOE_P: repr(self.p),
+                    ENV_MOE_SEED: str(self.seed)}
         return {ENV_MOE_TOP_K: str(self.top_k), ENV_MOE_SCOPE: self.scope}
 
 

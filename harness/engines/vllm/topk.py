@@ -93,6 +93,9 @@ class TopKRouting:
         layer = layer_index(prefix)
         if layer is None:
             raise RuntimeError(f"moe.top_k: cannot find the layer index in the MoE prefix {prefix!r}")
+        s = self.settings
+        if s.routing:  # issue 31's baselines: the torch path (the fused kernel has none); no device counters
+            return make_baseline_routing_function(layer, s.routing, s.k_primary, s.p, s.seed)
         stats = layer_stats(layer, num_experts, prefix) if routing_stats_enabled() else None
         return make_topk_routing_function(layer, self.settings.top_k, self.settings.scope, stats, rule=rule, bias=bias)
 
@@ -112,6 +115,7 @@ def moe_stats(worker: Any = None, reset: bool = False) -> dict[str, Any]:
     per_layer = [{k: row[k] for k in ("layer", "steps", "tokens", "expert_union_before", "expert_union_after")}
                  for row in summary["per_layer"]]
     return {"top_k": settings.top_k if settings else None, "scope": settings.scope if settings else None,
+            "routing": settings.routing if settings else None,
             "layers": summary["layers"], "steps": summary["steps"], "tokens_per_step": summary["tokens_per_step"],
             "expert_union_before": summary["expert_union_before"],
             "expert_union_after": summary["expert_union_after"], "experts_saved": summary["experts_saved"],

@@ -1,0 +1,132 @@
+"""The HF engine's MoE hooks on every family's tiny random checkpoint (issue 29): ``moe.top_k`` and SERE engage
+on decode steps and come off bit for bit, the hooks sit on the family's router (GPT-OSS ``.router``), DeepSeek's
+unsorted slots are sorted by the rank key before a technique reads them; and ``python -m harness
+model=<family>_tiny_random`` runs SERE + ``moe.top_k`` end to end, with the family refusals as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness.models.families import all_families
+
+FAMILIES = [f.name for f in all_families() if f.tiny is not None]
+
+
+def _load(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.models.families import get
+    from harness.models.families.build import ensure_tiny_family
+
+    path = ensure_tiny_family(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=get(name).attention or "sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request):
+    model, tok = _load(request.param)
+    tok.padding_side = "left"
+    batch = tok(["旅游 美食 请根据以下笔记回答问题", "Output JSON with the keys reason"], return_tensors="pt",
+                padding=True)
+    return request.param, model, batch
+
+
+def _generate(model, batch, n=5):
+    with torch.inference_mode():
+        return model.generate(**batch, max_new_tokens=n, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=model.generation_config.pad_token_id,
+                              eos_token_id=[])
+
+
+def test_topk_and_sere_engage_on_decode_steps_and_come_off_bit_for_bit(loaded):
+    from harness.engines.hf.sere import install_sere
+    from harness.engines.hf.topk import install_topk
+    from harness.models.moe_blocks import find_moe_blocks
+
+    name, model, batch = loaded
+    base = _generate(model, batch)
+    refs = find_moe_blocks(model)
+    with install_topk(model, 2) as topk:
+        _generate(model, batch)
+        st = topk.stats()
+    assert st["steps"] > 0 and st["expert_union_after"] < st["expert_union_before"], (name, st)
+    gen = torch.Generator().manual_seed(0)
+    sims = {r.layer: torch.rand(r.num_experts, r.num_experts, generator=gen) for r in refs}
+    with install_sere(model, sims, 2, 0.0) as sere:
+        _generate(model, batch)
+        st = sere.stats()
+    assert st["steps"] > 0 and st["moved_fraction"] > 0, (name, st)
+    assert st["expert_union_after"] <= st["expert_union_before"]
+    again = _generate(model, batch)
+    assert torch.equal(again.sequences, base.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(again.logits, base.logits, strict=True))
+    if name == "gpt_oss":
+        assert all(r.gate is r.block.router for r in refs)
+
+
+def test_decode_routing_under_topk_is_the_family_rule_at_k(loaded):
+    """What the experts receive on a decode step with ``moe.top_k=2``: the rule's own top-2 of the logits
+    (DeepSeek: its unsorted slots sorted, the grouped / biased / scaled weights of a top-2 router)."""
+    from harness.engines.hf.topk import install_topk
+    from harness.models.moe_blocks import find_moe_blocks
+
+    name, model, batch = loaded
+    ref = find_moe_blocks(model)[0]
+    seen = []
+    with install_topk(model, 2):
+        hook = ref.gate.register_forward_hook(lambda m, a, out: seen.append(out))  # after the top-K hook
+        try:
+            _generate(model, batch, n=3)
+        finally:
+            hook.remove()
+    decode = [out for out in seen if out[2].shape[0] == 2]
+    assert decode, name
+    for logits, w, ids in (out[:3] for out in decode):
+        w_ref, ids_ref = ref.rule.stock(logits, 2, ref.bias())
+        assert torch.equal(ids, ids_ref), name
+        torch.testing.assert_close(w, w_ref)
+
+
+def _harness(*overrides: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "harness", "wandb.mode=disabled", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+SMALL = ("dataset.num_requests=2", "dataset.prompt_tokens=16", "dataset.output_tokens=6",
+         "sere.calibration_tokens=512", "engine.warmup=0", "latency.sequential=false")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cli_runs_sere_and_topk_on_the_family(name, tmp_path):
+    """``python -m harness model=<family>_tiny_random sere.k=2 moe.top_k=3``: SERE (calibrated on the model)
+    re-routes the truncated routing; both engage (the SERE canary included)."""
+    run = tmp_path / "run"
+    proc = _harness(f"model={name}_tiny_random", "sere.k=2", "sere.rho=0", "moe.top_k=3", f"hydra.run.dir={run}",
+                    *SMALL, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["run"]["model"]["family"] == name
+    sere, moe = summary["sere"], summary["moe"]
+    assert sere["engagement"]["ok"] and sere["moved_fraction"] > 0, sere
+    assert moe["expert_union_after"] < moe["expert_union_before"], moe
+
+
+@pytest.mark.slow
+def test_cli_refusals_are_one_line(tmp_path):
+    proc = _harness("model=olmoe_tiny_random", "visionzip.keep=0.5", f"hydra.run.dir={tmp_path / 'vz'}", *SMALL,
+                    cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: visionzip.keep=0.5: olmoe is a text-only model (no vision tower): VisionZip does not apply")
+    proc = _harness("model=gpt_oss_tiny_random", "engine.experts_implementation=harness_fused_moe",
+                    f"hydra.run.dir={tmp_path / 'fm'}", *SMALL, cwd=tmp_path)
+    assert proc.returncode == 2 and "GPT-OSS experts are interleaved" in proc.stderr.strip().splitlines()[-1]
