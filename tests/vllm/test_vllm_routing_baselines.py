@@ -55,3 +55,15 @@ def test_top_p_torch_path_equals_the_reference(step):
     assert bool((w[decode] == 0).any())  # some slot was dropped: the baseline did something
     with pytest.raises(ValueError):
         make_baseline_routing_function(0, "nope")
+
+
+def test_the_plugin_builds_the_baseline_from_its_environment():
+    from harness.engines.vllm.settings import MoeSettings
+    from harness.engines.vllm.topk import TopKRouting
+
+    s = MoeSettings(None, "decode", "random_p", 1, 0.5, 4)
+    env = s.env()
+    assert MoeSettings.from_env(env) == s and MoeSettings.from_env({}) is None
+    assert MoeSettings.from_env({"HARNESS_MOE_TOP_K": "2"}) == MoeSettings(2, "decode")
+    fn = TopKRouting(MoeSettings.from_env(env)).routing_for("model.layers.3.mlp.experts", E)
+    assert fn.harness_layer == 3 and fn.__qualname__.startswith("make_baseline_routing_function")
