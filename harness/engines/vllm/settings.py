@@ -49,7 +49,8 @@ ENV_VZ_CONTEXTUAL = "HARNESS_VZ_CONTEXTUAL"
 ENV_VZ_SPAN_TEXT = "HARNESS_VZ_SPAN_TEXT"
 ENV_VZ_METHOD = "HARNESS_VZ_METHOD"  # attention (VisionZip) | random | pool | first (issue 31's baselines)
 ENV_VZ_SEED = "HARNESS_VZ_SEED"
-VZ_ENV = (ENV_VZ_KEEP, ENV_VZ_LAYER, ENV_VZ_MIN, ENV_VZ_SCOPE, ENV_VZ_CONTEXTUAL, ENV_VZ_SPAN_TEXT)
+VZ_ENV = (ENV_VZ_KEEP, ENV_VZ_LAYER, ENV_VZ_MIN, ENV_VZ_SCOPE, ENV_VZ_CONTEXTUAL, ENV_VZ_SPAN_TEXT, ENV_VZ_METHOD,
+          ENV_VZ_SEED)
 VZ_ARCH = "HarnessVisionZipQwen3VLMoeForConditionalGeneration"
 VZ_REQUEST_ARCH = "HarnessVisionZipRequestQwen3VLMoeForConditionalGeneration"  # scope=request (the bundle)
 DEFAULT_SPAN_TEXT = 512
