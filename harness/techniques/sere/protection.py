@@ -90,8 +90,11 @@ _CHUNK_BUDGET_BYTES = 256 << 20
 
 def expert_damage(block: torch.nn.Module, hidden: torch.Tensor, similarity: torch.Tensor, k_primary: int,
                   rho: float, *, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
-                  chunk_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                  chunk_tokens: int | None = None, router: torch.nn.Module | None = None,
+                  rule: Any = None) -> dict[str, torch.Tensor]:
     """Damage statistics of each expert of one MoE ``block`` on ``hidden`` [N, H] (see module doc).
+    ``router`` (default ``block.gate``) and ``rule`` (the family's routing rule, ``harness.models.families``):
+    a router with unsorted slots (DeepSeek) is sorted by the rule's rank key, as the engines' hooks do.
 
     Returns float64/int64 CPU tensors of length E: ``damage_sum`` (Σ_t r_t), ``routed`` (tokens with the
     expert in a secondary slot), ``moved`` (of those, slots SERE re-routes), ``mean``, ``total``; and
@@ -101,6 +104,8 @@ def expert_damage(block: torch.nn.Module, hidden: torch.Tensor, similarity: torc
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     experts = block.experts
     num_experts, two_i, h = experts.gate_up_proj.shape
+    router = router if router is not None else block.gate
+    bias = getattr(router, "e_score_correction_bias", None) if rule is not None and rule.has_bias else None
     device = experts.gate_up_proj.device
     sim = similarity.to(device=device, dtype=torch.float32)
     n = hidden.shape[0]
@@ -121,7 +126,9 @@ def expert_damage(block: torch.nn.Module, hidden: torch.Tensor, similarity: torc
             tok = torch.arange(x.shape[0], device=device)
             for b0 in range(0, x.shape[0], batch_size):
                 xb = x[b0:b0 + batch_size]
-                _, w, ids = block.gate(xb)[:3]
+                logits, w, ids = router(xb)[:3]
+                if rule is not None and not rule.sorted_slots:
+                    w, ids = rule.sort_slots(logits, w, ids, bias)
                 k = ids.shape[1]
                 if k_primary >= k:
                     continue
@@ -191,7 +198,7 @@ def compute_protection(model: torch.nn.Module, tokenizer: Any, similarity: dict[
         if ref.layer not in similarity:
             raise ValueError(f"no similarity matrix for MoE layer {ref.layer}")
         st = expert_damage(ref.block, hidden[ref.layer], similarity[ref.layer], k_primary, rho,
-                           batch_size=batch_size, seed=seed)
+                           batch_size=batch_size, seed=seed, router=ref.gate, rule=ref.rule)
         scores[ref.layer] = st
         protected[ref.layer] = top_n_mask(st[rank_by], n)
     meta = {
