@@ -104,6 +104,38 @@ def record_failure(run_dir: Path, reason: str) -> None:
         mark_failed(run_dir, state, reason)
 
 
+def precheck_jobs(config: Any) -> list[tuple[int, list[str], str]]:
+    """Every job of a sweep composed (basic sweeper semantics) and validated (harness/run/validate.py) before any
+    runs: (job number, overrides, reason) of each refused one. Empty where the jobs cannot be composed here
+    (another sweeper): then each job is still validated when it starts."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import open_dict, read_write
+
+        from harness.run.validate import ConfigError, validate_config
+
+        params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+        jobs = [list(o) for batch in BasicSweeper.split_arguments(parsed, None) for o in batch]
+        loader = GlobalHydra.instance().config_loader()
+    except Exception:  # noqa: BLE001 - nothing to check up front
+        return []
+    refused = []
+    for num, overrides in enumerate(jobs):
+        try:
+            job_cfg = loader.load_sweep_config(config, overrides)
+            with read_write(job_cfg), open_dict(job_cfg):
+                del job_cfg["hydra"]
+            validate_config(job_cfg)
+        except ConfigError as e:
+            refused.append((num, overrides, str(e)))
+        except Exception:  # noqa: BLE001 - anything else: the job itself reports it when it runs
+            pass
+    return refused
+
+
 def _job_num(config: Any) -> int:
     """The job's number in a sweep; 0 for a single run, where Hydra leaves ``hydra.job.num`` unset (``???``:
     reading it directly raises MissingMandatoryValue, which Hydra printed as a warning on every plain run)."""
@@ -142,6 +174,13 @@ class SweepProgress(Callback):
         from harness.latency.launcher import _count_jobs  # the sweep's job count lives with the launcher check
 
         total = _count_jobs(config)
+        refused = precheck_jobs(config)
+        if refused:  # the valid jobs still run; each refused one fails fast when its turn comes
+            print(f"sweep: {len(refused)} of {total if total is not None else '?'} jobs refused before any ran "
+                  "(the others run):", file=sys.stderr)
+            for num, overrides, why in refused:
+                print(f"  job {num} ({' '.join(overrides)}): {why}", file=sys.stderr)
+            sys.stderr.flush()
         name = config.hydra.job.config_name
         self.bar = _tqdm(total=total, desc=f"sweep {name}", unit="job", position=0, leave=True)
         os.environ[POSITION_ENV] = "1"

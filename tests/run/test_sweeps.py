@@ -294,6 +294,7 @@ def test_a_refused_job_does_not_stop_the_sweep_and_is_recorded_failed(tmp_path):
     assert (sweep / "1" / "summary.json").is_file(), proc.stderr[-3000:]  # the valid job ran
     state = json.loads((sweep / "0" / "run_state.json").read_text())
     assert state["status"] == "failed" and "visionzip.keep" in state["reason"]
+    assert "sweep: 1 of 2 jobs refused before any ran" in proc.stderr  # every job validated up front
     assert "sweep job 0 failed (visionzip.keep=1.5 " in proc.stderr and "Traceback" not in proc.stderr
     assert "Loading weights" not in proc.stderr  # transformers' bars: off during a run (harness/run/logs.py)
     from harness.report.status import sweep_status
