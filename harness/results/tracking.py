@@ -41,6 +41,10 @@ def summary_values(summary: Summary) -> dict[str, Any]:
         block = summary.get(key)  # type: ignore[misc]
         if isinstance(block, Mapping):
             _flatten(key, _with_intervals(block), out)
+    for c in summary.get("comparisons") or []:  # within-run paired comparisons (schema Comparison)
+        if isinstance(c, Mapping) and c.get("metric"):
+            _flatten(f"comparisons/{c.get('against', 'baseline')}/{c['metric']}",
+                     _with_intervals({k: v for k, v in c.items() if k not in {"metric", "against"}}), out)
     warnings = [str(w) for w in summary.get("warnings") or []]
     out["warnings"] = "\n".join(warnings)
     out["warnings_count"] = len(warnings)
@@ -124,8 +128,9 @@ def run_name(config: dict[str, Any], run_dir: Path, sweep: dict[str, Any] | None
 class LiveRun:
     """A W&B run opened when the run starts and logged as it goes (``progress/*`` per batch), so a crashed or
     killed run still leaves its config and progress in W&B; :meth:`finish` adds the final summary, the samples
-    table and the result files. Every attempt of one run directory uses the same W&B run id (``resume="allow"``),
-    so an online rerun continues the same W&B run; offline, each attempt writes its own
+    table and the result files. Every attempt of one run directory with one configuration uses the same W&B run id
+    (``resume="allow"``; :func:`config_run_id`: a changed configuration gets another), so an online rerun continues
+    the same W&B run; offline, each attempt writes its own
     ``wandb/offline-run-*-<id>`` directory under that id (sync the last one)."""
 
     def __init__(self, run: Any):
@@ -218,7 +223,7 @@ def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, 
 
     summary = summary or {"run": {"engine": (config.get("engine") or {}).get("name"),
                                   "weights": (config.get("model") or {}).get("weights")}}
-    kwargs: dict[str, Any] = {"id": run_id, "resume": "allow"} if run_id else {}
+    kwargs: dict[str, Any] = {"id": config_run_id(run_id, config), "resume": "allow"} if run_id else {}
     settings = _live_settings(wandb)
     if settings is not None:
         kwargs["settings"] = settings
@@ -235,6 +240,17 @@ def start_run(wandb_cfg: Any, config: dict[str, Any], run_dir: Path, name: str, 
         **kwargs,
     )
     return LiveRun(run)
+
+
+def config_run_id(run_id: str, config: dict[str, Any]) -> str:
+    """The W&B run id of a run directory's attempt: its ``run_state.json`` id + a digest of the configuration
+    (W&B settings aside). Every attempt of one experiment continues one W&B run; a rerun of the directory with a
+    changed configuration is another experiment and gets another W&B run, never mixed into the first."""
+    import hashlib
+    import json
+
+    body = json.dumps({k: v for k, v in config.items() if k != "wandb"}, sort_keys=True, default=str)
+    return f"{run_id}-{hashlib.sha256(body.encode('utf-8')).hexdigest()[:8]}"
 
 
 def _quiet_and_local(run_dir: Path) -> None:
