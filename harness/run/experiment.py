@@ -254,6 +254,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     from harness.metrics.scoring import Scorer, aggregate
     from harness.run.outcome import parsed_answer, prompt_record, run_warnings
     from harness.run.state import mark_finished, mark_wandb_logged
+    from harness.run.technique_stats import batch_record, merge_replayed, snapshot
     from harness.results.tracking import sweep_info
 
     with progress.phase("data") as bar:
@@ -351,6 +352,8 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         live.log(values)
 
     pass1_stats = None  # technique statistics of the first (scored) pass, taken before any repeat
+    replayed_stats: list[Any] = []  # each replayed entry's batch SERE sums (harness/run/technique_stats.py)
+    generated_stats: list[Any] | None = None  # each generated batch's (None: not kept, e.g. no cache)
     try:
         runnable: list[tuple[Any, Request]] = []
         with progress.phase("images", total=len(samples)) as bar:
@@ -377,6 +380,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                         todo.append((sample, req))
                     else:
                         record(sample, generation_from_cache(hit, sample.uid))
+                        replayed_stats.append((hit.get("extra") or {}).get("sere_batch"))
                         n_replayed += 1
                     bar.update(1)
                 runnable = todo
@@ -413,10 +417,20 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                 bar.update(len(runnable))
                 live_progress(gens)
                 runnable = []
+            # SERE sums per batch, kept with the cache entries for a resume (the HF engine counts per layer)
+            track = cache is not None and cfg.sere.k is not None and cfg.engine.name == "hf"
+            generated_stats = [] if track else None
             for bi, chunk in enumerate(batches if runnable else []):
+                before = snapshot(engine) if track else None
                 gens = timer.time_batch([r for _, r in chunk], 0, bi)  # re-timed when it compiled (latency.on_compile)
+                if track:  # one pass's sums (a batch re-timed by the latency protocol ran 1 + retimed times)
+                    calls = 1 + max([(g.extra.get("timing") or {}).get("retimed", 0) for g in gens] or [0])
+                    sere_batch = batch_record(before, snapshot(engine), [keys[s.uid] for s, _ in chunk], calls)
+                    generated_stats.append(sere_batch)
                 for (sample, _), gen in zip(chunk, gens):
                     if cache is not None and not gen.error:
+                        if track and sere_batch is not None:
+                            gen.extra["sere_batch"] = sere_batch
                         cache.put(keys[sample.uid], gen)
                     record(sample, gen)
                 bar.update(len(chunk))
@@ -442,9 +456,10 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         engine_info = engine.describe()
         if pass1_stats is None:  # generation did not finish: what the engine gathered so far
             pass1_stats = engine.technique_stats() if hasattr(engine, "technique_stats") else {}
-        technique_stats = mark_partial(pass1_stats,
-                                       sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
-                                       sum(1 for r in records if r["cached"]))
+        # this attempt's statistics plus the replayed batches' (whole after a resume; partial where they cannot be)
+        technique_stats = merge_replayed(pass1_stats, replayed_stats if cache is not None else [],
+                                         sum(1 for r in records if not r["cached"] and r["output_tokens"] is not None),
+                                         generated_stats)
         engine.close()
     _check_sere_engaged(run_dir, state, technique_stats)
 
