@@ -1,22 +1,27 @@
-"""``python -m harness.report PATH [PATH ...] [--out DIR] [--wandb ENTITY/PROJECT]``: a report from result directories.
+"""``python -m harness.report PATH [PATH ...] [--out DIR] [--metric NAME ...] [--wandb ENTITY/PROJECT]``: a report
+from result directories.
 
-Reads every ``summary.json`` below the given paths (a run directory, a sweep directory, ``results/``) and
-nothing else, so it works on copied or archived results without W&B. Writes into ``--out`` (default:
-``<first path>/report``):
+Reads every ``summary.json`` below the given paths (a run directory, a sweep directory, ``results/``) through the
+results schema (harness/results/schema.py) and nothing else, so it works on copied or archived results without
+W&B. Writes into ``--out`` (default: ``<first path>/report``):
 
 - ``report.md``: one row per run (technique settings, quality, TTFT/TPOT p50/p90, speed-up and quality change
   against the baseline of the same model/engine/dataset, engine, weights, scorers), warnings for random-init
   weights and random-init scorers (``run.scoring``), malformed ``summary.json`` files skipped, unfinished sweep
-  jobs / run directories (``config.yaml`` without ``summary.json``) and partial latency, the Pareto front of
-  each panel, VisionZip keep rate per image source (harness/report/markdown.py);
+  jobs / run directories (``config.yaml`` without ``summary.json``), partial latency and speed-ups measured
+  across runs, the Pareto front of each panel, VisionZip keep rate per image source (harness/report/markdown.py);
 - ``runs.csv``: the same rows, every column;
-- ``quality_vs_ttft.png``, ``quality_vs_tpot.png``: quality against latency (p50, whisker to p90), one panel
-  per (dataset, quality metric) — RAG-IGBench: ``comprehensive`` when present, else the first of
-  ``rouge1, edit_score, kendall, clip_score, alignment``; OCRBench: ``ocrbench_score``; CCBench / MCQ:
-  ``mcq_accuracy`` — with the Pareto front (lower latency, higher quality) drawn and the baseline
-  (VisionZip off and SERE off) highlighted;
-- ``keep_rate_by_source.png``: VisionZip's achieved keep rate per image source, for runs whose images came from
-  several sources (the OCRBench + CCBench mix). Plots: harness/report/plots.py.
+- ``quality_vs_ttft.png``, ``quality_vs_tpot.png`` (+ ``.svg``): quality against latency (the mean with the run's
+  interval of the mean as error bars when every run has one, else the p50), one panel per (dataset, quality
+  metric), the Pareto front drawn and the baseline (VisionZip off and SERE off) highlighted;
+- ``keep_rate_by_source.png`` (+ ``.svg``): VisionZip's achieved keep rate per image source, for runs whose images
+  came from several sources (the OCRBench + CCBench mix). Plots: harness/report/plots.py.
+
+Quality metric: ``--metric`` (repeatable), else per dataset the first whose scorers are meaningful for the runs
+(a random-init scorer's metric is never the default: harness/report/rows.py ``quality_metrics_for``). Speed-ups:
+``across runs`` (never significant: drift between runs is unseen), ``n.s.``, or a paired within-run comparison
+with its interval (``summary.json`` ``comparisons``; harness/report/rows.py ``compare_latency`` /
+``compare_quality`` — where issue 31's paired A/B timing and paired quality intervals plug in).
 
 A malformed ``summary.json`` (not JSON, not an object, a block of the wrong type) is skipped with a warning naming
 it; the other runs are reported.
@@ -24,9 +29,9 @@ it; the other runs are reported.
 ``--status`` only prints how far each given sweep directory is (for a Slurm array still running).
 
 ``--wandb ENTITY/PROJECT`` also builds a W&B report (``wandb_workspaces.reports.v2``) with the same panels on
-the runs' W&B summaries (``metrics/*``, ``latency/*/p50``), one run set per sweep (W&B group). It is saved
-only when W&B is not offline (``WANDB_MODE`` not ``offline``/``disabled`` and ``--no-save`` not given);
-otherwise its specification is written to ``wandb_report.json``.
+the runs' W&B summaries (``metrics/*``, ``latency/*/p50``), one run set per sweep (W&B group). It is saved only
+when W&B is online and logged in (``--no-save``: never); otherwise one line says why and how to upload the runs
+first, and its specification is written to ``wandb_report.json``.
 
 Missing pieces are expected (older runs, techniques still landing): any key may be absent, and the report
 says "n/a" rather than failing.
@@ -231,13 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: unfinished: {line.replace('`', '')}", file=sys.stderr)
     print(f"{len(res.rows)} runs → {res.markdown}")
     for p in res.plots:
-        print(f"  {p}")
+        print(f"  {p}" + (" (+ .svg)" if p.with_suffix(".svg") in res.vector_plots else ""))
     if res.wandb_report is not None:
         if res.wandb_url:
             print(f"  W&B report: {res.wandb_url}")
         else:
-            print(f"  {res.wandb_not_saved or 'W&B report built, not saved (--no-save)'}: "
-                  f"{res.out_dir / 'wandb_report.json'}")
+            print(f"  {res.wandb_not_saved or 'W&B report built, not saved (--no-save); the specification is in '}"
+                  + ("" if res.wandb_not_saved else str(res.out_dir / "wandb_report.json")))
     return 0
 
 

@@ -54,6 +54,10 @@ def build_wandb_report(rows: Sequence[dict[str, Any]], all_panels: Sequence[Pane
     if any(r["random_scorers"] for r in rows):
         warn.append(wr.P("⚠ Some runs were scored by random-init scorers: their CLIP score, alignment and "
                          "comprehensive are meaningless."))
+    if any(r.get(f"{x}_comparison") == "across runs" for r in rows for x in ("ttft", "tpot")):
+        warn.append(wr.P("⚠ Latency of runs measured at different times: drift between the runs is in none of "
+                         "their intervals, so no speed-up here is significant on its own (report.md marks them "
+                         "'across runs')."))
     blocks = [
         wr.H1(title),
         wr.P(f"{len(rows)} runs; sweeps: {', '.join(groups) or 'n/a'}. Built by python -m harness.report."),
