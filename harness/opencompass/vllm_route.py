@@ -130,7 +130,10 @@ def prometheus_means(text: str) -> dict[str, float | None]:
 def server_latency(server: Any) -> dict[str, Any]:
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         text = resp.read().decode("utf-8", errors="replace")
-    return {**prometheus_means(text), "source": "vllm serve /metrics (server-side histogram means over the run)"}
+    means = prometheus_means(text)
+    # the results schema's Distribution (harness/results/schema.py): the server gives means and counts only
+    return {**{key: {"mean": means.get(key), "n": means.get(key.replace("_ms", "_count"), 0)} for key in HISTOGRAMS},
+            "source": "vllm serve /metrics (server-side histogram means over the run)"}
 
 
 def server_stats(server: Any) -> dict[str, Any]:

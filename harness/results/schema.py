@@ -79,6 +79,7 @@ class Latency(TypedDict, total=False):
     max_cv: float | None
     noisy: list[str]  # the distributions whose pass-to-pass spread exceeds max_cv
     protocol: dict[str, Any]  # how the times were taken (warm-up, excluded batches, device lock)
+    source: str  # where the times came from when not the harness's own timer (OpenCompass via vllm serve: /metrics)
 
 
 class Run(TypedDict, total=False):
