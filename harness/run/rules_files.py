@@ -33,6 +33,8 @@ from harness.run.rules_offload import _offload_on
 def _short(exc: BaseException) -> str:
     """``Type: first line of the message`` (a loader's traceback text in one line)."""
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if len(first) > 120 and ". " in first:  # a loader's advice after its first sentence (torch's zip reader)
+        first = first.split(". ", 1)[0]
     return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 

@@ -264,3 +264,22 @@ def test_a_killed_sere_artifact_build_leaves_no_temporary_behind(tmp_path):
     assert not left.exists() and other_host.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [other_host.name, "sim.safetensors", "sim.safetensors.json"])
+
+
+def test_an_unwritable_sere_artifact_cache_stops_before_the_model_loads(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from harness.config.schema import Config
+    from harness.run.state import check_storage
+
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "hc"))
+    erofs_under(monkeypatch, tmp_path / "hc")
+    cfg = OmegaConf.structured(Config)
+    cfg.cache.path = str(tmp_path / "cache")
+    cfg.sere.k = 2
+    with pytest.raises(StorageError) as e:
+        check_storage(cfg, tmp_path / "run")
+    assert f"SERE's artifact cache {tmp_path / 'hc' / 'sere'} is not writable" in str(e.value)
+    assert "sere.similarity=FILE" in str(e.value)
+    cfg.sere.similarity = str(tmp_path / "sim.safetensors")  # given: nothing is built there, nothing refused
+    assert check_storage(cfg, tmp_path / "run") is None
