@@ -13,8 +13,8 @@
   crashed job that has generations to resume keeps ``running`` and gets ``last_error``), and one line on the
   console names it.
 
-Bars go to stderr through tqdm. Where stderr is not a terminal (Slurm logs), they refresh at most once a
-minute instead of many times a second, so a log stays readable. ``HARNESS_PROGRESS=0`` turns them off.
+Bars go to stderr through tqdm. Where stderr is not a terminal (a log file, Slurm), a run prints one plain line per
+finished phase instead of bars (no escape codes in a log), and the sweep bar refreshes at most once a minute. ``HARNESS_PROGRESS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -41,28 +41,55 @@ def _tqdm(**kw: Any):
     return tqdm(disable=not _enabled(), mininterval=0.1 if interactive else 60.0, dynamic_ncols=True, **kw)
 
 
+class _Count:
+    """A phase's counter where no bar is drawn (stderr not a terminal): the bar's interface, counting only."""
+
+    def __init__(self, total: int | None = None) -> None:
+        self.n, self.total = 0, total
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+
+    def set_postfix_str(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class RunProgress:
-    """The overall bar of one run and its phase bars."""
+    """The overall bar of one run and its phase bars; where stderr is not a terminal (a log file, Slurm), one
+    plain line per finished phase instead (no cursor movement, no escape codes)."""
 
     PHASES = ("data", "model", "images", "cache", "warmup", "generate", "repeats", "finish")  # repeats: latency.repeats > 1
 
     def __init__(self, title: str):
         self.base = int(os.environ.get(POSITION_ENV, "0"))
         self.times: dict[str, float] = {}
-        self.overall = _tqdm(total=len(self.PHASES), desc=title, unit="phase", position=self.base, leave=True,
+        self.title = title
+        self.lines = _enabled() and not sys.stderr.isatty()  # plain lines, not bars
+        self.overall = _Count(len(self.PHASES)) if self.lines else _tqdm(total=len(self.PHASES), desc=title, unit="phase", position=self.base, leave=True,
                              bar_format="{desc}: {n_fmt}/{total_fmt} phases |{bar}| {elapsed} {postfix}")
 
     @contextmanager
     def phase(self, name: str, total: int | None = None, unit: str = "sample") -> Iterator[Any]:
         self.overall.set_postfix_str(name)
         t0 = time.perf_counter()
-        bar = _tqdm(total=total, desc=f"  {name}", unit=unit, position=self.base + 1, leave=False)
+        bar = _Count(total) if self.lines else _tqdm(total=total, desc=f"  {name}", unit=unit,
+                                                      position=self.base + 1, leave=False)
         try:
             yield bar
         finally:
             bar.close()
-            self.times[name] = round(self.times.get(name, 0.0) + time.perf_counter() - t0, 3)
+            seconds = time.perf_counter() - t0
+            self.times[name] = round(self.times.get(name, 0.0) + seconds, 3)
             self.overall.update(1)
+            if self.lines:
+                done = f", {bar.n} {unit}{'s' if bar.n != 1 else ''}" if bar.n else ""
+                print(f"{self.title}: {name} {seconds:.1f} s{done}", file=sys.stderr, flush=True)
 
     def skip(self, name: str) -> None:
         """A phase that has nothing to do in this run (e.g. ``cache`` when not reading)."""
@@ -71,6 +98,8 @@ class RunProgress:
     def close(self) -> None:
         self.overall.set_postfix_str("done")
         self.overall.close()
+        if self.lines and self.times:
+            print(f"{self.title}: done in {sum(self.times.values()):.1f} s", file=sys.stderr, flush=True)
 
 
 class JobRefused(Exception):
