@@ -80,14 +80,16 @@ class RunProgress:
         t0 = time.perf_counter()
         bar = _Count(total) if self.lines else _tqdm(total=total, desc=f"  {name}", unit=unit,
                                                       position=self.base + 1, leave=False)
+        ok = False
         try:
             yield bar
+            ok = True
         finally:
             bar.close()
             seconds = time.perf_counter() - t0
             self.times[name] = round(self.times.get(name, 0.0) + seconds, 3)
             self.overall.update(1)
-            if self.lines:
+            if self.lines and ok:  # a failing phase says nothing here: the error line comes last
                 done = f", {bar.n} {unit}{'s' if bar.n != 1 else ''}" if bar.n else ""
                 print(f"{self.title}: {name} {seconds:.1f} s{done}", file=sys.stderr, flush=True)
 
@@ -98,7 +100,7 @@ class RunProgress:
     def close(self) -> None:
         self.overall.set_postfix_str("done")
         self.overall.close()
-        if self.lines and self.times:
+        if self.lines and "finish" in self.times:
             print(f"{self.title}: done in {sum(self.times.values()):.1f} s", file=sys.stderr, flush=True)
 
 

@@ -14,10 +14,18 @@ def test_a_log_gets_one_plain_line_per_phase_and_no_escape_codes(capsys, monkeyp
             bar.update(1)
         bar.set_postfix_str("x")
     progress.skip("cache")
+    with progress.phase("finish", unit="step"):
+        pass
+    try:
+        with progress.phase("model", unit="step"):
+            raise RuntimeError("refused")
+    except RuntimeError:
+        pass
     progress.close()
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\r" not in err
     lines = err.splitlines()
     assert lines[0].startswith("hf · rag_igbench: generate ") and lines[0].endswith(", 3 samples")
-    assert lines[-1].startswith("hf · rag_igbench: done in ") and len(lines) == 2
-    assert set(progress.times) == {"generate"}
+    assert lines[1] == lines[1].split(",")[0] and lines[1].startswith("hf · rag_igbench: finish ")
+    assert lines[-1].startswith("hf · rag_igbench: done in ") and len(lines) == 3  # nothing for the failed phase
+    assert set(progress.times) == {"generate", "finish", "model"}
