@@ -30,3 +30,17 @@ def test_wandb_summary_carries_intervals_metadata_warnings_and_comparisons():
 
 def test_samples_table_has_prompt_reference_and_one_error_column():
     assert {"prompt", "reference"} <= set(SAMPLE_COLUMNS) and SAMPLE_COLUMNS.count("error") == 1
+
+
+def test_wandb_stages_artifacts_inside_the_run_directory(tmp_path, monkeypatch):
+    """Old code: offline artifacts were staged under ~/.local/share/wandb, outside the run directory."""
+    import harness.results.tracking as tr
+
+    monkeypatch.setattr(tr, "_USER_DATA_DIR", None)
+    monkeypatch.delenv("WANDB_DATA_DIR", raising=False)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    tr._quiet_and_local(tmp_path / "run")
+    import os
+
+    assert os.environ["WANDB_DATA_DIR"] == str(tmp_path / "run" / "wandb" / "staging")
+    assert os.environ["WANDB_SILENT"] == "true"
