@@ -214,10 +214,9 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: cfg.visionzip.contextual == 0,
               lambda cfg: f"0 with visionzip.method={cfg.visionzip.method} (only method=attention merges "
               "contextual tokens)"),
-    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None,
-              lambda cfg: cfg.engine.name == "hf",
-              lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in the hf engine; "
-              "the vLLM plugin's routing function exists but is not wired: issue 31)"),
+    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None, _technique_engine,
+              lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in "
+              f"{', '.join(TECHNIQUE_ENGINES)})"),
     CrossRule("visionzip.method", lambda cfg: _vllm(cfg) and _vz_on(cfg)
               and _select(cfg, "visionzip.method", "attention") != "attention",
               lambda cfg: cfg.visionzip.scope == "request",

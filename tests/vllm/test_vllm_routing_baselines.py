@@ -67,3 +67,43 @@ def test_the_plugin_builds_the_baseline_from_its_environment():
     assert MoeSettings.from_env({"HARNESS_MOE_TOP_K": "2"}) == MoeSettings(2, "decode")
     fn = TopKRouting(MoeSettings.from_env(env)).routing_for("model.layers.3.mlp.experts", E)
     assert fn.harness_layer == 3 and fn.__qualname__.startswith("make_baseline_routing_function")
+
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def top_p_run(tiny_model_path, requests_text_images):
+    from types import SimpleNamespace
+
+    from vllm_lane_helpers import engine_cfg, gen_cfg
+
+    from harness.engines.vllm.engine import VLLMEngine
+
+    text, _ = requests_text_images
+    eng = VLLMEngine(tiny_model_path, engine_cfg(), gen_cfg(NEW), sere_cfg=SimpleNamespace(k=None),
+                     moe_cfg=SimpleNamespace(top_k=None, scope="decode", routing="top_p", k_primary=2, p=0.4, seed=0))
+    try:
+        yield text, eng.generate_batch(text), eng.describe()
+    finally:
+        eng.close()
+
+
+def test_top_p_in_vllm_equals_hf_top_p(top_p_run, hf_ref):
+    """End to end through the plugin: vLLM's batched top_p tokens = the HF engine's (top_p is per token, so the
+    batch does not matter), and differ from the stock model's somewhere (the baseline ran)."""
+    from harness.engines.hf.routing_baselines import install_routing_baseline
+    from harness.techniques.moe_routing import RoutingSettings
+
+    requests, gens, info = top_p_run
+    assert info["moe"]["routing"] == "top_p"
+    by_uid = {g.uid: g for g in gens}
+    stock = {r.uid: hf_ref.generate(r, max_new_tokens=NEW)["ids"] for r in requests}
+    handle = install_routing_baseline(hf_ref.model, RoutingSettings("top_p", 2, 0.4, 0))
+    try:
+        ref = {r.uid: hf_ref.generate(r, max_new_tokens=NEW)["ids"] for r in requests}
+    finally:
+        handle.remove()
+    for r in requests:
+        assert by_uid[r.uid].error is None and by_uid[r.uid].extra["token_ids"] == ref[r.uid], r.uid
+    assert any(ref[u] != stock[u] for u in ref)
