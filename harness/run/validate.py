@@ -214,6 +214,10 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: cfg.visionzip.contextual == 0,
               lambda cfg: f"0 with visionzip.method={cfg.visionzip.method} (only method=attention merges "
               "contextual tokens)"),
+    CrossRule("moe.routing", lambda cfg: _vllm(cfg) and _select(cfg, "moe.routing", None) == "random_p",
+              lambda cfg: bool(_select(cfg, "engine.enforce_eager", False)) or cfg.engine.device == "cpu",
+              "top_p with engine=vllm and CUDA graphs (random_p draws on the device in its torch routing function, "
+              "which a CUDA graph would replay with frozen draws: set engine.enforce_eager=true)"),
     CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None, _technique_engine,
               lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in "
               f"{', '.join(TECHNIQUE_ENGINES)})"),
