@@ -104,7 +104,9 @@ def unfinished_lines(state: Mapping[str, Any]) -> list[str]:
         expected = st["expected"] if st["expected"] is not None else "?"
         out.append(f"sweep `{st['sweep']}`: {st['finished']} of {expected} jobs finished — "
                    f"{len(st['running_or_interrupted'])} running or interrupted, {len(st['failed'])} failed, "
-                   f"{st['not_started'] if st['not_started'] is not None else '?'} not started")
+                   f"{st['not_started'] if st['not_started'] is not None else '?'} not started"
+                   + "".join(f"; job {j} failed: {why[:160]}" for j, why in
+                             list((st.get("failed_reasons") or {}).items())[:5]))
     if state.get("runs"):
         out.append(f"{len(state['runs'])} run directories without summary.json (running or interrupted): "
                    + ", ".join(f"`{r}`" for r in state["runs"][:10]) + (" …" if len(state["runs"]) > 10 else ""))

@@ -246,7 +246,7 @@ def test_a_sweep_with_unfinished_jobs_says_how_many(tmp_path):
         (8, 16, ["8", "10"], ["9"], 5)
     assert res.unfinished["runs"] == [str(loose.resolve())]
     md = res.markdown.read_text(encoding="utf-8")
-    assert "8 of 16 jobs finished — 2 running or interrupted, 1 failed, 5 not started" in md
+    assert "8 of 16 jobs finished — 2 running or interrupted, 1 failed, 5 not started; job 9 failed: failed" in md
     assert "1 run directories without summary.json" in md
 
 
