@@ -112,7 +112,7 @@ class ReportResult:
     vector_plots: list[Path] = field(default_factory=list)  # the SVG beside each PNG
 
 
-CSV_SKIP = {"vz_by_source", "_setup", "random_scorer_metrics", "comparisons", "quality_metrics"}
+CSV_SKIP = {"vz_by_source", "_setup", "_samples", "random_scorer_metrics", "comparisons", "quality_metrics"}
 
 
 def default_title(rows: Sequence[dict[str, Any]]) -> str:

@@ -218,6 +218,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     row["sere_experts_after"] = _num(sere.get("expert_union_after"))
     row["sere_moved_fraction"] = _num(sere.get("moved_fraction"))
     row["comparisons"] = within_run_comparisons(s.get("comparisons"))
+    row["_samples"] = str(run_dir / "samples.jsonl")  # for paired quality intervals against the baseline
     row["platform"] = " · ".join(str(x) for x in (row["model"], row["engine"], row["device"], row["dtype"],
                                                   f"bs{row['batch_size']}") if x is not None)
     # what else must match for two runs to be compared: the dataset selection and the generation length
@@ -389,6 +390,37 @@ def compare_quality(row: Mapping[str, Any], base: Sequence[Mapping[str, Any]], m
             "kind": "across runs" if base else None, "significant": None}
 
 
+def paired_quality(row: dict[str, Any], base: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> None:
+    """Paired quality intervals (issue 31, harness/metrics/paired.py) of ``row`` against its one baseline run, from
+    the two runs' ``samples.jsonl`` (matched by ``uid``; quality is per sample, so there is no drift between the
+    runs to hide): each metric scored per sample under its own name gets a ``comparisons`` entry of kind
+    ``difference`` (unless the run already carries one). Skipped without exactly one baseline, without both
+    ``samples.jsonl`` files, without shared samples or without scipy."""
+    if len(base) != 1 or row["family"] == "baseline":
+        return
+    todo = [m for m in metrics if m not in row["comparisons"]]
+    a, b = Path(row.get("_samples") or ""), Path(base[0].get("_samples") or "")
+    if not todo or not a.is_file() or not b.is_file():
+        return
+    try:
+        from harness.metrics.paired import paired_metrics, read_samples
+
+        records_a, records_b = read_samples(a), read_samples(b)
+        shared = {str(r.get("uid")) for r in records_a} & {str(r.get("uid")) for r in records_b}
+        names = [m for m in todo if any(m in (r.get("scores") or {}) for r in records_a)]
+        if len(shared) < 2 or not names:
+            return
+        result = paired_metrics(records_a, records_b, metrics=names)
+    except Exception as e:  # noqa: BLE001 - no interval is the honest fallback: the cell then has none
+        log.warning("%s: no paired quality interval (%s: %s)", row["run_dir"], type(e).__name__, e)
+        return
+    for m, d in result["metrics"].items():
+        if d.get("delta") is not None and d.get("low") is not None and d.get("high") is not None:
+            row["comparisons"][m] = {"estimate": d["delta"], "lo": d["low"], "hi": d["high"], "kind": "difference",
+                                     "confidence": d.get("confidence"), "n": d.get("n"),
+                                     "method": "paired bootstrap over samples (harness/metrics/paired.py)"}
+
+
 def _add_baseline_deltas(rows: list[dict[str, Any]], requested: Sequence[str] | None = None) -> None:
     """Speed-up (baseline p50 / run p50) and quality change against the baseline run of the same setup
     (platform, dataset and its selection, generation length); the mean when the baseline ran several times.
@@ -418,6 +450,7 @@ def _add_baseline_deltas(rows: list[dict[str, Any]], requested: Sequence[str] | 
                 r[f"{short}_speedup_ci"] = (c["lo"], c["hi"]) if c["lo"] is not None else None
                 r[f"{short}_comparison"] = c["kind"]
                 r[f"{short}_significant"] = c["significant"]
+            paired_quality(r, base, metrics)
             for m in metrics:
                 q = compare_quality(r, base, m)
                 r[f"{m}_delta"] = q["delta"]

@@ -437,3 +437,28 @@ def test_wandb_report_not_logged_in_is_one_line_not_a_crash(tmp_path, monkeypatc
     res = rp.build_report([tmp_path / "runs"], tmp_path / "out", wandb_target="team/proj")
     assert res.wandb_url is None and "not logged in" in res.wandb_not_saved and "wandb sync" in res.wandb_not_saved
     assert "\n" not in res.wandb_not_saved and (tmp_path / "out/wandb_report.json").is_file()
+
+
+def test_quality_deltas_get_paired_intervals_from_the_runs_samples(tmp_path):
+    """Issue 31's paired quality intervals through the report: the same samples scored under the baseline and the
+    technique, a paired bootstrap over samples; `n.s.` when the interval holds 0."""
+    pytest.importorskip("scipy")
+
+    def samples(run, values):
+        (tmp_path / run / "samples.jsonl").write_text("".join(
+            json.dumps({"uid": str(i), "scores": {"rouge1": v}, "error": None}) + "\n" for i, v in enumerate(values)))
+
+    _rag(tmp_path, "base", metrics={"rouge1": 0.65, "n_samples": 4})
+    _rag(tmp_path, "worse", keep=0.5, metrics={"rouge1": 0.55, "n_samples": 4})
+    _rag(tmp_path, "same", keep=0.6, metrics={"rouge1": 0.65, "n_samples": 4})
+    samples("base", [0.5, 0.6, 0.7, 0.8])
+    samples("worse", [0.4, 0.5, 0.6, 0.7])  # every sample 0.1 lower: a degenerate interval, significant
+    samples("same", [0.7, 0.4, 0.9, 0.6])  # differences of both signs: the interval holds 0
+    res = rp.build_report([tmp_path], tmp_path / "out")
+    rows = by_dir(res.rows)
+    w, s = rows["worse"], rows["same"]
+    assert w["rouge1_delta"] == pytest.approx(-0.1) and w["rouge1_delta_ci"] == pytest.approx((-0.1, -0.1))
+    assert w["rouge1_delta_significant"] is True
+    assert s["rouge1_delta_ci"][0] < 0 < s["rouge1_delta_ci"][1] and s["rouge1_delta_significant"] is False
+    md = res.markdown.read_text(encoding="utf-8")
+    assert "| -0.100 [-0.100, -0.100] |" in md and "n.s." in md
