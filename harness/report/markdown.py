@@ -130,6 +130,13 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
                   "is in neither run's interval, so none of them is called significant. A comparison that holds "
                   "times the variant and the baseline in one process (paired A/B timing: `summary.json` "
                   "`comparisons`, shown with its interval).", ""]
+    cold = sorted({r["sweep"] for r in rows if r["family"] == "baseline" and r.get("sweep") and str(r.get("job")) == "0"
+                   and any(x.get("sweep") == r["sweep"] and x["family"] != "baseline" for x in rows)})
+    if cold:
+        lines += [f"> **⚠ the baseline was the first job of sweep {', '.join(f'`{c}`' for c in cold)}**: a sweep's "
+                  "first job pays cold-start costs the per-shape warm-up does not remove, so the other jobs' "
+                  "speed-ups against it are inflated (on the H200 a decode-only SERE showed a 10× TTFT "
+                  "\"speed-up\" this way).", ""]
     if not any(r["family"] == "baseline" for r in rows):
         lines += ["> No baseline run (VisionZip off and SERE off) among these: speed-ups and quality changes "
                   "are n/a. Run `sweeps/baseline.yaml` and give its directory too.", ""]

@@ -400,6 +400,9 @@ def test_speedups_across_runs_are_never_significant_and_paired_ones_carry_their_
     assert "| 1.50× [1.30, 1.70] |" in md and "| 1.02× [0.97, 1.07] n.s. |" in md
     assert "| -0.010 [-0.030, +0.010] n.s. |" in md
     assert "latency speed-ups compare runs measured at different times" in md
+    assert "first job of sweep" not in md  # no sweep here
+    fixture_md = rp.build_report([FIXTURES], tmp_path / "fx").markdown.read_text(encoding="utf-8")
+    assert "the baseline was the first job of sweep `visionzip_keep/2026-01-01_00-00-00`" in fixture_md
     from harness.report.plots import quality_figure
 
     fig = quality_figure(rp.panels(res.rows), "ttft", title="t")
