@@ -157,9 +157,10 @@ class LiveRun:
                 run.tags = tuple(dict.fromkeys([*(run.tags or ()), *tags]))
             run.summary.update(summary_values(summary))
             score_keys = sorted({k for r in records for k in r.get("scores", {})})
-            table = wandb.Table(columns=[*SAMPLE_COLUMNS, *(f"score/{k}" for k in score_keys)])
-            for r in records:
+            table = wandb.Table(columns=[*SAMPLE_COLUMNS, "images", *(f"score/{k}" for k in score_keys)])
+            for i, r in enumerate(records):
                 table.add_data(*[_cell(r.get(c)) for c in SAMPLE_COLUMNS],
+                               thumbnails(wandb, r.get("images")) if i < THUMBNAIL_ROWS else None,
                                *[_cell(r.get("scores", {}).get(k)) for k in score_keys])
             run.log({"samples": table})
             per_layer = (summary.get("sere") or {}).get("per_layer")
@@ -184,6 +185,42 @@ class LiveRun:
             self.run.finish(exit_code=1)
         except Exception:  # noqa: BLE001
             pass
+
+
+THUMBNAIL_ROWS, THUMBNAILS_PER_ROW, THUMBNAIL_PX = 200, 4, 128
+
+
+def thumbnail_strip(paths: Any) -> Any:
+    """A sample's first :data:`THUMBNAILS_PER_ROW` image files side by side, each at most :data:`THUMBNAIL_PX`
+    pixels a side, as one PIL image; None when it has no readable image file (bytes in the data file, gone)."""
+    if not isinstance(paths, list):
+        return None
+    from PIL import Image
+
+    thumbs = []
+    for p in paths[:THUMBNAILS_PER_ROW]:
+        try:
+            with Image.open(p) as img:
+                img = img.convert("RGB")
+                img.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+                thumbs.append(img)
+        except Exception:  # noqa: BLE001 - no thumbnail for this one
+            continue
+    if not thumbs:
+        return None
+    strip = Image.new("RGB", (sum(t.width for t in thumbs) + 4 * (len(thumbs) - 1), max(t.height for t in thumbs)),
+                      "white")
+    x = 0
+    for t in thumbs:
+        strip.paste(t, (x, 0))
+        x += t.width + 4
+    return strip
+
+
+def thumbnails(wandb: Any, paths: Any) -> Any:
+    """One W&B table cell: :func:`thumbnail_strip` as a ``wandb.Image`` (None without images)."""
+    strip = thumbnail_strip(paths)
+    return wandb.Image(strip) if strip is not None else None
 
 
 def _cell(value: Any) -> Any:

@@ -28,10 +28,13 @@ def prompt_text(content: list[dict[str, Any]]) -> str:
 
 
 def prompt_record(sample: Any) -> dict[str, Any]:
-    """``samples.jsonl`` ``prompt`` (the full text, before the engine's chat template) and ``prompt_sha256``
-    (a stable reference: equal prompts have equal hashes across runs and engines)."""
+    """``samples.jsonl`` ``prompt`` (the full text, before the engine's chat template), ``prompt_sha256``
+    (a stable reference: equal prompts have equal hashes across runs and engines) and ``images`` (each image's
+    file, or its key in the data file when it came as bytes; W&B's samples table shows thumbnails of the files)."""
     text = prompt_text(sample.content or [])
-    return {"prompt": text, "prompt_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    images = [str(img.path) if getattr(img, "path", None) is not None else str(getattr(img, "key", "") or "")
+              for img in getattr(sample, "images", None) or []]
+    return {"prompt": text, "prompt_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "images": images}
 
 
 def parsed_answer(sample: Any, answer: str, scores: Mapping[str, Any]) -> Any:

@@ -44,3 +44,17 @@ def test_wandb_stages_artifacts_inside_the_run_directory(tmp_path, monkeypatch):
 
     assert os.environ["WANDB_DATA_DIR"] == str(tmp_path / "run" / "wandb" / "staging")
     assert os.environ["WANDB_SILENT"] == "true"
+
+
+def test_samples_table_thumbnails(tmp_path):
+    """Old code: the samples table had no images."""
+    from PIL import Image
+
+    from harness.results.tracking import THUMBNAIL_PX, thumbnail_strip
+
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    Image.new("RGB", (640, 320), "red").save(a)
+    Image.new("RGB", (100, 200), "blue").save(b)
+    strip = thumbnail_strip([str(a), str(b), str(tmp_path / "gone.png")])
+    assert strip.height == THUMBNAIL_PX and strip.width == 128 + 4 + 64
+    assert thumbnail_strip(["bytes-key"]) is None and thumbnail_strip(None) is None
