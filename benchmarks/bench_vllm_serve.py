@@ -279,7 +279,7 @@ class Results:
         tmp.write_text(json.dumps(self.data, indent=1, default=str))
         tmp.replace(self.path)
         out = os.environ.get("OUT")  # the device tool's return folder: a copy that survives a time-out
-        if out:
+        if out and Path(out).resolve() != self.path.parent.resolve():  # (--out under $OUT needs no copy)
             shutil.copy(self.path, Path(out) / self.path.name)
 
 
@@ -529,7 +529,7 @@ def main() -> None:
         res.save()
         md = report(res.data)
         out.with_suffix(".md").write_text(md)
-        if os.environ.get("OUT"):
+        if os.environ.get("OUT") and Path(os.environ["OUT"]).resolve() != out.parent.resolve():
             shutil.copy(out.with_suffix(".md"), Path(os.environ["OUT"]) / out.with_suffix(".md").name)
         print(md)
 

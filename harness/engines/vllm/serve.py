@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -124,10 +125,15 @@ def log_header(cmd: list[str], env: dict[str, str], techniques_env: dict[str, st
 
 
 def _tail(path: Path, n: int = 40) -> str:
+    """The log's first error lines (a server's root cause is logged by its engine process long before the API
+    server's own traceback ends the file), then its last ``n`` lines."""
     try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return ""
+    causes = [ln for ln in lines[:-n] if re.search(r"\b\w*(Error|Exception)\b[:(]", ln)][:8]
+    head = ["first errors:", *causes, "last lines:"] if causes else []
+    return "\n".join(head + lines[-n:])
 
 
 class VLLMServer:
