@@ -246,7 +246,7 @@ def test_w_and_b_starts_with_the_run_and_a_kill_while_logging_is_redone_by_the_r
     assert state["wandb"]["logged"] is True
     summary = json.loads((run / "summary.json").read_text())
     assert summary["run"]["wandb_dir"] and state["wandb"]["id"] in summary["run"]["wandb_dir"]
-    offline = sorted((run / "wandb").glob(f"offline-run-*-{state['wandb']['id']}"))
+    offline = sorted((run / "wandb").glob(f"offline-run-*-{state['wandb']['id']}*"))
     assert len(offline) == 3  # one per attempt, all under the one W&B run id
     assert b"results-" in b"".join(p.read_bytes() for p in offline[-1].glob("*.wandb"))  # the artifact
     # and a fourth run has nothing left to do
