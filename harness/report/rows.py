@@ -191,6 +191,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
                                         _get(lat, "n_requests")) if v is not None), None),
         "errors": metrics.get("errors"),
         "start_time": run.get("start_time"),
+        "schema_version": run.get("schema_version"),
         **_technique(s),
     }
     for key in QUALITY:
