@@ -283,3 +283,28 @@ def test_an_unwritable_sere_artifact_cache_stops_before_the_model_loads(tmp_path
     assert "sere.similarity=FILE" in str(e.value)
     cfg.sere.similarity = str(tmp_path / "sim.safetensors")  # given: nothing is built there, nothing refused
     assert check_storage(cfg, tmp_path / "run") is None
+
+
+def test_a_full_disk_at_samples_jsonl_stops_with_one_line_and_keeps_the_cache(run, tmp_path, monkeypatch):
+    import harness.results.schema as schema
+
+    real = schema.SamplesLog.write
+    written = []
+
+    def write(self, record):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        written.append(record["uid"])
+        return real(self, record)
+
+    monkeypatch.setattr(schema.SamplesLog, "write", write)
+    with pytest.raises(StorageError) as e:
+        run(tmp_path / "r", "engine.batch_size=1")
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'r' / 'samples.jsonl'}: No space left on device (hydra.run.dir): free space")
+    assert msg.endswith("the rerun resumes from the generation cache") and "\n" not in msg
+    assert json.loads((tmp_path / "r/run_state.json").read_text())["status"] == "running"
+    monkeypatch.setattr(schema.SamplesLog, "write", real)
+    CountingEngine.calls = []
+    summary = run(tmp_path / "r", "engine.batch_size=1")
+    assert summary["cache"]["hits"] == 4 and len(CountingEngine.calls) == 8  # nothing generated was lost
