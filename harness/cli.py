@@ -67,8 +67,24 @@ def entry() -> None:
             print(f"error: a sweep job was refused: {e} (the other jobs ran; python -m harness.report --status "
                   "SWEEP_DIR lists every failed job and why)", file=sys.stderr)
             sys.exit(2)
-        line = hydra_error_line(e)
+        line = hydra_error_line(e) or _run_dir_error_line(e)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
+
+
+def _run_dir_error_line(exc: BaseException) -> str | None:
+    """One line when Hydra itself could not create the run directory (``hydra.run.dir`` under a read-only or
+    missing mount: it creates the directory before :func:`main` runs), else None (a crash keeps its traceback)."""
+    import traceback
+
+    if not isinstance(exc, OSError) or not exc.filename:
+        return None
+    from harness.config.paths import PACKAGE_DIR
+
+    if any(f.filename.startswith(str(PACKAGE_DIR)) and not f.filename.endswith("cli.py")
+           for f in traceback.extract_tb(exc.__traceback__)):
+        return None  # raised by the run, not by Hydra's set-up
+    return (f"{exc.filename}: {exc.strerror or exc} (hydra.run.dir / hydra.sweep.dir): the run directory cannot be "
+            "created; set hydra.run.dir to a directory you can write and rerun")

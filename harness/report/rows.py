@@ -40,10 +40,13 @@ QUALITY = {
 # A run's family names the techniques it has on, in this order (``visionzip+top-k+sere``); top-K truncation
 # (``moe.top_k``) is the baseline SERE is judged against, so it must never be mistaken for the baseline itself.
 FAMILY_ORDER = ("baseline", "visionzip", "sere", "visionzip+sere", "top-k", "top-k+sere", "visionzip+top-k",
-                "visionzip+top-k+sere")
+                "visionzip+top-k+sere", "vz-baseline", "vz-baseline+sere", "vz-baseline+top-k", "vz-baseline+top-k+sere",
+                "routing-baseline", "visionzip+routing-baseline", "vz-baseline+routing-baseline")  # issue 31's baselines
 FAMILY_COLOR = {"baseline": "black", "visionzip": "tab:blue", "sere": "tab:orange", "visionzip+sere": "tab:purple",
                 "top-k": "tab:red", "top-k+sere": "tab:brown", "visionzip+top-k": "tab:pink",
-                "visionzip+top-k+sere": "tab:olive"}
+                "visionzip+top-k+sere": "tab:olive", "vz-baseline": "tab:cyan", "vz-baseline+sere": "tab:gray",
+                "vz-baseline+top-k": "tab:gray", "vz-baseline+top-k+sere": "tab:gray", "routing-baseline": "tab:green",
+                "visionzip+routing-baseline": "tab:gray", "vz-baseline+routing-baseline": "tab:gray"}
 LATENCY_AXES = (("ttft", "TTFT", "time to first token"), ("tpot", "TPOT", "time per output token"))
 
 
@@ -105,14 +108,19 @@ def _technique(summary: Mapping[str, Any]) -> dict[str, Any]:
     vz_on = keep is not None and keep < 1.0
     sere_on = sere.get("k") is not None
     topk_on = moe.get("top_k") is not None
-    family = "+".join(name for name, on in (("visionzip", vz_on), ("top-k", topk_on), ("sere", sere_on)) if on
-                      ) or "baseline"
+    method = str(vz.get("method") or "attention")  # issue 31: a trivial baseline is its own family
+    routing = moe.get("routing")
+    family = "+".join(name for name, on in (("visionzip" if method == "attention" else "vz-baseline", vz_on),
+                                            ("top-k", topk_on), ("sere", sere_on), ("routing-baseline", bool(routing)))
+                      if on) or "baseline"
     parts = []
     if vz_on:
-        parts.append(f"keep {keep:g}" + ("·img" if vz.get("scope") == "image" else "")
+        parts.append(("" if method == "attention" else f"{method} ") + f"keep {keep:g}" + ("·img" if vz.get("scope") == "image" else "")
                      + (f" ctx{_num(vz.get('contextual')):g}" if _num(vz.get("contextual")) else ""))
     if topk_on:
         parts.append(f"top-{moe['top_k']}" + ("·all" if moe.get("scope") == "all" else ""))
+    if routing:
+        parts.append(f"{routing} K{moe.get('k_primary')}" if routing == "random_p" else f"{routing} p{moe.get('p')}")
     if sere_on:
         parts.append(f"K{sere['k']} ρ{_num(sere.get('rho')) or 0:g}"
                      + (f" P{sere.get('protect')}" if int(sere.get("protect") or 0) else ""))

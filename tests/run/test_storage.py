@@ -308,3 +308,18 @@ def test_a_full_disk_at_samples_jsonl_stops_with_one_line_and_keeps_the_cache(ru
     CountingEngine.calls = []
     summary = run(tmp_path / "r", "engine.batch_size=1")
     assert summary["cache"]["hits"] == 4 and len(CountingEngine.calls) == 8  # nothing generated was lost
+
+
+def test_a_run_directory_hydra_cannot_create_is_one_line(tmp_path):
+    """Hydra creates hydra.run.dir before the run starts: a path under a file (or a read-only mount) ended in
+    Hydra's traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "harness", "wandb.mode=disabled",
+                           f"hydra.run.dir={tmp_path / 'file' / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert "the run directory cannot be created; set hydra.run.dir" in line and str(tmp_path / "file") in line
