@@ -130,3 +130,6 @@ def test_cli_refusals_are_one_line(tmp_path):
     proc = _harness("model=gpt_oss_tiny_random", "engine.experts_implementation=harness_fused_moe",
                     f"hydra.run.dir={tmp_path / 'fm'}", *SMALL, cwd=tmp_path)
     assert proc.returncode == 2 and "GPT-OSS experts are interleaved" in proc.stderr.strip().splitlines()[-1]
+    proc = _harness("model=gpt_oss_tiny_random", "offload.policy=lru", "offload.capacity=4",
+                    f"hydra.run.dir={tmp_path / 'off'}", *SMALL, cwd=tmp_path)
+    assert proc.returncode == 2 and "expert offload reads only" in proc.stderr.strip().splitlines()[-1]
