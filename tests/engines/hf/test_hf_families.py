@@ -133,3 +133,19 @@ def test_cli_refusals_are_one_line(tmp_path):
     proc = _harness("model=gpt_oss_tiny_random", "offload.policy=lru", "offload.capacity=4",
                     f"hydra.run.dir={tmp_path / 'off'}", *SMALL, cwd=tmp_path)
     assert proc.returncode == 2 and "expert offload reads only" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cli_offload_on_deepseek_v3_keeps_the_answers(tmp_path):
+    """Expert offload (LRU, half the experts resident) on a family with dense first layers, shared experts and
+    unsorted router slots: the same greedy answers as the resident model."""
+    answers = []
+    for extra in ((), ("offload.policy=lru", "offload.capacity=4")):
+        run = tmp_path / f"run{len(answers)}"
+        proc = _harness("model=deepseek_v3_tiny_random", f"hydra.run.dir={run}", *extra, *SMALL, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+        answers.append([r["answer"] for r in rows])
+    summary = json.loads((tmp_path / "run1" / "summary.json").read_text())
+    assert summary["offload"]["policy"] == "lru" and summary["offload"]["resident_fraction"] == 0.5
+    assert answers[0] == answers[1]
