@@ -6,7 +6,8 @@ is ``harness.engines.hf.routing``, shared with ``moe.top_k``; a router with unso
 slots sorted by the family's rank key first, so the primary slots are the highest-ranked experts):
 
 - a forward **pre-hook on the block** decides whether this pass is re-routed and raises the block's flag;
-- a forward **hook on the router** (``block.gate``; GPT-OSS ``block.router``, returning ``(logits, weights, ids)``) replaces the ids
+- a forward **hook on the router** (``block.gate``; GPT-OSS ``block.router``), returning
+  ``(logits, weights, ids)``, replaces the ids
   by ``reroute_op(ids, similarity, k_primary, rho, protected)`` when the flag is up — the fused Triton op
   on CUDA, the torch reference on CPU, same ids. The weights are returned unchanged (the reference
   semantics: a moved slot's gate weight multiplies its new expert's output);

@@ -17,8 +17,9 @@ What :func:`register` does:
    one (vLLM 0.32), else ``FusedMoE`` itself (vLLM 0.26 builds ``FusedMoE(...)`` directly):
    :func:`moe_constructor_name` decides, by what the installed module holds. The served model's family gives
    the routing rule (:func:`served_family`, :func:`family_kwargs`: DeepSeek's grouped, biased, scaled rule
-   runs inside the routing function, with vLLM's grouped router switched off). The wrapper injects ``custom_routing_function=`` per
-   layer (layer index parsed from ``prefix``, e.g. ``language_model.model.layers.7.mlp.experts`` → 7):
+   runs inside the routing function, with vLLM's grouped router switched off). The wrapper injects
+   ``custom_routing_function=`` per layer (layer index parsed from ``prefix``, e.g.
+   ``language_model.model.layers.7.mlp.experts`` → 7):
    SERE's (:mod:`harness.engines.vllm.sere`) or ``moe.top_k``'s (:mod:`harness.engines.vllm.topk`), both one
    launch of ``harness.kernels.fused_routing``. A class is wrapped by a proxy that still answers
    ``isinstance`` and class attributes as the class does (``FusedMoE.make_expert_params_mapping``).

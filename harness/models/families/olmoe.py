@@ -18,5 +18,6 @@ def _tiny(seed: int):
 
 
 OLMOE = register(MoeFamily(
-    name="olmoe", model_types=("olmoe",), rule=lambda c: RoutingRule(renormalize=bool(getattr(c, "norm_topk_prob", False))),
+    name="olmoe", model_types=("olmoe",),
+    rule=lambda c: RoutingRule(renormalize=bool(getattr(c, "norm_topk_prob", False))),
     vllm_modules=("olmoe",), tiny=_tiny, real={"olmoe_1b_7b": "allenai/OLMoE-1B-7B-0924-Instruct"}))
