@@ -6,4 +6,4 @@ from harness import _moved as _moved
 
 
 def __getattr__(name: str):  # the old module harness.config (before issue 24's folder moves): its names, for one release
-    return _moved.forward_attribute(__name__, name, ('checks', 'paths', 'schema'))
+    return _moved.forward_attribute(__name__, name, ('access', 'checks', 'paths', 'schema'))

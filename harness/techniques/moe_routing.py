@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.techniques.moe_topk import setting
+from harness.config.access import setting
 
 __all__ = ["ROUTINGS", "RoutingSettings", "random_p", "routing_settings", "top_p"]
 

@@ -31,23 +31,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.config.access import setting  # (re-exported: its old home)
+
 __all__ = ["SCOPES", "check_moe_config", "moe_settings", "pad_routing", "setting", "truncate_routing"]
 
 SCOPES = ("decode", "all")
-
-
-def setting(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg.key`` of a config group given as a dict, a dataclass, an OmegaConf node or None (``default`` when
-    absent): engines receive their groups in all these forms (tests pass plain objects; the GPU machine has no
-    OmegaConf)."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    try:
-        return getattr(cfg, key, default)
-    except Exception:  # noqa: BLE001 - OmegaConf raises on missing keys of structured configs
-        return default
 
 
 def moe_settings(moe_cfg: Any, sere_cfg: Any = None) -> tuple[int, str] | None:

@@ -48,7 +48,7 @@ from harness.engines.base import Generation, Request, generate_splitting
 from harness.engines.vllm.load import LoadMode, _LoopThread
 from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
-from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
+from harness.config.access import setting as _get  # one accessor for config groups in any form
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}

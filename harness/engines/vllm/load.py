@@ -22,7 +22,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from harness.engines.base import Generation, Request
-from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
+from harness.config.access import setting as _get  # one accessor for config groups in any form
 
 
 def arrival_offsets(n: int, qps: float, burstiness: float = 1.0, seed: int = 0):

@@ -30,7 +30,7 @@ from typing import Any
 from harness.engines.base import Generation, Request
 from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, stream_chat
 from harness.engines.vllm.load import drive_load, load_settings
-from harness.techniques.moe_topk import setting as _get
+from harness.config.access import setting as _get
 
 CLIENT = "vllm serve: OpenAI chat completions, streamed over HTTP"
 

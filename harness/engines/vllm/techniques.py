@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.techniques.moe_topk import setting as _get  # one accessor for config groups in any form
+from harness.config.access import setting as _get  # one accessor for config groups in any form
 
 
 @dataclass
