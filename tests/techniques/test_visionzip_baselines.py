@@ -67,6 +67,8 @@ def test_pool_image_averages_each_cell_at_its_centre_token():
     assert torch.allclose(rows[3], grid[2:, 2:].reshape(-1, 3).mean(0))
     same_idx, same = pool_image(tokens, 4, 4, 16)
     assert same_idx.tolist() == list(range(16)) and torch.equal(same, tokens)
+    none_idx, none = pool_image(tokens, 4, 4, 0)
+    assert none_idx.numel() == 0 and none.shape == (0, 3)
 
 
 def test_pool_counts_are_proportional_to_image_size():

@@ -53,6 +53,12 @@ How ``generate`` stays consistent (transformers 5.17 on the GPU machine, 5.24 he
   ``model.model.rope_deltas`` is set to the pruned deltas (used by ``compute_3d_position_ids`` for decode
   steps without ``position_ids``). All three are restored on exit.
 
+``visionzip.method`` (issue 31): ``attention`` is VisionZip as above; ``random`` / ``first`` replace step 1's scores
+with :func:`~harness.techniques.visionzip.baselines.baseline_scores` (the tower runs as stock, no hook, no
+importance) and keep the same selection, positions and deepstack pruning; ``pool`` average-pools each image's
+grid into its share of the budget (:func:`~harness.techniques.visionzip.baselines.pool_image`, every deepstack
+level with the same cells), each pooled token at its cell's centre position.
+
 ``keep = 1.0`` is off: :func:`prepare_visionzip_inputs` returns the inputs untouched and ``None``, and
 :func:`visionzip_generation` installs nothing. ``force=True`` runs the whole machinery anyway (keeping every
 token), which must reproduce stock generation token for token (tested).

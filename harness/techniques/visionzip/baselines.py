@@ -99,12 +99,14 @@ def pool_cells(rows: int, cols: int, k: int) -> list[tuple[int, int, int, int]]:
 def pool_image(tokens: torch.Tensor, rows: int, cols: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [k], embeddings [k, ...])``: ``tokens`` [rows·cols, ...] (row-major grid) average-pooled into
     :func:`pool_cells`'s ``k`` cells, each at its centre token's index (increasing). ``k = n`` returns the
-    tokens unchanged."""
+    tokens unchanged, ``k = 0`` nothing."""
     n = tokens.shape[0]
     if rows * cols != n:
         raise ValueError(f"grid {rows}x{cols} does not hold {n} tokens")
     if k >= n:
         return torch.arange(n, device=tokens.device), tokens
+    if k <= 0:  # min_per_image=0 and a small budget: the image keeps nothing
+        return torch.zeros(0, dtype=torch.long, device=tokens.device), tokens[:0]
     acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
     grid = tokens.to(acc).reshape(rows, cols, *tokens.shape[1:])
     idx, out = [], []
