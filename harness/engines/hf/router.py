@@ -4,9 +4,10 @@ Why: transformers' router is a GEMV plus ``torch.topk``'s gather and sort kernel
 H200 where the bytes need ~0.1 µs (``harness.kernels.router``'s doc). The kernel computes the same outputs —
 ``(logits, top-k weights, top-k ids)`` — in two launches.
 
-Only Qwen3-family top-k routers (:data:`CLASSES`: a ``weight [E, H]``, ``top_k``, renormalisation fixed by the
-class or ``norm_topk_prob``) and only passes of at most :data:`MAX_TOKENS` tokens (decode steps; the choice
-depends on the shape only, so it is fixed inside a CUDA graph) take the kernel; prefill keeps the original forward.
+Only routers whose family's rule is the kernel's (``harness.models.families``: ``router_kernel``; softmax top-k
+with a ``weight [E, H]``, ``top_k``, renormalisation by the family's rule) and only passes of at most
+:data:`MAX_TOKENS` tokens (decode steps; the choice depends on the shape only, so it is fixed inside a CUDA
+graph) take the kernel; prefill keeps the original forward.
 Forward hooks on the router (SERE's, plain top-K's) see the same outputs, so they run unchanged. The router is then
 not one of ``hf_compile``'s compiled regions (nothing is left to compile in it).
 
@@ -45,21 +46,30 @@ def renormalizes(router: torch.nn.Module) -> bool:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Route decode passes of every supported router of ``model`` through the kernel; returns how many."""
+    """Route decode passes of every supported router of ``model`` through the kernel; returns how many.
+
+    Supported: the routers of a family whose rule the kernel computes (``MoeFamily.router_kernel``: softmax
+    top-k, sorted, renormalised by the rule, weights cast to the logits' dtype — Qwen3(-VL)-MoE, Qwen2-MoE, OLMoE,
+    Qwen3.5-MoE, Qwen3-Next); for a model type no family claims, the :data:`CLASSES`. Other families (Mixtral's
+    float32 weights, DeepSeek, GPT-OSS) keep transformers' router: not an error, ``describe()`` says 0 layers."""
     from harness.kernels.router import moe_router
+    from harness.models.moe_blocks import find_moe_blocks
 
     n = 0
-    for name, router in model.named_modules():
-        if type(router).__name__ not in CLASSES or "visual" in name:
+    for ref in find_moe_blocks(model):
+        router = ref.gate
+        supported = ref.family.router_kernel if ref.family is not None else type(router).__name__ in CLASSES
+        if not supported or not isinstance(getattr(router, "weight", None), torch.Tensor) \
+                or not hasattr(router, "top_k"):
             continue
         n += 1
         if getattr(router, "_harness_router_kernel", False):
             continue
         original = router.forward
-        renorm = renormalizes(router)
+        renorm = ref.rule.renormalize if ref.rule is not None else renormalizes(router)
 
         def forward(hidden_states, _router=router, _original=original, _renorm=renorm):
-            x = hidden_states.reshape(-1, _router.hidden_dim)
+            x = hidden_states.reshape(-1, _router.weight.shape[1])
             if x.shape[0] > MAX_TOKENS or _router.training:
                 return _original(hidden_states)
             return moe_router(x, _router.weight, _router.top_k, _renorm)

@@ -20,4 +20,5 @@ def _tiny(seed: int):
 OLMOE = register(MoeFamily(
     name="olmoe", model_types=("olmoe",),
     rule=lambda c: RoutingRule(renormalize=bool(getattr(c, "norm_topk_prob", False))),
-    vllm_modules=("olmoe",), tiny=_tiny, real={"olmoe_1b_7b": "allenai/OLMoE-1B-7B-0924-Instruct"}))
+    vllm_modules=("olmoe",), router_kernel=True, tiny=_tiny,
+    real={"olmoe_1b_7b": "allenai/OLMoE-1B-7B-0924-Instruct"}))

@@ -21,5 +21,6 @@ def _tiny(seed: int):
 QWEN2_MOE = register(MoeFamily(
     name="qwen2_moe", model_types=("qwen2_moe",),
     rule=lambda c: RoutingRule(renormalize=bool(getattr(c, "norm_topk_prob", False))),
-    shared="shared_expert + sigmoid shared_expert_gate", vllm_modules=("qwen2_moe",), tiny=_tiny,
+    shared="shared_expert + sigmoid shared_expert_gate", vllm_modules=("qwen2_moe",), router_kernel=True,
+    tiny=_tiny,
     real={"qwen2_57b_a14b": "Qwen/Qwen2-57B-A14B-Instruct", "qwen1_5_moe_a2_7b": "Qwen/Qwen1.5-MoE-A2.7B"}))

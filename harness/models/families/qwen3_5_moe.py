@@ -28,10 +28,11 @@ def _tiny(seed: int):
 QWEN3_5_MOE = register(MoeFamily(
     name="qwen3_5_moe", model_types=("qwen3_5_moe", "qwen3_5_moe_text"), rule=lambda c: RoutingRule(renormalize=True),
     shared="shared_expert + sigmoid shared_expert_gate", vllm_modules=("qwen3_next",), vllm_cpu=_NO_VLLM_CPU,
-    refuse={"visionzip": _NO_VZ}, tiny=_tiny, real={"qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B"}))
+    refuse={"visionzip": _NO_VZ}, router_kernel=True, tiny=_tiny,
+    real={"qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B"}))
 
 QWEN3_NEXT = register(MoeFamily(
     name="qwen3_next", model_types=("qwen3_next",),
     rule=lambda c: RoutingRule(renormalize=bool(getattr(c, "norm_topk_prob", True))),
     shared="shared_expert + sigmoid shared_expert_gate", vllm_modules=("qwen3_next",), vllm_cpu=_NO_VLLM_CPU,
-    tiny=None, real={"qwen3_next_80b_a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct"}))
+    router_kernel=True, tiny=None, real={"qwen3_next_80b_a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct"}))

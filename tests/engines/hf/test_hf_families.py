@@ -149,3 +149,26 @@ def test_cli_offload_on_deepseek_v3_keeps_the_answers(tmp_path):
     summary = json.loads((tmp_path / "run1" / "summary.json").read_text())
     assert summary["offload"]["policy"] == "lru" and summary["offload"]["resident_fraction"] == 0.5
     assert answers[0] == answers[1]
+
+
+def test_triton_router_takes_the_families_whose_rule_it_computes(loaded, monkeypatch):
+    """``engine.decode_router=triton``: Qwen2-MoE, OLMoE, Qwen3.5-MoE (and Qwen3) routers go through the kernel on
+    decode passes with the same greedy tokens (Triton's interpreter on CPU); Mixtral, DeepSeek and GPT-OSS keep
+    transformers' router (0 layers, no error)."""
+    from harness.engines.hf import router as hf_router
+    from harness.kernels import router as router_kernel
+    from harness.models.families import family_of
+    from harness.models.moe_blocks import find_moe_blocks
+
+    if not router_kernel.triton_available("cpu"):
+        pytest.skip("the CPU tests run the kernel in Triton's interpreter")
+    name, model, batch = loaded
+    monkeypatch.setattr(hf_router, "MAX_TOKENS", 4)  # below the prompts: prefill keeps transformers' router
+    want = _generate(model, batch, n=3).sequences
+    try:
+        n = hf_router.install(model)
+        got = _generate(model, batch, n=3).sequences
+    finally:
+        hf_router.uninstall(model)
+    assert n == (len(find_moe_blocks(model)) if family_of(model).router_kernel else 0), name
+    assert torch.equal(got, want), name
