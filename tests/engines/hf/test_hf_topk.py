@@ -188,7 +188,7 @@ def test_run_records_moe(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["config"]["moe"] == {"top_k": 2, "scope": "decode"}
+    assert {k: summary["config"]["moe"][k] for k in ("top_k", "scope", "routing")} == {"top_k": 2, "scope": "decode", "routing": None}
     assert summary["moe"]["top_k"] == 2 and summary["moe"]["steps"] > 0
     assert summary["moe"]["expert_union_after"] < summary["moe"]["expert_union_before"]
     both = subprocess.run(common + ["moe.top_k=3", "sere.k=1", f"hydra.run.dir={tmp_path / 'both'}"], cwd=tmp_path,
