@@ -15,6 +15,7 @@ import pytest
 from harness.datasets import LOADERS
 from harness.engines import ENGINES
 from harness.metrics.scoring import TASKS
+from harness.techniques.offload.policy import POLICIES
 from harness.registry import Registry, UnknownName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +46,13 @@ def test_decorator_and_call_register_and_unknown_names_suggest():
 
 
 def test_the_package_registries_are_registries():
-    for reg in (ENGINES, LOADERS, TASKS):
+    for reg in (ENGINES, LOADERS, TASKS, POLICIES):
         assert isinstance(reg, Registry)
     assert {"hf", "vllm"} <= set(ENGINES)
     assert {"rag_igbench", "ocrbench", "ccbench", "ocr_cc_mix", "synthetic_load"} <= set(LOADERS)
     assert {"rag_igbench", "ocrbench", "mcq", "no_reference"} <= set(TASKS)
+    assert {"none", "lru", "oracle", "lfu", "static_hot", "lease"} <= set(POLICIES)
+    assert POLICIES.load("lru").name == "lru"  # the decorator in its module set the name when it was imported
 
 
 TOY_LOADER = '''

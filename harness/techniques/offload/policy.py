@@ -50,10 +50,11 @@ default implementations, new ``PolicyContext`` fields with defaults); they are l
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from harness.registry import Registry, UnknownName
 
 __all__ = ["INTERFACE_VERSION", "Clock", "Geometry", "PolicyContext", "OffloadPolicy", "POLICY_MODULES",
            "KNOWN_POLICIES", "register_policy", "policy_class", "make_policy"]
@@ -145,42 +146,46 @@ class OffloadPolicy:
         return {}
 
 
-# name -> module that registers it (imported on first use)
-POLICY_MODULES: dict[str, str] = {
-    "none": "harness.techniques.offload.policies",
-    "staging": "harness.techniques.offload.policies",
-    "lru": "harness.techniques.offload.policies",
-    "lru+gate": "harness.techniques.offload.policies",
-    "oracle": "harness.techniques.offload.policies",
-    "lfu": "harness.techniques.offload.policies",  # trivial baselines (issue 31)
-    "static_hot": "harness.techniques.offload.policies",
-    "lease": "harness.techniques.offload.lease",
-}
+#: offload.policy → the policy class (``"module:Class"``, imported on first use; the one registry of
+#: :mod:`harness.registry`). A policy of the user's own registers with ``@register_policy("mine")`` in a
+#: module imported before the run, or ``POLICIES.register("mine", "mypkg.policy:MyPolicy")``.
+POLICIES: Registry = Registry("offload policy", "offload.policy", {
+    "none": "harness.techniques.offload.policies:NonePolicy",
+    "staging": "harness.techniques.offload.policies:StagingPolicy",
+    "lru": "harness.techniques.offload.policies:LRUPolicy",
+    "lru+gate": "harness.techniques.offload.policies:LRUGatePolicy",
+    "oracle": "harness.techniques.offload.policies:OraclePolicy",
+    "lfu": "harness.techniques.offload.policies:LFUPolicy",  # trivial baselines (issue 31)
+    "static_hot": "harness.techniques.offload.policies:StaticHotPolicy",
+    "lease": "harness.techniques.offload.lease:LeasePolicy",
+})
+#: the built-in policies and the module each lives in (the config check looks the module up without importing)
+POLICY_MODULES: dict[str, str] = {name: target.partition(":")[0] for name, target in POLICIES.items()}
 KNOWN_POLICIES: tuple[str, ...] = tuple(POLICY_MODULES)
-
-_REGISTRY: dict[str, type[OffloadPolicy]] = {}
 
 
 def register_policy(name: str) -> Callable[[type[OffloadPolicy]], type[OffloadPolicy]]:
     """Class decorator: ``@register_policy("lru")``. Sets ``cls.name``; a second class under a name raises."""
 
     def deco(cls: type[OffloadPolicy]) -> type[OffloadPolicy]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"offload policy {name!r} is already registered ({_REGISTRY[name].__qualname__})")
+        current = POLICIES.get(name)
+        if isinstance(current, type) and current is not cls:
+            raise ValueError(f"offload policy {name!r} is already registered ({current.__qualname__})")
+        if isinstance(current, str) and current != f"{cls.__module__}:{cls.__qualname__}":
+            raise ValueError(f"offload policy {name!r} is registered as {current}, not {cls.__module__}:{cls.__qualname__}")
         cls.name = name
-        _REGISTRY[name] = cls
+        POLICIES[name] = cls
         return cls
 
     return deco
 
 
 def policy_class(name: str) -> type[OffloadPolicy]:
-    """The class registered under ``name`` (importing its module when it is a known one)."""
-    if name not in _REGISTRY and name in POLICY_MODULES:
-        importlib.import_module(POLICY_MODULES[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown offload policy {name!r}; known: {sorted(set(KNOWN_POLICIES) | set(_REGISTRY))}")
-    return _REGISTRY[name]
+    """The class registered under ``name`` (importing its module on first use)."""
+    try:
+        return POLICIES.load(name)
+    except UnknownName as e:
+        raise ValueError(str(e)) from None
 
 
 def make_policy(name: str, ctx: PolicyContext) -> OffloadPolicy:
