@@ -12,6 +12,12 @@ from harness.run.outcome import console_summary
 def test_third_party_chatter_goes_to_the_log_file_not_the_console(tmp_path):
     """Old code: transformers / W&B / vLLM lines reached the console through the root logger."""
     root = logging.getLogger()
+    # transformers' own logging (set up when any earlier test imported it) stops its logger propagating: the
+    # test sets the state it checks is restored, whatever ran before it on this worker
+    names = ("transformers", "transformers.modeling_utils", "wandb", "vllm", "vllm.engine")
+    saved = {n: logging.getLogger(n).propagate for n in names}
+    for n in names:
+        logging.getLogger(n).propagate = True
     console_stream = io.StringIO()
     console = logging.StreamHandler(console_stream)
     console.setLevel(logging.WARNING)
@@ -28,6 +34,8 @@ def test_third_party_chatter_goes_to_the_log_file_not_the_console(tmp_path):
         root.removeHandler(console)
         root.removeHandler(log_file)
         log_file.close()
+        for n, propagate in saved.items():
+            logging.getLogger(n).propagate = propagate
     shown = console_stream.getvalue()
     assert "chatter" not in shown and "a warning of the run" in shown and "after the run" in shown
     text = (tmp_path / "cli.log").read_text(encoding="utf-8")
