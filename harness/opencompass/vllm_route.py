@@ -57,13 +57,17 @@ def server_device(python: str) -> str:
 
 def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
     """The offline engine's ``LLM(**args)`` for this run (its own methods, on a stand-in without vLLM)."""
+    from transformers import AutoConfig
+
     from harness.engines.vllm.engine import VLLMEngine, resolve_vllm_dtype
 
+    hf_cfg = AutoConfig.from_pretrained(str(model_path), trust_remote_code=bool(cfg.model.trust_remote_code))
     ns = SimpleNamespace(cfg=cfg.engine, device=device, model_path=str(model_path),
                          dtype=resolve_vllm_dtype(str(cfg.engine.dtype), device),
                          trust_remote_code=bool(cfg.model.trust_remote_code),
                          max_images=int(cfg.model.max_images_per_prompt), seed=int(cfg.seed), visionzip=None,
-                         engine_kwargs={}, shapes=None)  # a checkpoint: OpenCompass runs no shapes model
+                         engine_kwargs={}, shapes=None,  # a checkpoint: OpenCompass runs no shapes model
+                         multimodal=hasattr(hf_cfg, "vision_config"))  # as VLLMEngine decides it (text-only families)
     ns.cpu_overrides = VLLMEngine._cpu_overrides(ns)
     return VLLMEngine._engine_args(ns)
 
