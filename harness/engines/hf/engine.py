@@ -197,7 +197,7 @@ class HFEngine:
         self._decode_tokens, self._sere_partial = 0, False  # the SERE canary's count (sere_graphs)
         sere_artifacts = None
         if sere_cfg is not None and sere_cfg.k is not None:  # computed on the stock model, before any hook
-            from harness.engines.hf.sere import sere_artifacts_from_config
+            from harness.techniques.sere.setup import sere_artifacts_from_config
 
             sere_artifacts = sere_artifacts_from_config(self.model, self.processor.tokenizer, sere_cfg,
                                                         model_id or model_path)

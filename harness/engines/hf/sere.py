@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.techniques.sere.setup import calibration_kwargs, sere_artifacts_from_config  # noqa: F401 (re-exported)
 from harness.engines.hf.routing import (  # noqa: F401 (the hook mechanism; these names also import from here)
     COUNTERS,
     INTERPRETER_AUTO,
@@ -154,16 +155,6 @@ def install_sere(model: torch.nn.Module, similarity: dict[int, torch.Tensor] | t
     return handle
 
 
-def calibration_kwargs(sere_cfg: Any) -> dict[str, Any]:
-    """``text_path`` / ``text_field`` / ``max_tokens`` for the calibration builders from ``sere.calibration_*``
-    (absent keys: the builders' defaults)."""
-    from harness.techniques.sere.calibration import DEFAULT_MAX_TOKENS
-
-    get = (lambda k: sere_cfg.get(k)) if isinstance(sere_cfg, dict) else (lambda k: getattr(sere_cfg, k, None))
-    return {"text_path": get("calibration_text") or None, "text_field": get("calibration_field") or None,
-            "max_tokens": int(get("calibration_tokens") or DEFAULT_MAX_TOKENS)}
-
-
 def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, model_id: str,
                      cache_dir: str | None = None, eos_token_ids: Any = None) -> SereHandle | None:
     """Build SERE from the ``sere`` config group (``k``, ``rho``, ``protect``, ``similarity``,
@@ -175,30 +166,3 @@ def sere_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, mode
     similarity, protected = artifacts
     return install_sere(model, similarity, int(sere_cfg.k), float(sere_cfg.rho), protected,
                         eos_token_ids=eos_token_ids)
-
-
-def sere_artifacts_from_config(model: torch.nn.Module, tokenizer: Any, sere_cfg: Any, model_id: str,
-                               cache_dir: str | None = None) -> tuple[dict, dict | None] | None:
-    """``(similarity, protected)`` for the ``sere`` config group (read, or computed on the stock model and
-    cached), None when ``sere.k`` is null. Separate from installing, so the engine can compute them before
-    any routing hook is on the model and install ``moe.top_k`` before SERE."""
-    if sere_cfg.k is None:
-        return None
-    from harness.techniques.sere.calibration import load_similarity, similarity_for
-
-    data = calibration_kwargs(sere_cfg)
-    if sere_cfg.similarity:
-        similarity, _ = load_similarity(sere_cfg.similarity)
-    else:
-        similarity = similarity_for(model, tokenizer, model_id, cache_dir, **data)
-    protected = None
-    n = int(sere_cfg.protect or 0)
-    if n > 0 or sere_cfg.protection:
-        from harness.techniques.sere.protection import load_protection, protection_for
-
-        if sere_cfg.protection:
-            protected, _ = load_protection(sere_cfg.protection, n=n or None)
-        else:
-            protected = protection_for(model, tokenizer, model_id, similarity, int(sere_cfg.k),
-                                       float(sere_cfg.rho), n, cache_dir, **data)
-    return similarity, protected

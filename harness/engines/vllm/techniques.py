@@ -93,7 +93,7 @@ def resolve_sere(sere_cfg: Any, model_path: str, model_id: str | None = None, *,
     if not sim_path or (protect > 0 and not prot_path):
         from harness.techniques.sere.calibration import load_similarity, similarity_cache_path, similarity_for
 
-        from harness.engines.hf.sere import calibration_kwargs
+        from harness.techniques.sere.setup import calibration_kwargs
 
         data = calibration_kwargs(sere_cfg)  # sere.calibration_text / _field / _tokens
         model, tokenizer = calibration_model(model_path, shapes, seed)

@@ -8,4 +8,4 @@ from harness import _moved as _moved
 
 
 def __getattr__(name: str):  # the old module harness.techniques.sere (before issue 24's folder moves): its names, for one release
-    return _moved.forward_attribute(__name__, name, ('calibration', 'graphs', 'protection', 'reroute'))
+    return _moved.forward_attribute(__name__, name, ('calibration', 'graphs', 'protection', 'reroute', 'setup'))
