@@ -74,7 +74,6 @@ MOVED_COMMANDS: dict[str, str] = {
     "harness.techniques.sere_calibration": "harness.commands.sere_calibrate",
     "harness.techniques.sere_protection": "harness.commands.sere_protect",
     "harness.datasets.synthetic_tasks": "harness.datasets.synthetic.bundle",
-    "harness.offload.predictor": "harness.techniques.offload.predictor",
 }
 #: old module → new module, for old modules whose name is now a package (attributes forwarded by the package)
 BECAME_PACKAGE: dict[str, str] = {

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.datasets import LOADERS  # light registries (names → "module:attr"), nothing heavy imported
+from harness.datasets import LOADERS, register_from_config  # light registries (names → "module:attr"), nothing heavy imported
 from harness.engines import ENGINES
 from harness.config.checks import (NONEMPTY, _MISSING, Check, ConfigError, CrossRule, Rule, _select, _sere_on,
                                      _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern,
@@ -435,7 +435,7 @@ def validate_config(cfg: Any) -> list[str]:
     check_keys(cfg)
     loader = _select(cfg, "dataset.loader")
     if loader is not _MISSING and loader is not None and _loader_target_ok(loader):
-        LOADERS.register(str(cfg.dataset.name), str(loader))  # a dataset from outside the package (README)
+        register_from_config(cfg.dataset)  # a dataset from outside the package (README), as load_samples does
     notes = []
     for n in NORMALIZE:
         value = _select(cfg, n.key)
