@@ -57,6 +57,9 @@ __all__ = ["COUNTERS", "FUSED_MAX_TOKENS", "RoutingSpec", "fused_routing", "fuse
 #: the op chain it replaced (results/benchmarks/routing_op_h200.json); beyond that the chain's ops, which spread
 #: over the GPU, are the better bet (unmeasured above 256; vLLM captures graphs up to 512 tokens by default)
 FUSED_MAX_TOKENS = 256
+#: rows x slots x experts up to which SERE's secondary slots are re-routed all at once (:func:`_reroute_slots`):
+#: 4 rows at top-8 of 128 experts; beyond, the per-slot loop keeps registers in bounds
+VEC_CELLS = 4096
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -188,6 +191,35 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
 
 
 @triton.jit
+def _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                   KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr, HAS_PROT: tl.constexpr):
+    """Pass 2 of a small one-tile step, every secondary slot at once: :func:`_reroute_tile`'s decisions with
+    the [rows x slots] grid flattened, so the similarity-row gathers of all slots are one masked load.
+
+    Why: in :func:`_reroute_tile` slot j+1's source is read from the ids slot j may have rewritten, so its
+    gathers form a dependent chain of WIDTH - KP global loads (H200, T=1: 7.4 µs per layer against 3.4 for the
+    stock routing alone). P is fixed for the step, so no slot's decision depends on another's: loading them
+    together gives the same ids. Chosen while the [rows x slots x experts] grid stays small (registers)."""
+    e = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    cand = prim > 0
+    sec_rows = dec[:, None] & (slots[None, :] >= KP) & (slots[None, :] < WIDTH)
+    src = tl.reshape(ids, (BLOCK_T * BLOCK_K,))
+    sec = tl.reshape(tl.broadcast_to(sec_rows, (BLOCK_T, BLOCK_K)), (BLOCK_T * BLOCK_K,))
+    hit = src[:, None] == e[None, :]
+    in_p = tl.max(tl.where(hit & cand[None, :], 1, 0), axis=1) > 0
+    ok = sec & (in_p == 0)
+    if HAS_PROT:
+        ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
+    target, move = _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E)
+    new = tl.reshape(tl.where(move, target, src), (BLOCK_T, BLOCK_K))
+    moved = tl.sum(move.to(tl.int64), axis=0)
+    kept = tl.max(tl.where(hit & (sec & (move == 0))[:, None], 1, 0), axis=0)
+    return new, moved, kept
+
+
+@triton.jit
 def _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E: tl.constexpr, HAS_PROT: tl.constexpr):
     """Where each expert's secondary slots go, once per step: ``[BLOCK_E]`` int32, the target for a source
     expert that moves (not in P, not protected, some decode row names it as secondary, best similarity over P
@@ -246,7 +278,7 @@ def _fused_routing_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
     RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
     HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, HAS_PROT: tl.constexpr,
-    SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+    SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr, VEC_CELLS: tl.constexpr,
 ):
     slots = tl.arange(0, BLOCK_K)
     k_ok = slots < TOPK
@@ -260,8 +292,12 @@ def _fused_routing_kernel(
             TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL)
         kept = zero_e
         if SERE:
-            ids, moved, kept = _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
-                                             KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+            if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:
+                ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                                  KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+            else:
+                ids, moved, kept = _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                                 KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
         rows = tl.arange(0, BLOCK_T)
         tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
                  mask=(rows[:, None] < T) & k_ok[None, :])
@@ -319,9 +355,11 @@ def _tile_rows(num_tokens: int, block_e: int) -> int:
 def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
-                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int | None = None, vec_cells: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-launch kernel (module doc); arguments as :func:`fused_routing_reference`. ``block_t`` /
-    ``num_warps`` override the tiling (the benchmark sweeps them)."""
+    ``num_warps`` override the tiling and ``vec_cells`` the all-slots-at-once re-route's limit (0: never;
+    the benchmark and the tests compare both re-routes)."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -356,6 +394,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         SINGLE=n_tiles == 1, RENORM=spec.renormalize, TRUNC=trunc, TRUNC_ALL=spec.trunc_all,
         SERE=sere, HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None, HAS_PROT=prot is not None,
         SERE_STATS=sere and sere_counters is not None, TOPK_STATS=trunc and topk_counters is not None,
+        VEC_CELLS=VEC_CELLS if vec_cells is None else vec_cells,
         # 4 warps up to 8 rows x 128 experts, 8 beyond (H200 sweep: SERE K=2 at T=16 9.9 µs with 8 warps vs 11.7
         # with 4; at T=1 7.4 with 4 vs 8.9 with 8); never chosen by technique, so every technique's stock part
         # reduces in the same order (identical weights with SERE on and off)

@@ -100,6 +100,26 @@ def test_kernel_matches_reference(shape, name):
     assert got_k.tolist() == want_k.tolist()
 
 
+@pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
+@pytest.mark.parametrize("shape", [(1, 128), (4, 32), (8, 16)], ids=lambda s: "T{}-E{}".format(*s))
+def test_both_reroutes_decide_alike(shape, name):
+    """SERE's two one-tile re-routes — all secondary slots in one gather (small steps) and slot by slot —
+    give the reference's ids and counters on the same case, whichever the size rule would pick."""
+    t, e = shape
+    logits, sim, protected, decode, real = make_case(t, e, seed=7 * t + e)
+    decode[0] = True   # at least one decode row, so something can move
+    spec = spec_of(name, sim, protected, top_k=8)
+    want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    want_k = torch.zeros_like(want_s)
+    _, wid = fused_routing_reference(logits, spec, decode, real, want_s, want_k)
+    assert want_s[COUNTERS.index("moved")] > 0 or spec.rho > 0
+    for cells in (0, 1 << 20):
+        got_s, got_k = torch.zeros_like(want_s), torch.zeros_like(want_s)
+        _, gid = fused_routing_triton(logits, spec, decode, real, got_s, got_k, vec_cells=cells)
+        assert torch.equal(gid, wid), f"vec_cells={cells}\n{gid}\n{wid}"
+        assert got_s.tolist() == want_s.tolist() and got_k.tolist() == want_k.tolist()
+
+
 def test_counters_accumulate_and_count_what_moved():
     """Two calls add up; SERE moves slots and shrinks the union; top-K counts its padded slots as moved."""
     logits, sim, protected, decode, real = make_case(16, 32, seed=11)
