@@ -14,7 +14,8 @@ variant is checked id-for-id against its torch reference on the same inputs.
 
 Variants: ``vllm_topk_softmax`` (stock vLLM: ``vllm._custom_ops.topk_softmax``; torch softmax+topk when vLLM
 is absent, named ``torch_topk``), ``old_sere2`` (the plugin's previous SERE path), ``fused_stock``,
-``fused_sere2``, ``fused_sere2_nostats``, ``fused_sere1``, ``fused_top2``.
+``fused_sere2``, ``fused_sere2_nostats``, ``fused_sere1``, ``fused_top2``; tiling rows ``fused_sere2_w4``,
+``fused_sere2_loop`` (slot-by-slot re-route) and ``fused_sere2_vec`` (all slots in one gather at every size).
 Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports torch, triton, the harness's kernel
 and technique modules (and vLLM's op when installed).
 """
@@ -122,6 +123,8 @@ def build_variants(tokens: int, layers: int, device: str):
     variants["fused_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True)
     sere2 = RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim)
     variants["fused_sere2_w4"] = fused(sere2, True, num_warps=4)      # tiling sweep (default: 4 warps up to 8 rows)
+    variants["fused_sere2_loop"] = fused(sere2, True, vec_cells=0)    # the slot-by-slot re-route (before)
+    variants["fused_sere2_vec"] = fused(sere2, True, vec_cells=1 << 16)  # all slots at once at every size
     if tokens >= 64:
         variants["fused_sere2_t64"] = fused(sere2, True, block_t=64, num_warps=8)
         variants["fused_stock_t64"] = fused(RoutingSpec(K, True), False, block_t=64, num_warps=8)
