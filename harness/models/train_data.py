@@ -93,7 +93,7 @@ def mixed(target: Example, context_images: list[Any], rng: random.Random) -> Exa
 def make_example(task: str, rng: random.Random, split: str = "train") -> Example:
     """One example of ``task``: ocr, mcq, rag, ocr_mix, mcq_mix (mix: one image of the other kind beside it),
     attr (an MCQ's question without options, answered by the attribute word) and mcq_hint (the MCQ with its
-    answer word written before the question): both training only."""
+    answer word written before the question): both training only; text_* (no image, recipe v7)."""
     if task == "ocr":
         it = st.ocr_item(rng, split)
         return Example(task, ocr_content(it), [it.image], it.answers[0])
@@ -109,6 +109,11 @@ def make_example(task: str, rng: random.Random, split: str = "train") -> Example
     if task == "rag":
         it = st.rag_item(rng, split)
         return Example(task, rag_content(it), [img for note in it.images for img in note], it.raw_answer)
+    if task.startswith("text_"):  # recipe v7: text-only, the prompt OpenCompass sends (synthetic/text_tasks.py)
+        from harness.datasets.synthetic import text_tasks
+
+        it = text_tasks.text_item(task, rng, split)
+        return Example(task, [{"type": "text", "text": it.prompt}], [], it.answer)
     if task in ("ocr_mix", "mcq_mix"):
         target = make_example(task[:3], rng, split)
         other = st.mcq_item(rng, split).image if task == "ocr_mix" else st.ocr_item(rng, split).image
@@ -171,14 +176,16 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
         for a in e["images"]:
             patches.append(patchify(a))
             grid.append([1, a.shape[0] // PATCH, a.shape[1] // PATCH])
-    pix = np.concatenate(patches)
     t = lambda x: torch.from_numpy(x).to(device)  # noqa: E731
-    pix_t = t(pix)
-    per_channel = pix_t.reshape(len(pix), 3, -1)
-    content = ((per_channel.amax(-1).short() - per_channel.amin(-1).short()).amax(-1) > CONTENT_RANGE).cpu().numpy()
-    pixel_values = (pix_t.float() / 255.0 - 0.5) / 0.5
-    out = {"input_ids": t(ids), "attention_mask": t(mask), "labels": t(labels), "pixel_values": pixel_values,
-           "image_grid_thw": t(np.asarray(grid, dtype=np.int64)), "content": t(content)}
+    out = {"input_ids": t(ids), "attention_mask": t(mask), "labels": t(labels), "pixel_values": None,
+           "image_grid_thw": None, "content": None}
+    if patches:  # a text-only batch (recipe v7's text tasks) has no pixels: the vision tower is not run
+        pix = np.concatenate(patches)
+        pix_t = t(pix)
+        per_channel = pix_t.reshape(len(pix), 3, -1)
+        content = (per_channel.amax(-1).short() - per_channel.amin(-1).short()).amax(-1) > CONTENT_RANGE
+        out.update(pixel_values=(pix_t.float() / 255.0 - 0.5) / 0.5,
+                   image_grid_thw=t(np.asarray(grid, dtype=np.int64)), content=content)
     if all("cells" in e for e in examples):  # the cell loss's targets (train_cells.py), one per visual token
         out["cells"] = t(np.concatenate([e["cells"] for e in examples]).astype(np.int64))
     if with_target and not left_pad and all("options" in e for e in examples):  # the option loss (train_cells.py)

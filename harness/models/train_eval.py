@@ -17,6 +17,14 @@ def ocr_correct(pred: str, answers: list[str]) -> bool:
     return any(a.lower().strip().replace("\n", " ") in p for a in answers)
 
 
+def _pixels(batch: dict) -> dict:
+    """The image arguments of a batch; none for a text-only batch (v7's text tasks: generate must not see
+    ``pixel_values=None``, it would run the vision tower on it)."""
+    if batch.get("pixel_values") is None:
+        return {}
+    return {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+
+
 def evaluate(model, tokenizer, pool: dict[str, list[dict]], device, max_new: int = 160, bs: int = 64) -> dict:
     """Greedy held-out accuracy per task: OCR rule, MCQ letter, RAG exact JSON and exact image list."""
     import re
@@ -35,8 +43,7 @@ def evaluate(model, tokenizer, pool: dict[str, list[dict]], device, max_new: int
             batch = collate(chunk, tokenizer.pad_token_id, device, left_pad=True, with_target=False)
             with torch.no_grad():
                 gen = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                                     max_new_tokens=max_new if task == "rag" else 24, do_sample=False,
+                                     **_pixels(batch), max_new_tokens=max_new if task == "rag" else 24, do_sample=False,
                                      pad_token_id=tokenizer.pad_token_id, **mm_kwargs(model, batch))
             for e, row in zip(chunk, gen[:, batch["input_ids"].shape[1]:]):
                 pred = tokenizer.decode(row, skip_special_tokens=True)
@@ -66,8 +73,7 @@ def expert_usage(model, tokenizer, pool: dict[str, list[dict]], device, n: int =
     for task, exs in pool.items():
         batch = collate(exs[:n], tokenizer.pad_token_id, device)
         with torch.no_grad():
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **_pixels(batch),
                         output_router_logits=True, **mm_kwargs(model, batch))
         m = batch["attention_mask"].reshape(-1).bool()
         counts = 0

@@ -44,8 +44,11 @@ from harness.models.train_data import CONTENT_RANGE, collate, mm_kwargs  # noqa:
 from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_vision import FocusProbe, dedup_vision_positions, pack_vision_attention
 
-BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256}
-POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000}
+BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
+         # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
+         "text_arith": 512, "text_list": 512, "text_lookup": 512, "text_choice": 512}
+POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000,
+        "text_arith": 7000, "text_list": 24000, "text_lookup": 24000, "text_choice": 24000}
 
 _TOK = None
 _IMAGE_TOKEN = None
@@ -69,7 +72,8 @@ def rope_positions(model, ids: np.ndarray, images: list[np.ndarray]) -> np.ndarr
     from harness.models.train_data import PATCH
 
     batch = {"input_ids": torch.from_numpy(ids.astype(np.int64))[None]}
-    grid = torch.tensor([[1, a.shape[0] // PATCH, a.shape[1] // PATCH] for a in images], dtype=torch.long)
+    grid = (torch.tensor([[1, a.shape[0] // PATCH, a.shape[1] // PATCH] for a in images], dtype=torch.long)
+            if images else None)  # a text task (v7): text positions only
     with torch.no_grad():
         pos, _ = model.model.get_rope_index(batch["input_ids"], image_grid_thw=grid,
                                             attention_mask=torch.ones_like(batch["input_ids"]),
@@ -122,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--expert-groups", type=int, default=None, help="grouped expert initialisation (0 = off)")
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
     ap.add_argument("--steps", type=int, default=6000)
-    ap.add_argument("--lr", type=float, default=2.5e-3)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (2.5e-3; v7, a fine-tune: 1e-3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=float, default=1.0, help="scale of the training pool (1.0 = POOL)")
     ap.add_argument("--batch-scale", type=float, default=1.0)
@@ -136,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight of the pointer loss (train_pointer.py; before v6: 0, v6: 0.5)")
     ap.add_argument("--pointer-layer", type=int, default=-1,
                     help="text layer whose head 0 the pointer loss trains (-1 = the last, as in v6)")
+    ap.add_argument("--init", default=None,
+                    help="start from this checkpoint's weights instead of a fresh initialisation (v7: the v4 model; "
+                         "its tokenizer must equal the recipe's, its SHA-256 is recorded)")
+    ap.add_argument("--route-prior", type=float, default=None,
+                    help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
+                         "tokens pulled onto its own group of expert copies, so experts specialise by task")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -148,9 +158,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-pack", dest="pack", action="store_false", help="keep transformers' per-image vision loop")
     args = ap.parse_args(argv)
     recipe = VARIANTS[args.variant]
-    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options", "pointer"):
+    for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options", "pointer",
+                "route_prior"):
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key, 0.0))
+    if args.lr is None:
+        args.lr = recipe.get("lr", 2.5e-3)
+    if args.init is None:
+        args.init = recipe.get("init")
+    if args.init == "v4":  # the committed checkpoint, which must still be v4 (train_recipes.V4_SHA256)
+        from harness.models.train_recipes import V4_SHA256
+        from harness.models.trained import CHECKPOINT, sha256_file
+
+        if sha256_file(CHECKPOINT / "model.safetensors") != V4_SHA256:
+            ap.error(f"--init v4: the committed checkpoint is no longer v4; pass --init DIR with the v4 files "
+                     f"(SHA-256 {V4_SHA256}, in git history)")
+        args.init = str(CHECKPOINT)
     args.task_weights = dict(recipe["task_weights"])
     return args
 
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     from harness.datasets.synthetic import tasks as st
     from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
     from harness.models.train_cells import CellProbe, option_loss
-    from harness.models.train_recipes import group_experts, task_weights_at
+    from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at
     from harness.models.trained import TRAINED_SPEC, WEIGHTS_LABEL, sha256_file
 
     t_start = time.time()
@@ -200,7 +223,20 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     config = build_config(spec, tokenizer)
     config.text_config.router_aux_loss_coef = args.aux
     torch.manual_seed(args.seed)
-    model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float32).to(device)
+    init_sha = None
+    if args.init:  # a fine-tune (v7): the same architecture and tokenizer, the given checkpoint's weights
+        from transformers import AutoTokenizer
+
+        init_dir = Path(args.init)
+        if AutoTokenizer.from_pretrained(init_dir).get_vocab() != tokenizer.get_vocab():
+            raise SystemExit(f"--init {init_dir}: its tokenizer differs from the recipe's (build_tokenizer)")
+        init_sha = sha256_file(init_dir / "model.safetensors")
+        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(init_dir, dtype=torch.float32)
+        model.config.text_config.router_aux_loss_coef = args.aux
+        model = model.to(device)
+        print(f"initialised from {init_dir} (sha256 {init_sha[:12]})", flush=True)
+    else:
+        model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float32).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f} M on {device}", flush=True)
@@ -210,7 +246,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     t0 = time.time()
     pool, held = pools if pools is not None else build_pools(args, str(tok_dir), config)
     data_s = time.time() - t0
-    if args.expert_groups:  # after the forked data workers: a multi-threaded op before fork can deadlock them
+    if args.expert_groups and not args.init:  # after the forked data workers: a multi-threaded op before fork can deadlock them
         print(f"grouped expert init: {group_experts(model, args.expert_groups, seed=args.seed)} tensors", flush=True)
     lens = {t: float(np.mean([len(e["ids"]) for e in v])) for t, v in pool.items()}
     print(f"data {data_s:.1f} s, mean lengths {lens}", flush=True)
@@ -221,7 +257,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / min(warm, total["steps"] // 10 + 1)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total["steps"]))))
     if args.pack:
-        check = collate(pool["mcq"][:16] + pool["ocr"][:16], tokenizer.pad_token_id, device)
+        check = collate(pool["mcq"][:16] + pool["ocr"][:16], tokenizer.pad_token_id, device)  # image tasks
         with torch.no_grad():
             ref = model.model.get_image_features(check["pixel_values"], check["image_grid_thw"], return_dict=True)
             ref = torch.cat(list(ref.pooler_output)) if hasattr(ref, "pooler_output") else torch.cat(list(ref[0]))
@@ -275,10 +311,16 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
                     output_router_logits=True, **extra)
-        focus, mass = probe.loss(batch["content"])
+        visual = batch["pixel_values"] is not None  # text tasks (v7) run no vision tower: no focus / cell loss
+        focus, mass = probe.loss(batch["content"]) if visual else (out.loss.new_zeros(()), float("nan"))
         loss = out.loss + args.focus * focus
+        routed = None
+        if args.route_prior:
+            prior, routed = route_prior_loss(out.router_logits, batch["attention_mask"], task,
+                                             model.config.text_config.num_experts)
+            loss = loss + args.route_prior * prior
         cells_acc = None
-        if cell_probe is not None:
+        if cell_probe is not None and visual:
             cells, cells_acc = cell_probe.loss(batch["cells"])
             loss = loss + args.cells * cells
         ptr_mass = None
@@ -296,7 +338,11 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         sched.step()
         aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
         ce = float(out.loss) - args.aux * aux
-        logged = [(f"ce_{task}", ce), ("focus", float(focus)), ("mass", float(mass)), ("aux", aux)]
+        logged = [(f"ce_{task}", ce), ("aux", aux)]
+        if visual:
+            logged += [("focus", float(focus)), ("mass", float(mass))]
+        if routed is not None:
+            logged.append((f"group_mass_{task}", routed))
         if cells_acc is not None and cells_acc == cells_acc:  # not NaN: the batch had labelled cells
             logged.append(("cells_acc", cells_acc))
         if opt_acc is not None and opt_acc == opt_acc:
@@ -339,7 +385,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         "name": "tiny-qwen3-vl-moe-trained", "weights": WEIGHTS_LABEL,
         "meaning": "a machinery-level model trained on the project's synthetic task suite, not a real model's quality",
         "generator_version": st.generator_version(),
-        "training": {**vars(args), "batch": BATCH, "pool": counts,
+        "training": {**vars(args), "batch": BATCH, "pool": counts, "init_sha256": init_sha,
                      "content_range": CONTENT_RANGE, "steps_done": step, "stopped_early": stopped_early},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

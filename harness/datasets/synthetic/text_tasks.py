@@ -1,0 +1,132 @@
+"""Seeded text-only tasks the embedded model learns (recipe v7, issue 28), in OpenCompass's custom-dataset format.
+
+Why: OpenCompass's suites are text-only, and before v7 the embedded model had only been trained on image
+tasks, so ``python -m harness.opencompass`` on the CI suite scored chance whatever SERE or top-K did (issue
+28). These four families give it text it has learnt, with held-out items it has never seen, so the seed's
+quality table (baseline / SERE K=2 / plain top-2) can be measured on the embedded model:
+
+- ``text_arith`` (QA): two-digit addition, ``"47+85="`` → ``"132"``;
+- ``text_list`` (QA): list operations on 4-6 digits, ``"sort: 7 3 9 1"`` → ``"1 3 7 9"`` (also ``reverse``,
+  ``copy``);
+- ``text_lookup`` (QA): key-value lookup in a short passage, ``"K=37 R=82 E=15 X=64. R?"`` → ``"82"``;
+- ``text_choice`` (multiple choice): the same kind of passage, the answer picked among options A-D (the
+  passage's values, shuffled), answered by the letter.
+
+The QA answers are 2-9 tokens, so most of each answer comes from decode steps, where SERE and ``moe.top_k``
+act (a one-token answer comes from prefill, which keeps the router's own top-k). Digits are single tokens in
+the embedded model's tokenizer, so arithmetic and sorting are digit-wise.
+
+The prompt the model is trained on is exactly the one OpenCompass sends for the row (:func:`oc_prompt`,
+``make_mcq_gen_config`` / ``make_qa_gen_config`` with no meta template: QA = the question, MCQ = ``Question:``,
+the option lines and ``Answer:``), which a test checks against OpenCompass's own trace.
+
+Split: ``tasks.is_heldout(key)`` on the prompt, as every synthetic task: an eighth is held-out and each split
+rejects the other's keys. The OpenCompass ``ci_sample`` suite is drawn from the held-out split.
+Only the standard library is imported (the training script runs on a GPU machine without Hydra).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from harness.datasets.synthetic.tasks import _in_split
+
+TEXT_TASKS = ("text_arith", "text_list", "text_lookup", "text_choice")
+MCQ_TASKS = ("text_choice",)
+LIST_OPS = ("sort", "reverse", "copy")
+KEYS = "EHKLNPRTXY"  # capitals that are no option letter (A-D), one token each
+LETTERS = "ABCD"
+
+
+@dataclass
+class TextItem:
+    """One text request: ``question`` (the dataset row's question), ``answer`` (QA: the text; MCQ: the
+    letter) and, for multiple choice, ``options`` (letter -> option text)."""
+
+    key: str
+    task: str
+    question: str
+    answer: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        return oc_prompt(self.question, self.options)
+
+    def row(self) -> dict[str, str]:
+        """The OpenCompass custom-format row (``question``, options ``A``-``D`` for MCQ, ``answer``)."""
+        return {"question": self.question, **self.options, "answer": self.answer}
+
+
+def oc_prompt(question: str, options: dict[str, str] | None = None) -> str:
+    """What OpenCompass 0.5 sends the model for a custom-format row (no meta template; ``gen`` mode: the BOT
+    turn is cut at the answer column, turns joined by newlines)."""
+    if not options:
+        return question
+    return "Question: " + question + "".join(f"\n{k}. {v}" for k, v in options.items()) + "\nAnswer: "
+
+
+def _passage(rng: random.Random) -> tuple[list[str], list[str]]:
+    keys = rng.sample(KEYS, 4)
+    values = [str(v) for v in rng.sample(range(10, 100), 4)]
+    return keys, values
+
+
+def _draw(task: str, rng: random.Random) -> TextItem:
+    if task == "text_arith":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        q = f"{a}+{b}="
+        return TextItem("text:" + q, task, q, str(a + b))
+    if task == "text_list":
+        op = rng.choice(LIST_OPS)
+        xs = [rng.randint(0, 9) for _ in range(rng.randint(4, 6))]
+        ys = sorted(xs) if op == "sort" else xs[::-1] if op == "reverse" else xs
+        q = f"{op}: " + " ".join(map(str, xs))
+        return TextItem("text:" + q, task, q, " ".join(map(str, ys)))
+    keys, values = _passage(rng)
+    i = rng.randrange(4)
+    passage = " ".join(f"{k}={v}" for k, v in zip(keys, values)) + f". {keys[i]}?"
+    if task == "text_lookup":
+        return TextItem("text:" + passage, task, passage, values[i])
+    if task == "text_choice":
+        order = rng.sample(range(4), 4)
+        options = {LETTERS[j]: values[o] for j, o in enumerate(order)}
+        return TextItem("text:choice:" + passage, task, passage, LETTERS[order.index(i)], options)
+    raise ValueError(f"unknown text task {task!r}; expected one of {TEXT_TASKS}")
+
+
+def text_item(task: str, rng: random.Random, split: str) -> TextItem:
+    """One item of ``task`` from ``split`` (redrawn until its key falls in the split)."""
+    while True:
+        item = _draw(task, rng)
+        if _in_split(item.key, split):
+            return item
+
+
+def items(task: str, split: str, n: int, seed: int = 0) -> list[TextItem]:
+    """``n`` items of ``task`` from ``split``, a pure function of (task, split, n, seed)."""
+    rng = random.Random(f"text:{task}:{split}:{seed}")
+    return [text_item(task, rng, split) for _ in range(n)]
+
+
+def mcq_choice(pred: str, options: dict[str, str]) -> str:
+    """The option a multiple-choice answer picks, as OpenCompass's ``OptionSimAccEvaluator`` reads it (its first
+    three rules: the answer is a letter; the first option letter in it; the one option whose text it contains);
+    "" where none applies (OpenCompass's last rule, the nearest option by edit distance, is not reproduced:
+    the training-time check counts such an answer wrong)."""
+    p = pred.strip()
+    if p in options:
+        return p
+    for ch in p:
+        if ch in options:
+            return ch
+    hits = [k for k, v in options.items() if v and v.lower() in p.lower()]
+    return hits[0] if len(hits) == 1 else ""
+
+
+def correct(item: TextItem, pred: str) -> bool:
+    """OpenCompass's rule for the row: MCQ via :func:`mcq_choice`; QA exact string match (``AccEvaluator``)."""
+    if item.options:
+        return mcq_choice(pred, item.options) == item.answer
+    return pred.strip() == item.answer

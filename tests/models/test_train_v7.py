@@ -1,0 +1,113 @@
+"""Recipe v7 (issue 28): the text tasks, their OpenCompass rows, text-only training batches, the routing prior."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from harness.datasets.synthetic import text_tasks as tt
+from harness.datasets.synthetic.tasks import is_heldout
+
+
+@pytest.mark.parametrize("task", tt.TEXT_TASKS)
+def test_items_are_right_by_construction_and_split(task):
+    held = tt.items(task, "heldout", 40)
+    train = tt.items(task, "train", 40)
+    assert held == tt.items(task, "heldout", 40)  # a pure function of the seed
+    assert all(is_heldout(it.key) for it in held) and not any(is_heldout(it.key) for it in train)
+    assert not {it.key for it in held} & {it.key for it in train}
+    for it in held:
+        q = it.question
+        if task == "text_arith":
+            a, b = q.rstrip("=").split("+")
+            assert it.answer == str(int(a) + int(b)) and len(a) == len(b) == 2
+        elif task == "text_list":
+            op, xs = q.split(": ")
+            xs = xs.split()
+            want = sorted(xs) if op == "sort" else xs[::-1] if op == "reverse" else xs
+            assert it.answer == " ".join(want)
+        else:
+            pairs = dict(p.split("=") for p in q.split(". ")[0].split())
+            key = q.split(". ")[1].rstrip("?")
+            value = pairs[key]
+            if task == "text_lookup":
+                assert it.answer == value
+            else:
+                assert it.options[it.answer] == value and sorted(it.options.values()) == sorted(pairs.values())
+
+
+def test_choice_prompt_is_opencompass_custom_mcq_format():
+    it = tt.items("text_choice", "heldout", 1)[0]
+    lines = it.prompt.split("\n")
+    assert lines[0] == "Question: " + it.question and lines[-1] == "Answer: "
+    assert lines[1:5] == [f"{k}. {v}" for k, v in it.options.items()]
+    assert tt.items("text_arith", "heldout", 1)[0].prompt == tt.items("text_arith", "heldout", 1)[0].question
+
+
+def test_correct_follows_opencompass_rules():
+    it = tt.TextItem("k", "text_choice", "X=12 K=34 E=56 L=78. K?", "B", {"A": "12", "B": "34", "C": "56", "D": "78"})
+    assert tt.correct(it, "B") and tt.correct(it, " B.") and tt.correct(it, "34")
+    assert not tt.correct(it, "A") and not tt.correct(it, "") and not tt.correct(it, "12 or 34")
+    qa = tt.TextItem("k", "text_arith", "47+85=", "132")
+    assert tt.correct(qa, "132") and not tt.correct(qa, "1320") and not tt.correct(qa, "13")
+
+
+def test_ci_sample_is_held_out_text_rows(tmp_path):
+    from harness.opencompass.suites import CI_SAMPLE_FILES, write_ci_sample
+
+    paths = write_ci_sample(tmp_path, n=5, seed=0)
+    assert [p.name for p in paths] == list(CI_SAMPLE_FILES)
+    for p in paths:
+        rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines()]
+        task = p.stem[len("harness_"):]
+        assert rows == [it.row() for it in tt.items(task, "heldout", 5, 0)]
+        assert all(is_heldout("text:" + ("choice:" if "A" in r else "") + r["question"]) for r in rows)
+
+
+def test_text_examples_encode_and_collate_without_pixels():
+    from harness.models.tiny import build_tokenizer
+    from harness.models.train_data import collate, encode, make_example
+    from harness.models.trained import TRAINED_SPEC
+
+    tok = build_tokenizer(TRAINED_SPEC)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    exs = [encode(make_example(t, random.Random(i)), tok, image_id) for i, t in enumerate(tt.TEXT_TASKS)]
+    for e, t in zip(exs, tt.TEXT_TASKS):
+        assert e["task"] == t and e["images"] == [] and image_id not in e["ids"].tolist()
+        target = tok.decode(e["ids"][e["n_prompt"]:], skip_special_tokens=True)
+        assert target == make_example(t, random.Random(tt.TEXT_TASKS.index(t))).target
+    batch = collate(exs, tok.pad_token_id, "cpu")
+    assert batch["pixel_values"] is None and batch["image_grid_thw"] is None
+    for i, e in enumerate(exs):  # loss only on the answer tokens
+        labelled = (batch["labels"][i] != -100).nonzero().flatten().tolist()
+        assert labelled == list(range(e["n_prompt"], len(e["ids"])))
+
+
+def test_route_prior_pulls_towards_the_task_group():
+    import torch
+
+    from harness.models.train_recipes import route_group, route_prior_loss
+
+    assert route_group("text_arith") == 3 and route_group("rag") == 2 and route_group("ocr_mix") == 0
+    mask = torch.ones(2, 3, dtype=torch.long)
+    on_group = torch.full((6, 16), -10.0)
+    on_group[:, 12:] = 5.0  # all mass on experts 12-15 = group 3
+    loss_on, mass_on = route_prior_loss((on_group,), mask, "text_list", 16)
+    loss_off, mass_off = route_prior_loss((on_group,), mask, "rag", 16)
+    assert mass_on > 0.99 and mass_off < 0.01 and float(loss_on) < 0.01 < float(loss_off)
+    logits = torch.zeros(6, 16, requires_grad=True)
+    route_prior_loss((logits,), mask, "text_list", 16)[0].backward()
+    assert bool((logits.grad[:, 12:] < 0).all()) and bool((logits.grad[:, :12] > 0).all())  # descent raises group 3
+
+
+def test_v7_recipe_flags():
+    from harness.models.train_recipes import V4_SHA256, VARIANTS
+    from harness.models.train_tiny import parse_args
+
+    v7 = VARIANTS["v7"]
+    assert abs(sum(v7["task_weights"].values()) - 1.0) < 1e-9
+    assert set(tt.TEXT_TASKS) <= set(v7["task_weights"]) and v7["init"] == "v4" and len(V4_SHA256) == 64
+    args = parse_args(["--variant", "v7-noprior", "--out", "x", "--init", "some/dir"])
+    assert args.route_prior == 0.0 and args.init == "some/dir" and args.lr == 1e-3 and args.cells == 0.5
