@@ -13,7 +13,10 @@ the config dataclasses, :class:`~harness.metrics.scoring.Scorer` + :func:`~harne
 - OCR+CC mix at keep 0.5: per-source keep rate under ``scope=request`` vs ``scope=image``;
 - RAG-IGBench Rouge-1 / edit / Kendall / format-invalid for: baseline, VisionZip keep 0.5 / 0.25, SERE K=1 ρ=0,
   + protect 4, SERE K=2 ρ=0, plain ``moe.top_k`` 1 and 2 (SERE vs top-K at the same K);
-- MCQ (CCBench circular and per-row accuracy) at keep 1.0 and 0.25.
+- MCQ (CCBench circular and per-row accuracy) at keep 1.0 and 0.25;
+- the text tasks (recipe v7, :mod:`harness.datasets.synthetic.text_tasks`): held-out accuracy per task with
+  OpenCompass's rules, under the OpenCompass table's settings (baseline, SERE K=2 / K=1 at ρ 0.5, K=1 + protect 4,
+  plain top-2) — the numbers ``python -m harness.opencompass`` measures on the CI suite, on more items.
 
 The first 12 RAG requests of the draw are the bundled sample's (same generator, seed 0, held-out split).
 Imports nothing of Hydra / omegaconf (``harness.config.schema``'s dataclasses work without it).
@@ -41,6 +44,14 @@ RAG_CONDITIONS: dict[str, dict[str, dict]] = {  # run in this order (most wanted
     "vz_0.25": {"visionzip": {"keep": 0.25}},
 }
 KEEPS = (1.0, 0.5, 0.25)
+# the seed's OpenCompass table (issue 28): SERE at ρ 0.5, plain top-2, and K=1's loss with and without protection
+TEXT_CONDITIONS: dict[str, dict[str, dict]] = {
+    "base": {},
+    "sere_k2_rho0.5": {"sere": {"k": 2, "rho": 0.5}},
+    "topk_2": {"moe": {"top_k": 2}},
+    "sere_k1_rho0.5": {"sere": {"k": 1, "rho": 0.5}},
+    "sere_k1_rho0.5_protect4": {"sere": {"k": 1, "rho": 0.5, "protect": 4}},
+}
 # OCR under the decode-time MoE techniques (keep 1.0): short answers, so many requests are cheap — a less noisy
 # SERE-vs-top-K comparison than 48 long RAG answers, once the model reads (v4)
 OCR_MOE_CONDITIONS: dict[str, dict[str, dict]] = {
@@ -116,6 +127,45 @@ def run_condition(ckpt: Path, dataset_cfg: Any, *, model_id: str, device: str, b
     return out
 
 
+def run_text_condition(ckpt: Path, text_items: dict[str, list], *, model_id: str, device: str, batch_size: int,
+                       max_new_tokens: int = 12, sere: dict | None = None, moe: dict | None = None) -> dict[str, Any]:
+    """The text tasks through the HF engine (one user turn, the prompt OpenCompass sends), scored with
+    OpenCompass's rules (:func:`text_tasks.correct`); accuracy per task and their unweighted mean."""
+    from harness.config.schema import EngineConfig, GenerationConfig, MoeConfig, SereConfig, VisionZipConfig
+    from harness.datasets.synthetic import text_tasks
+    from harness.engines.base import Request
+    from harness.engines.hf.engine import HFEngine
+
+    flat = [(task, i, it) for task, its in text_items.items() for i, it in enumerate(its)]
+    engine = HFEngine(str(ckpt), EngineConfig(device=device, dtype="float32", batch_size=batch_size,
+                                              experts_implementation=None, cuda_graphs=False, warmup=0),
+                      GenerationConfig(max_new_tokens=max_new_tokens), sere_cfg=SereConfig(**(sere or {})),
+                      visionzip_cfg=VisionZipConfig(), model_id=model_id, moe_cfg=MoeConfig(**(moe or {})))
+    try:
+        gens = engine.generate([Request(f"{task}-{i}", [{"type": "text", "text": it.prompt}], [])
+                                for task, i, it in flat])
+        stats = engine.technique_stats()
+    finally:
+        engine.close()
+    right: dict[str, list[bool]] = {t: [] for t in text_items}
+    for (task, _, it), g in zip(flat, gens):
+        right[task].append(not g.error and text_tasks.correct(it, g.text))
+    acc = {t: sum(v) / len(v) for t, v in right.items() if v}
+    out: dict[str, Any] = {"metrics": {**acc, "average": sum(acc.values()) / len(acc)},
+                           "errors": sum(1 for g in gens if g.error),
+                           "answers": {f"{t}-{i}": g.text for (t, i, _), g in zip(flat, gens)},
+                           "tpot_ms_median": _median([g.tpot_ms for g in gens if g.tpot_ms is not None])}
+    for name in ("sere", "moe"):
+        if name in stats:
+            out[name] = {k: v for k, v in stats[name].items() if k != "per_layer"}
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
 def score(samples: list, records: list[dict]) -> dict[str, Any]:
     """``aggregate`` of the harness's per-sample scores (records carry uid, answer, error)."""
     from harness.config.schema import ScoringConfig
@@ -181,6 +231,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         text, sparse = (src.get("ocrbench") or {}).get("keep_rate"), (src.get("ccbench") or {}).get("keep_rate")
         h[f"mix_{scope}_text_keep"], h[f"mix_{scope}_sparse_keep"] = text, sparse
         h[f"mix_{scope}_gap_text_minus_sparse"] = (text - sparse) if None not in (text, sparse) else None
+    for name in TEXT_CONDITIONS:
+        h[f"text_{name}"] = get(["text", name, "metrics", "average"])
     for name in RAG_CONDITIONS:
         res = get(["rag", name])
         h[f"rag_{name}"] = _rag_row(res) if res and "metrics" in res else None
@@ -189,7 +241,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 
 def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_ocr: int = 96, n_mcq: int = 48,
                         batch_size: int = 48, rag_tokens: int = 192,
-                        sections: tuple[str, ...] = ("ocr", "mix", "rag", "mcq"), deadline: float | None = None,
+                        sections: tuple[str, ...] = ("text", "ocr", "mix", "rag", "mcq"), n_text: int = 64, deadline: float | None = None,
                         log=print, out: Path | None = None) -> dict[str, Any]:
     """Every condition guarded: one failure is recorded and the rest still runs; past ``deadline`` (a
     ``time.time()`` value) the remaining conditions are recorded as skipped; ``out`` is rewritten after every
@@ -215,6 +267,11 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
     with tempfile.TemporaryDirectory(prefix="tiny-heldout-") as tmp:
         data = write_heldout(Path(tmp), generator, n_rag, n_ocr, n_mcq)
         plan: list[tuple[str, str, dict]] = []
+        if "text" in sections:  # first: the OpenCompass table's conditions are short, and v7 is about them
+            from harness.datasets.synthetic import text_tasks
+
+            text_items = {t: text_tasks.items(t, "heldout", n_text) for t in text_tasks.TEXT_TASKS}
+            plan += [("text", name, {"text_items": text_items, **over}) for name, over in TEXT_CONDITIONS.items()]
         if "ocr" in sections:
             plan += [("ocr", f"keep{k}", {"dataset_cfg": data["ocr"], "max_new_tokens": 16,
                                           "visionzip": {"keep": k}}) for k in KEEPS]
@@ -237,7 +294,8 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
                 results.setdefault(section, {})[name] = {"error": "skipped: past the time budget"}
                 continue
             try:
-                res = run_condition(ckpt, **common, **kwargs)
+                res = (run_text_condition(ckpt, **common, **kwargs) if section == "text" else
+                       run_condition(ckpt, **common, **kwargs))
             except Exception as e:  # noqa: BLE001 - one failing condition must not lose the others
                 res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
             res["wall_s"] = round(time.time() - t, 1)
@@ -267,6 +325,8 @@ def _brief(section: str, res: dict) -> Any:
         return _rag_row(res)
     if section == "ocr":
         return {"acc": m.get("ocrbench_accuracy"), "keep_rate": (res.get("visionzip") or {}).get("keep_rate")}
+    if section == "text":
+        return {k: round(v, 3) for k, v in m.items()}
     if section == "mcq":
         return {"acc": m.get("mcq_accuracy"), "row_acc": m.get("mcq_row_accuracy")}
     return {k: round(v["keep_rate"], 3) for k, v in (res.get("visionzip") or {}).get("by_source", {}).items()}
@@ -298,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="CPU-sized: 12 RAG / 24 OCR / 12 MCQ requests")
-    ap.add_argument("--sections", default="ocr,mix,rag,mcq")
+    ap.add_argument("--sections", default="text,ocr,mix,rag,mcq")
+    ap.add_argument("--n-text", type=int, default=64, help="held-out items per text task")
     ap.add_argument("--n-rag", type=int, default=48)
     ap.add_argument("--n-ocr", type=int, default=96)
     ap.add_argument("--n-mcq", type=int, default=48)
@@ -312,9 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         args.rescore.write_text(json.dumps(res, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
         print(format_table(res["headline"]))
         return 0
-    sizes = {"n_rag": args.n_rag, "n_ocr": args.n_ocr, "n_mcq": args.n_mcq, "batch_size": args.batch_size}
+    sizes = {"n_rag": args.n_rag, "n_ocr": args.n_ocr, "n_mcq": args.n_mcq, "batch_size": args.batch_size,
+             "n_text": args.n_text}
     if args.quick:
-        sizes = {"n_rag": 12, "n_ocr": 24, "n_mcq": 12, "batch_size": 12}
+        sizes = {"n_rag": 12, "n_ocr": 24, "n_mcq": 12, "batch_size": 12, "n_text": 16}
     res = evaluate_checkpoint(args.ckpt, device=args.device, sections=tuple(args.sections.split(",")),
                               rag_tokens=args.rag_tokens, deadline=args.deadline, out=args.out, **sizes)
     if args.out:
