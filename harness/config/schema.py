@@ -285,6 +285,9 @@ class LatencyConfig:
     bootstrap_resamples: int = 2000
     sequential: bool = False  # take this host's device lock for model load + measurement: jobs take turns
     lock_timeout_s: Optional[float] = None  # give up waiting for the device lock (None = wait)
+    paired: bool = False  # time the technique and the baseline alternating in this run (harness/latency/paired.py)
+    paired_rounds: int = 5  # rounds of the paired timing: every batch once per variant per round
+    paired_with: list[str] = field(default_factory=list)  # trivial VisionZip baselines timed too: random|pool|first
 # ---------------------------------------------------------------------- offload.lease (issue 15, lease policy)
 @dataclass
 class OffloadLeaseConfig:
