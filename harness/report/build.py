@@ -11,6 +11,9 @@ W&B. Writes into ``--out`` (default: ``<first path>/report``):
   jobs / run directories (``config.yaml`` without ``summary.json``), partial latency and speed-ups measured
   across runs, the Pareto front of each panel, VisionZip keep rate per image source (harness/report/markdown.py);
 - ``runs.csv``: the same rows, every column;
+- ``frontier.md`` (also a section of ``report.md``) and ``frontier.png`` (+ ``.svg``): each technique against the
+  baseline and against its trivial baselines at equal budget, with the verdict "beats it: yes / no / n.s."
+  (harness/report/frontier.py, issue 31);
 - ``quality_vs_ttft.png``, ``quality_vs_tpot.png`` (+ ``.svg``): quality against latency (the mean with the run's
   interval of the mean as error bars when every run has one, else the p50), one panel per (dataset, quality
   metric), the Pareto front drawn and the baseline (VisionZip off and SERE off) highlighted;
@@ -85,7 +88,7 @@ from harness.report.rows import (  # noqa: E402,F401 (the rows, harness/report/r
 
 
 # the plots live in harness/report/plots.py (re-exported here: callers use harness.report.build.plot_*)
-from harness.report.plots import plot_keep_rate_by_source, plot_quality_vs_latency  # noqa: E402
+from harness.report.plots import plot_frontier, plot_keep_rate_by_source, plot_quality_vs_latency  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- markdown
@@ -112,7 +115,8 @@ class ReportResult:
     vector_plots: list[Path] = field(default_factory=list)  # the SVG beside each PNG
 
 
-CSV_SKIP = {"vz_by_source", "_setup", "_samples", "random_scorer_metrics", "comparisons", "quality_metrics"}
+CSV_SKIP = {"vz_by_source", "_setup", "_samples", "random_scorer_metrics", "comparisons", "quality_metrics",
+            "_comparisons_all"}
 
 
 def default_title(rows: Sequence[dict[str, Any]]) -> str:
@@ -155,9 +159,16 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         plot_quality_vs_latency(all_panels, "ttft", out / "quality_vs_ttft.png", title=title),
         plot_quality_vs_latency(all_panels, "tpot", out / "quality_vs_tpot.png", title=title),
         plot_keep_rate_by_source(rows, out / "keep_rate_by_source.png", title=title),
+        plot_frontier(rows, out / "frontier.png", title=title),
     ) if p is not None]
     md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
                   pending=pending, requested=requested, sweeps=sweeps)
+    from harness.report.frontier import frontier_markdown
+
+    frontier = frontier_markdown(rows)  # issue 31: each technique against its trivial baselines at equal budget
+    (out / "frontier.md").write_text(frontier + "\n", encoding="utf-8")
+    if "|" in frontier:
+        md += "\n\n" + frontier.replace("# Frontier", "## Frontier", 1)
     (out / "report.md").write_text(md + "\n", encoding="utf-8")
     keys = [k for k in rows[0] if k not in CSV_SKIP]
     sources = sorted({s for r in rows for s in r["vz_by_source"]})
@@ -234,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: skipped {path}: {reason}", file=sys.stderr)
     for line in unfinished_lines(res.unfinished):
         print(f"warning: unfinished: {line.replace('`', '')}", file=sys.stderr)
-    print(f"{len(res.rows)} runs → {res.markdown}")
+    print(f"{len(res.rows)} runs → {res.markdown}" + (" (+ frontier.md)" if (res.out_dir / "frontier.md").is_file()
+                                                        else ""))
     for p in res.plots:
         print(f"  {p}" + (" (+ .svg)" if p.with_suffix(".svg") in res.vector_plots else ""))
     if res.wandb_report is not None:

@@ -255,3 +255,107 @@ def plot_keep_rate_by_source(rows: Sequence[dict[str, Any]], out: Path, *, title
     if fig is None:
         return None
     return save(fig, out)
+
+
+METHOD_STYLE = {"visionzip": ("tab:blue", "o"), "random": ("tab:gray", "x"), "pool": ("tab:cyan", "s"),
+                "first": ("tab:olive", "v"), "sere": ("tab:orange", "o"), "random re-route": ("tab:gray", "x"),
+                "top_p": ("tab:green", "D")}
+
+
+def _budget_points(group: Sequence[dict[str, Any]], metric: str) -> tuple[str, dict[str, list[tuple]]]:
+    """(x-axis name, {method: [(x, y, lo, hi)]}) of one setup: VisionZip and its baselines against the keep rate,
+    SERE and the routing baselines against the expert union per layer and step (where top-p lands). ``lo``/``hi``:
+    the paired interval of the delta against the baseline, moved to the metric's scale (None without one)."""
+    from harness.report.rows import QUALITY
+
+    scale = QUALITY[metric][2]
+    routing = any(r["family"] in ("sere", "routing-baseline") for r in group)
+    series: dict[str, list[tuple]] = {}
+    for r in group:
+        if r.get(metric) is None:
+            continue
+        if routing:
+            if r["family"] == "sere":
+                name, x = "sere", r.get("sere_experts_after")
+            elif r["family"] == "routing-baseline":
+                name = "random re-route" if r.get("moe_routing") == "random_p" else "top_p"
+                x = r.get("moe_union_after")
+            else:
+                continue
+        else:
+            if r["family"] == "visionzip":
+                name = "visionzip"
+            elif r["family"] == "vz-baseline":
+                name = str(r.get("vz_method"))
+            else:
+                continue
+            x = r["vz_keep"]
+        if x is None:
+            continue
+        y = r[metric] * scale
+        ci = r.get(f"{metric}_delta_ci")
+        lo = hi = None
+        if ci and r.get(f"{metric}_delta") is not None:
+            lo, hi = y + (ci[0] - r[f"{metric}_delta"]) * scale, y + (ci[1] - r[f"{metric}_delta"]) * scale
+        series.setdefault(name, []).append((x, y, lo, hi, r["label"]))
+    return ("experts per layer per decode step (union after routing)" if routing else "visual tokens kept (keep)",
+            {k: sorted(v) for k, v in series.items()})
+
+
+def frontier_figure(rows: Sequence[dict[str, Any]], *, title: str):
+    """Quality against budget, one subplot per (setup, metric) that has a technique and a trivial baseline: every
+    method a line, the trivial baselines beside the technique on the same axes, the baseline a dashed line, the
+    paired interval against the baseline as error bars. None when no setup has both."""
+    from harness.report.rows import QUALITY
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["setup"], []).append(r)
+    panels_ = []
+    for group in groups.values():
+        metric = next(iter(group[0].get("quality_metrics") or ()), None)
+        families = {r["family"] for r in group}
+        if metric and families & {"visionzip", "sere"} and families & {"vz-baseline", "routing-baseline"}:
+            for part in ([r for r in group if r["family"] in ("baseline", "visionzip", "vz-baseline")],
+                         [r for r in group if r["family"] in ("baseline", "sere", "routing-baseline")]):
+                if len({r["family"] for r in part} - {"baseline"}) >= 2:
+                    panels_.append((part, metric))
+    if not panels_:
+        return None
+    plt = _pyplot()
+    ncols = min(2, len(panels_))
+    nrows = math.ceil(len(panels_) / ncols)
+    width = 7.2 * ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 5.0 * nrows), squeeze=False, layout="constrained")
+    for ax, (group, metric) in zip(axes.flat, panels_):
+        label, unit, scale, _ = QUALITY[metric]
+        xname, series = _budget_points(group, metric)
+        for name, pts in series.items():
+            color, marker = METHOD_STYLE.get(name, ("black", "o"))
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, marker=marker, color=color, lw=1.2, ms=7, label=name)
+            for x, y, lo, hi, _ in pts:
+                if lo is not None:
+                    ax.errorbar([x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt="none", ecolor=color,
+                                capsize=3, alpha=0.7)
+        base = [r[metric] * scale for r in group if r["family"] == "baseline" and r.get(metric) is not None]
+        if base:
+            ax.axhline(sum(base) / len(base), color="black", ls="--", lw=1, label="baseline")
+        ax.set_xlabel(xname)
+        ax.set_ylabel(f"{label} [{unit}]")
+        ax.set_title(wrap_title(f"{label} · {group[0]['dataset']}"
+                                + (f" ({group[0]['dataset_variant']})" if group[0]["dataset_variant"] else ""),
+                                width / ncols, 10), fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels_):]:
+        ax.set_visible(False)
+    fig.suptitle(wrap_title(f"{title}\nquality at equal budget: each technique beside its trivial baselines "
+                            "(bars: paired interval against the baseline)", width, 12), fontsize=12)
+    return fig
+
+
+def plot_frontier(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -> Path | None:
+    """``frontier.png`` (+ SVG): :func:`frontier_figure`; None when nothing to draw."""
+    fig = frontier_figure(rows, title=title)
+    return None if fig is None else save(fig, out)

@@ -135,6 +135,11 @@ def _technique(summary: Mapping[str, Any]) -> dict[str, Any]:
         "sere_protect": int(sere.get("protect") or 0) if sere_on else None,
         "moe_top_k": moe.get("top_k") if topk_on else None,
         "moe_scope": moe.get("scope") if topk_on else None,
+        # the frontier table (harness/report/frontier.py) matches a technique with its trivial baselines on these
+        "vz_method": method if vz_on else None,
+        "moe_routing": routing or None,
+        "moe_k_primary": moe.get("k_primary") if routing else None,
+        "moe_p": _num(moe.get("p")) if routing == "top_p" else None,
     }
 
 
@@ -226,7 +231,9 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     row["sere_experts_before"] = _num(sere.get("expert_union_before"))
     row["sere_experts_after"] = _num(sere.get("expert_union_after"))
     row["sere_moved_fraction"] = _num(sere.get("moved_fraction"))
+    row["moe_union_after"] = _num(_get(s, "moe", "expert_union_after"))  # routing baselines: where they land
     row["comparisons"] = within_run_comparisons(s.get("comparisons"))
+    row["_comparisons_all"] = [c for c in s.get("comparisons") or [] if isinstance(c, Mapping)]  # vs trivial ones too
     row["_samples"] = str(run_dir / "samples.jsonl")  # for paired quality intervals against the baseline
     row["platform"] = " · ".join(str(x) for x in (row["model"], row["engine"], row["device"], row["dtype"],
                                                   f"bs{row['batch_size']}") if x is not None)
@@ -399,6 +406,29 @@ def compare_quality(row: Mapping[str, Any], base: Sequence[Mapping[str, Any]], m
             "kind": "across runs" if base else None, "significant": None}
 
 
+# a run-level metric whose per-sample score is kept under another name and scale in samples.jsonl: OCRBench's
+# score is 1000 × the share of right answers, each sample's ``score`` 0 or 1 (harness/metrics/ocrbench.py)
+PER_SAMPLE = {"ocrbench_score": ("score", 1000.0)}
+
+
+def paired_on(records_a: Sequence[Mapping[str, Any]], records_b: Sequence[Mapping[str, Any]],
+              metrics: Sequence[str]) -> dict[str, Any]:
+    """:func:`harness.metrics.paired.paired_metrics` on the report's metric names (:data:`PER_SAMPLE` mapped to the
+    per-sample key, the delta and its interval scaled back)."""
+    from harness.metrics.paired import paired_metrics
+
+    keys = {m: PER_SAMPLE.get(m, (m, 1.0)) for m in metrics}
+    res = paired_metrics(records_a, records_b, metrics=[k for k, _ in keys.values()])
+    out = {**res, "metrics": {}}
+    for m, (key, scale) in keys.items():
+        d = dict(res["metrics"].get(key) or {})
+        for f in ("delta", "low", "high", "mean_a", "mean_b"):
+            if d.get(f) is not None:
+                d[f] = d[f] * scale
+        out["metrics"][m] = d
+    return out
+
+
 def paired_quality(row: dict[str, Any], base: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> None:
     """Paired quality intervals (issue 31, harness/metrics/paired.py) of ``row`` against its one baseline run, from
     the two runs' ``samples.jsonl`` (matched by ``uid``; quality is per sample, so there is no drift between the
@@ -412,14 +442,14 @@ def paired_quality(row: dict[str, Any], base: Sequence[Mapping[str, Any]], metri
     if not todo or not a.is_file() or not b.is_file():
         return
     try:
-        from harness.metrics.paired import paired_metrics, read_samples
+        from harness.metrics.paired import read_samples
 
         records_a, records_b = read_samples(a), read_samples(b)
         shared = {str(r.get("uid")) for r in records_a} & {str(r.get("uid")) for r in records_b}
-        names = [m for m in todo if any(m in (r.get("scores") or {}) for r in records_a)]
+        names = [m for m in todo if any(PER_SAMPLE.get(m, (m,))[0] in (r.get("scores") or {}) for r in records_a)]
         if len(shared) < 2 or not names:
             return
-        result = paired_metrics(records_a, records_b, metrics=names)
+        result = paired_on(records_a, records_b, names)
     except Exception as e:  # noqa: BLE001 - no interval is the honest fallback: the cell then has none
         log.warning("%s: no paired quality interval (%s: %s)", row["run_dir"], type(e).__name__, e)
         return

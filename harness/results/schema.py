@@ -80,6 +80,9 @@ class Latency(TypedDict, total=False):
     noisy: list[str]  # the distributions whose pass-to-pass spread exceeds max_cv
     protocol: dict[str, Any]  # how the times were taken (warm-up, excluded batches, device lock)
     source: str  # where the times came from when not the harness's own timer (OpenCompass via vllm serve: /metrics)
+    # latency.paired=true: the technique, the baseline (and trivial baselines) timed alternating in this process on
+    # the same batches, with paired intervals on the speed-ups (harness/latency/paired.py); also in ``comparisons``
+    paired: dict[str, Any]
 
 
 class Run(TypedDict, total=False):
@@ -129,6 +132,7 @@ class Comparison(TypedDict, total=False):
     confidence: float
     n: int  # pairs (requests, or samples for quality)
     method: str  # e.g. "paired bootstrap over requests, A/B interleaved"
+    variant: str  # what was measured against ``against`` (the run's technique, e.g. "visionzip keep=0.5 ...")
 
 
 class Summary(TypedDict, total=False):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.datasets.base import DatasetError
 from harness.engines.base import TechniqueNotAvailable  # noqa: F401 (also importable from here)
 from harness.models.load import resolve_model  # noqa: F401 (also importable from here)
 from harness.results.schema import SamplesLog, run_block, utc_now, write_summary
@@ -110,6 +111,25 @@ def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, 
     return out
 
 
+class NothingScored(DatasetError):
+    """Every sample of the run failed for data reasons: there is no score, so the run must not look scored (the CLI
+    prints this one line and exits 2, as for data refused before the model loaded; a sweep records the job failed)."""
+
+
+def all_data_errors(records: list[dict[str, Any]]) -> str | None:
+    """One line when every record failed for a data reason (a missing or undecodable image, a defective row): the
+    count, the reasons and the first error; None when at least one sample was generated or failed otherwise."""
+    if not records or any(r.get("error_kind") != "data" for r in records):
+        return None
+    reasons: dict[str, int] = {}
+    for r in records:
+        reasons[r.get("error_reason") or "unknown"] = reasons.get(r.get("error_reason") or "unknown", 0) + 1
+    first = records[0]
+    return (f"all {len(records)} samples failed for data reasons ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+            + f"; first: {first.get('uid')}: {str(first.get('error') or '')[:160]}): nothing was scored")
+
+
 def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """The ``summary.json`` already in ``run_dir`` when it was written for this very configuration (a resumed
     sweep re-enters its finished jobs' directories), else None."""
@@ -184,10 +204,15 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     if done is not None:  # a finished run on read-only media: read, not run again
         return done
     with RunLock(run_dir), run_logging(run_dir):
+        from harness.run.rerun import archive_if_changed
+
+        archive_if_changed(run_dir, config)  # another configuration's run here: moved to previous/N, said on the console
         if cfg.cache.enabled and cfg.cache.read != "never":
             done = finished_summary(run_dir, config)
+            state = read_state(run_dir)
+            if state is not None and state.get("status") == "failed":  # e.g. nothing scored: run it again
+                done = None
             if done is not None:
-                state = read_state(run_dir)
                 if state is not None and state.get("status") == "running":  # killed between the two writes
                     mark_finished(run_dir, state)
                 if state is not None and wandb_pending(state, cfg.wandb.mode):
@@ -229,6 +254,28 @@ def _start_wandb(cfg: Any, config: dict[str, Any], run_dir: Path, state: dict[st
 
     return start_run(cfg.wandb, config, run_dir, name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"),
                      sweep=sweep_info())
+
+
+def run_paired(cfg: Any, engine: Any, runnable: list[tuple[Any, Any]], progress: Any) -> Any:
+    """``latency.paired=true``: after the scored pass, the technique, the baseline and ``latency.paired_with``'s
+    trivial baselines timed alternating on the same batches (:class:`harness.latency.paired.PairedTiming`, whose
+    ``summary()`` gives ``latency.paired`` and ``comparisons``); None when off or nothing is left to time."""
+    if not cfg.latency.get("paired") or not runnable:
+        progress.skip("paired")
+        return None
+    from harness.latency.paired import PairedTiming
+    from harness.latency.variants import paired_variants
+
+    variants = paired_variants(engine, cfg, list(cfg.latency.get("paired_with") or []))
+    # at least one warm-up round per variant: a side that pays a first call would bias the pair
+    paired = PairedTiming(engine, cfg.latency, variants, warmup_rounds=max(1, int(cfg.engine.warmup)))
+    bs = max(1, cfg.engine.batch_size)
+    batches = [[r for _, r in runnable[i: i + bs]] for i in range(0, len(runnable), bs)]
+    with progress.phase("paired", total=paired.rounds * len(variants) * len(runnable)) as bar:
+        bar.set_postfix_str(" vs ".join(v.name for v in variants))
+        paired.warm_up(batches)
+        paired.run(batches, bar)
+    return paired
 
 
 def mark_partial(technique_stats: dict[str, Any], n_generated: int, n_replayed: int) -> dict[str, Any]:
@@ -366,6 +413,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                     runnable.append((sample, Request(sample.uid, sample.content, sample.load_images())))
                 except Exception as e:  # noqa: BLE001 - a bad image costs its sample, never the run
                     record(sample, error=f"{type(e).__name__}: {e}")
+        all_runnable = list(runnable)  # paired timing (latency.paired) times every request, replayed or not
         keys: dict[str, str] = {}
         n_replayed = 0
         if cache is None:
@@ -447,6 +495,7 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
                         bar.update(len(chunk))
         else:
             progress.skip("repeats")
+        paired = run_paired(cfg, engine, all_runnable, progress)  # latency.paired: A/B alternating, same batches
         if device_lock is not None:
             device_lock.end_of_measurement()
     finally:
@@ -483,6 +532,11 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
             summary["load"] = load_info
         if device_lock is not None:
             summary["latency"].setdefault("protocol", {})["device"] = device_lock.info()
+        if paired is not None:
+            summary["latency"]["paired"], summary["comparisons"] = paired.summary(seed=cfg.seed)
+            with open(run_dir / "paired_timings.jsonl", "w", encoding="utf-8") as f:
+                for sample in paired.samples():
+                    f.write(json.dumps(sample) + "\n")
         if timer.samples:  # every timing taken, one line per request and pass (excluded ones flagged)
             with open(run_dir / "timings.jsonl", "w", encoding="utf-8") as f:
                 for sample in timer.samples:
@@ -492,6 +546,12 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         for warning in summary["warnings"]:  # INFO: the console shows them once, in the end-of-run summary
             log.info("warning: %s", warning)
         write_summary(run_dir / "summary.json", summary)
+        nothing_scored = all_data_errors(records)
+        if nothing_scored:  # summary.json stays for inspection; the run is failed, exit 2 (a sweep: that job)
+            from harness.run.state import mark_failed
+
+            mark_failed(run_dir, state, nothing_scored)
+            raise NothingScored(f"{nothing_scored}; summary.json and samples.jsonl are in {run_dir}")
         mark_finished(run_dir, state)
         log.info("%s written", run_dir / "summary.json")
         if live is not None:  # a kill from here on is redone by the rerun (run_state.json wandb.logged false)

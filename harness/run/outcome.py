@@ -16,6 +16,20 @@ CONSOLE_METRICS = (("comprehensive", "rouge1", "edit_score", "kendall", "clip_sc
 RANDOM_SCORER_METRICS = {"clip": ("clip_score",), "embed": ("alignment",)}
 
 
+def unmeaningful_metrics(scoring: Any) -> set[str]:
+    """The quality metrics a random-init scorer feeds in this run (``summary.json`` ``run.scoring``
+    ``clip_weights`` / ``embed_weights`` == ``"random-init"``), ``comprehensive`` with them (it averages them in).
+
+    Why keyed on the recorded weights, not on the scorer's name: a trained or reference scorer (a local directory
+    whose ``harness_model.json`` says so, or pretrained weights) is recorded with another label, and its metrics
+    head the console again by themselves (issue 28 item 4)."""
+    if not isinstance(scoring, Mapping):
+        return set()
+    out = {m for kind, metrics in RANDOM_SCORER_METRICS.items() if scoring.get(f"{kind}_weights") == "random-init"
+           for m in metrics}
+    return out | {"comprehensive"} if out else out
+
+
 def prompt_text(content: list[dict[str, Any]]) -> str:
     """The request's text as the model reads it, images as ``<image k>`` markers (k = 1-based request order)."""
     parts = []
@@ -180,15 +194,18 @@ def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> s
              f"setup    {model} ({run.get('weights') or '?'}) · {run.get('engine')} {run.get('engine_version') or ''}"
              f" · {run.get('dtype')} · {run.get('device_name')}"]
     quality = []
+    hidden = unmeaningful_metrics(run.get("scoring"))
     for group in CONSOLE_METRICS:
-        shown = [k for k in group if isinstance(metrics.get(k), (int, float))]
+        shown = [k for k in group if isinstance(metrics.get(k), (int, float)) and k not in hidden]
         for k in shown[:4]:
             v = metrics[k]
             quality.append(f"{k} {v:.1%}" if k == "mcq_accuracy" else f"{k} {v:.0f}" if k == "ocrbench_score"
                            else f"{k} {v:.3f}")
     n, scored = metrics.get("n_samples"), metrics.get("n_scored")
     count = f"{n} samples" + (f", {scored} scored" if scored is not None else "")
-    lines.append(f"quality  {' · '.join(quality) or 'n/a'}  ({count})")
+    not_shown = [k for group in CONSOLE_METRICS for k in group if k in hidden and isinstance(metrics.get(k), (int, float))]
+    lines.append(f"quality  {' · '.join(quality) or 'n/a'}  ({count})"
+                 + (f"; {', '.join(not_shown)} not shown: random-init scorers (in summary.json)" if not_shown else ""))
     lines.append(f"latency  TTFT p50 {_fmt_ms(lat.get('ttft_ms'))} · TPOT p50 {_fmt_ms(lat.get('tpot_ms'))} · "
                  f"E2E p50 {_fmt_ms(lat.get('e2e_ms'))}  ({_n(lat.get('n_measured'))} timed"
                  + (f", {_n(lat.get('n_cached'))} replayed" if lat.get("n_cached") else "") + ")"

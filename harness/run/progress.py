@@ -64,7 +64,8 @@ class RunProgress:
     """The overall bar of one run and its phase bars; where stderr is not a terminal (a log file, Slurm), one
     plain line per finished phase instead (no cursor movement, no escape codes)."""
 
-    PHASES = ("data", "model", "images", "cache", "warmup", "generate", "repeats", "finish")  # repeats: latency.repeats > 1
+    # repeats: latency.repeats > 1; paired: latency.paired (harness/latency/paired.py)
+    PHASES = ("data", "model", "images", "cache", "warmup", "generate", "repeats", "paired", "finish")
 
     def __init__(self, title: str):
         self.base = int(os.environ.get(POSITION_ENV, "0"))

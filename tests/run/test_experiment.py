@@ -298,6 +298,24 @@ def test_console_summary_and_warnings():
     assert trained[0].startswith("trained-synthetic model weights") and "not a real model's quality" in trained[0]
 
 
+def test_console_never_headlines_a_metric_of_random_init_scorers():
+    """Issue 28 item 4: the quality line leads with comprehensive / CLIP score / alignment only once the scorers'
+    recorded weights are not random-init (a trained or reference scorer switches them back on by itself)."""
+    from harness.run.outcome import console_summary
+
+    metrics = {"n_samples": 4, "comprehensive": 0.41, "rouge1": 0.25, "edit_score": 0.5, "clip_score": 0.12,
+               "alignment": 0.3}
+    random = {"clip_weights": "random-init", "embed_weights": "random-init"}
+    quality = next(line for line in console_summary({"run": {"scoring": random}, "metrics": metrics}).splitlines()
+                   if line.startswith("quality"))
+    assert quality.startswith("quality  rouge1 0.250 · edit_score 0.500")
+    assert "0.410" not in quality and "0.120" not in quality and "0.300" not in quality
+    assert "comprehensive, clip_score, alignment not shown: random-init scorers" in quality
+    trained = {"clip_weights": "trained-synthetic", "embed_weights": "pretrained"}
+    quality = console_summary({"run": {"scoring": trained}, "metrics": metrics}).splitlines()[2]
+    assert quality.startswith("quality  comprehensive 0.410 · rouge1 0.250") and "not shown" not in quality
+
+
 @pytest.mark.slow
 def test_a_plain_run_prints_no_warning_logs_to_its_file_and_ends_with_a_summary(tmp_path):
     """Old code: every run printed Hydra's 'SweepProgress ... MissingMandatoryValue' warning, cli.log stayed empty

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = ROOT / "harness/sweeps"
 CONF = ROOT / "harness/conf"
 SEARCHPATH = f"hydra.searchpath=[file://{ROOT / 'harness/conf'}]"
-EXPECTED_JOBS = {"visionzip_keep": 16, "sere_grid": 24, "joint": 16, "baseline": 2}
+EXPECTED_JOBS = {"visionzip_keep": 16, "sere_grid": 24, "joint": 16, "baseline": 2, "baselines_equal_budget": 13}
 SLURM_ENV = ("HARNESS_SLURM_PARTITION", "HARNESS_SLURM_ACCOUNT", "HARNESS_SLURM_QOS", "HARNESS_SLURM_CONSTRAINT",
              "HARNESS_SLURM_EXCLUDE", "HARNESS_SLURM_GRES", "HARNESS_SLURM_GPUS", "HARNESS_SLURM_CPUS",
              "HARNESS_SLURM_MEM_GB", "HARNESS_SLURM_TIME_MIN", "HARNESS_SLURM_ARRAY_PARALLELISM",
