@@ -1,60 +1,48 @@
-"""Expert offload on one GPU: every policy side by side at Qwen3-30B-A3B expert shapes (random init).
+"""Expert offload on one GPU, every policy timed side by side under the harness's latency protocol (issue 27).
 
-    python benchmarks/bench_offload.py                 # H200: ~3-4 min
-    python benchmarks/bench_offload.py --smoke         # CPU, tiny shapes, seconds (checks the script)
-    python benchmarks/bench_offload.py --only-headline # H200: ~1 min; B=1, ~32 %, skewed + random, 3 repeats
+    python benchmarks/bench_offload.py               # H200: ~3.5 min; writes results/benchmarks/offload.{json,md}
+    python benchmarks/bench_offload.py --smoke       # CPU, tiny shapes, ~1 min (checks the script end to end)
+    python benchmarks/bench_offload.py --plot results/benchmarks/offload.json   # the curves as PNGs beside it
 
-What runs. A stack of ``--layers`` MoE layers with Qwen3-30B-A3B's per-layer shapes (hidden 2048, expert
-intermediate 768, 128 experts, top-8, bf16: 9.44 MB per expert), random-initialised, experts in ONE pinned host
-slab per weight kind (``harness.techniques.offload.store``), the GPU expert cache of offload-core (``harness.techniques.offload.cache``,
-per-layer pools, copy stream, events, expert→slot table) and the project's fused MoE Triton kernel reading the
-cache slots through the table — the same code path as the HF engine's ``harness_offload_moe``, minus attention
-(identical for every policy, so it is left out: per-token times are MoE-only). 12 layers instead of 48 keep
-pinning and copying in budget (pinning 1 GiB ≈ 0.7 s); per-layer work is identical, so the per-token figures
-are also given scaled ×48/layers ("x48" columns) — an extrapolation, stated as such.
+What runs. ``--layers`` MoE layers with Qwen3-30B-A3B's per-layer shapes (hidden 2048, expert intermediate 768,
+128 experts, top-8, bf16: 9.44 MB an expert), random-initialised, experts in one pinned host slab per weight
+kind (:mod:`harness.techniques.offload.store`), the expert cache of :mod:`harness.techniques.offload.cache` and
+the project's fused MoE Triton kernel reading the slots through the expert→slot table: the HF engine's
+``harness_offload_moe`` path minus attention (the same for every policy, so per-token times are MoE-only).
+Every layer reads its routing on the host (one device→host read per layer, as the engine does).
 
-Routing sources (the routing of a policy run is fixed in advance, so every policy serves exactly the same
-accesses and the oracle's future is exact):
+Protocol (``benchmarks/offload_protocol.py``): per cell, one untimed run of every variant first (warm-up of the
+shape), then ``--repeats`` rounds, each running every variant once in a rotated order (A B C, B C A, ...), the
+resident model among them; each run builds a fresh cache, decodes ``--warmup`` untimed steps, then
+``--tokens`` timed ones. Reported per variant: mean ms/token with a bootstrap interval over the rounds, median,
+spread; against lru: the paired per-round ratio with its interval and the verdict (``faster``/``slower`` only
+when the two intervals do not overlap, else ``n.s.``); share of resident speed (paired).
 
-- ``random``: a random-initialised router per layer on the hidden state of a resident run (random token
-  embedding + the MoE outputs added layer by layer). Random routers route near-uniformly, with little reuse
-  between tokens: read it as the hard, uniform case, not as the real model. ``lru+gate``/``lease`` prefetch with
-  the next layer's router on the current hidden state (as in the engine).
-- ``skewed``: the synthetic trace of ``harness.techniques.offload.synthetic`` (median reuse distance 2 tokens, per-layer LRU
-  at 40 % residency ≈ 94 % hits: the published Qwen3-30B-A3B figures). A trace has no hidden states, so the
-  next-layer gate is *emulated*: it returns the true next-layer experts, each replaced by a random one with the
-  probability the real gate missed in the ``random`` source (its measured precision is printed and recorded).
+Routing sources (fixed before the runs: every policy serves exactly the same accesses, the oracle's future is
+exact); each table names its source and the JSON records its reuse distances:
 
-Policies: none (all resident), staging, lru, lru+gate, lease (recency score, gate prefetch), lease+pred
-(stability predictor, threshold 0.5), oracle (Belady on the same routing), and accelerate's ``cpu_offload``
-hooks on each layer's experts module (the naive baseline: every expert of a layer copied at every forward). Budgets: ~20 %, ~32 %, ~60 % of the
-experts per layer. B = 1 and 4. Then the seed's threshold sweep (0.9 / 0.7 / 0.5 / 0.3) and SERE on vs off at
-B = 4 (``harness.techniques.sere.reroute``, K = 4 of 8, ρ = 0 on a random symmetric similarity: the upper bound
-of the union saving; quality is not measured here).
+- ``skewed``: the synthetic trace of :mod:`harness.techniques.offload.synthetic` (median reuse distance 2
+  tokens, built to the published Qwen3-30B-A3B figures). No hidden states: the next-layer gate is emulated on
+  the host (the true next-layer experts, each replaced by a random one with the probability the real gate
+  missed on the ``random`` source);
+- ``random``: random-initialised routers on the hidden states of a resident run (near-uniform routing: the
+  hard case, not a trained model); the gate is the next layer's router on the current input, read in the same
+  device→host transfer as the layer's own ids (:mod:`harness.techniques.offload.gate_read`);
+- ``recorded:rag`` / ``recorded:ocr`` / ``recorded:mcq``: the routing the embedded trained model produced on its
+  own tasks (``results/benchmarks/offload_trace_tiny{,_ocr,_mcq}.pt``, recorded with
+  ``python -m harness.commands.offload_trace``: 4 MoE layers × 16 experts, top-4), replayed at Qwen3-30B-A3B
+  expert sizes, requests one after another at B = 1 (gate emulated as for ``skewed``).
 
-Memory: ``peak_alloc_gb`` = ``torch.cuda.max_memory_allocated`` during the timed steps (slots + activations +
-routers; the budget binds because the slots are the only expert storage on the device); ``held_gb`` (lease) =
-the peak experts the leases hold (leased or in grace) × expert bytes — what the seed's "peak memory" measures.
-
-Prefetch admission (``offload.prefetch.*``, harness/techniques/offload/prefetch.py): every prefetching policy runs under
-the cache's default admission rules (``--prefetch-*`` flags change them); ``lru+gate/legacy`` and
-``lease/legacy`` are the same policies with no admission rules and one copy stream (the behaviour before), so
-the table shows both side by side.
-
-Repeats (``--repeats N``): each cell is run N times from a fresh cache (same routing); ``ms/tok`` is the median
-over repeats and ``spread`` = (max - min) / median — one timed pass is not enough to call a difference of a few
-percent. Counts (hits, prefetches) are deterministic per repeat except where CUDA timing decides (late
-arrivals, throttling by copies still in flight); the table's counts are those of the median-time repeat.
-
-Writes ``results/benchmarks/offload.json`` (+ ``.md``) with hardware, versions, dtype, weights=random-init.
-Every section is guarded: one failure is recorded and the rest still runs.
+Sections, in priority order (``--max-seconds`` stops starting new ones; skipped ones are listed): the headline
+cell (B = 1, ~32 % budget) on each source; a torch.profiler capture of lru and lease; budget → hit rate and
+tokens/s; B = 1/4/16 against resident; lease threshold → long leases / held experts / tokens/s; accelerate's
+``cpu_offload`` (copies every expert every step: the naive baseline, a median of a few steps, no interval).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -63,30 +51,24 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-POLICIES = ("none", "staging", "lru", "lru+gate", "lru+gate/legacy", "lease", "lease/legacy", "lease+pred", "oracle")
-HEADLINE_POLICIES = ("none", "lru", "lru+gate", "lru+gate/legacy", "lease", "lease/legacy", "oracle")
-PREFETCH = None  # harness.techniques.offload.prefetch.PrefetchSettings of this run (set in main from the --prefetch-* flags)
+from offload_protocol import compare, rounds  # noqa: E402
+
+HEADLINE = ("none", "lru", "lfu", "lru+gate", "lease", "lease/nopf", "lease/dynamic", "oracle")
+#: routing traces of the embedded trained model on its own tasks (python -m harness.commands.offload_trace)
+RECORDED = {"rag": "offload_trace_tiny.pt", "ocr": "offload_trace_tiny_ocr.pt", "mcq": "offload_trace_tiny_mcq.pt"}
 
 
-def split_variant(policy: str):
-    """``lru+gate/legacy`` → (``lru+gate``, legacy admission); any other name → (name, this run's settings)."""
-    from harness.techniques.offload.prefetch import PrefetchSettings
-
-    if policy.endswith("/legacy"):
-        return policy[: -len("/legacy")], PrefetchSettings.legacy()
-    return policy, PREFETCH if PREFETCH is not None else PrefetchSettings()
-
-
-# -- set-up -------------------------------------------------------------------------------------------
 class Shapes:
-    def __init__(self, smoke: bool, layers: int | None):
-        if smoke:
-            self.h, self.i, self.e, self.k, self.layers = 64, 32, 16, 4, layers or 3
-        else:
-            self.h, self.i, self.e, self.k, self.layers = 2048, 768, 128, 8, layers or 12
+    """Per-layer shapes: Qwen3-30B-A3B (or tiny with ``smoke``); ``e``/``k``/``layers`` may be overridden."""
+
+    def __init__(self, smoke: bool, layers: int, e: int | None = None, k: int | None = None):
+        self.h, self.i = (64, 32) if smoke else (2048, 768)
+        self.e, self.k = e or (16 if smoke else 128), k or (4 if smoke else 8)
+        self.layers = layers
         self.expert_bytes = 3 * self.h * self.i * 2  # bf16
 
     def as_dict(self) -> dict:
@@ -95,7 +77,7 @@ class Shapes:
 
 
 def build_weights(s: Shapes, device: str, seed: int):
-    """Resident expert weights [L, E, 2I, H] / [L, E, H, I] and routers [L, E, H] (bf16, std 0.02)."""
+    """Resident experts ``[L, E, 2I, H]`` / ``[L, E, H, I]`` and routers ``[L, E, H]`` (std 0.02)."""
     g = torch.Generator(device=device).manual_seed(seed)
     gate_up = torch.empty(s.layers, s.e, 2 * s.i, s.h, dtype=torch.bfloat16, device=device)
     down = torch.empty(s.layers, s.e, s.h, s.i, dtype=torch.bfloat16, device=device)
@@ -107,8 +89,7 @@ def build_weights(s: Shapes, device: str, seed: int):
 
 
 def route(routers: torch.Tensor, layer: int, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = h.float() @ routers[layer].T
-    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    w, ids = torch.topk(torch.softmax(h.float() @ routers[layer].T, -1), k, dim=-1)
     return ids, (w / w.sum(-1, keepdim=True)).to(h.dtype)
 
 
@@ -121,27 +102,22 @@ def kernel(hidden, gate_up, down, ids, weights):
     return fused_moe_reference(hidden, gate_up, down, ids, weights)
 
 
-def random_source(s: Shapes, gate_up, down, routers, batch: int, steps: int, device: str, seed: int,
-                  drift: float) -> dict:
-    """Routing of a resident run of the random model: ids/weights [steps][L] ([B, k]) and hiddens [steps][L]
-    ([B, H], each layer's MoE input), plus the next-layer gate's precision (router l+1 on layer l's input).
-
-    Between layers the hidden state gets the MoE output plus Gaussian noise of RMS ``drift`` (the token
-    embedding has RMS 1): the stand-in for attention and everything else a real layer adds. Without it the
-    random MoE's output is so small that layer l's input predicts layer l+1's routing perfectly; drift 0.2
-    gives ~83 % next-layer gate precision at these shapes (near what pre-gating papers report for real
-    models), and the measured value is recorded."""
+# -- routing sources ----------------------------------------------------------------------------------
+def random_source(s: Shapes, gate_up, down, routers, steps: int, device: str, seed: int, drift: float) -> dict:
+    """Routing of a resident run of the random model at B = 1 (ids, weights and each layer's MoE input), and
+    the next-layer gate's precision. Between layers the hidden state gets the MoE output plus Gaussian noise
+    of RMS ``drift``: the stand-in for attention (without it layer l's input predicts layer l+1 perfectly)."""
     g = torch.Generator(device=device).manual_seed(seed)
     ids_all, w_all, hid_all = [], [], []
     hit = tot = 0
     for _ in range(steps):
-        h = torch.randn(batch, s.h, generator=g, device=device).to(torch.bfloat16)
+        h = torch.randn(1, s.h, generator=g, device=device).to(torch.bfloat16)
         ids_s, w_s, h_s = [], [], []
         for layer in range(s.layers):
             ids, w = route(routers, layer, h, s.k)
             if layer:
                 guess = route(routers, layer, h_s[-1], s.k)[0]
-                hit += sum(len(set(a) & set(b)) for a, b in zip(guess.tolist(), ids.tolist(), strict=True))
+                hit += len(set(guess.flatten().tolist()) & set(ids.flatten().tolist()))
                 tot += ids.numel()
             ids_s.append(ids)
             w_s.append(w)
@@ -151,44 +127,61 @@ def random_source(s: Shapes, gate_up, down, routers, batch: int, steps: int, dev
         ids_all.append(ids_s)
         w_all.append(w_s)
         hid_all.append(h_s)
-    return {"ids": ids_all, "weights": w_all, "hiddens": hid_all, "gate_precision": hit / max(tot, 1)}
+    host = torch.stack([torch.stack([x.cpu() for x in step], 1) for step in ids_all])  # [T, 1, L, k]
+    return {"ids": ids_all, "weights": w_all, "hiddens": hid_all, "host": host, "routers": routers,
+            "gate_precision": hit / max(tot, 1), "rows": 1}
 
 
-def skewed_source(s: Shapes, batch: int, steps: int, device: str, seed: int, trace=None) -> dict:
-    """Replay of the synthetic trace: the first ``batch`` requests decode together for ``steps`` steps."""
-    from harness.techniques.offload.synthetic import SyntheticSpec, synthetic_trace
+def replay_source(rows: torch.Tensor, weights: torch.Tensor, device: str) -> dict:
+    """A replay: ``rows`` ``[T, B, L, k]`` ids (and weights) → per step and layer device tensors ``[B, k]``."""
+    ids_all, w_all = [], []
+    for t in range(rows.shape[0]):
+        ids = rows[t].to(device)
+        w = weights[t].to(device=device, dtype=torch.bfloat16)
+        ids_all.append([ids[:, layer].contiguous() for layer in range(rows.shape[2])])
+        w_all.append([w[:, layer].contiguous() for layer in range(rows.shape[2])])
+    return {"ids": ids_all, "weights": w_all, "hiddens": None, "host": rows, "rows": rows.shape[1]}
 
-    if trace is None:
-        trace = synthetic_trace(SyntheticSpec(num_layers=s.layers, num_experts=s.e, top_k=s.k, requests=batch,
-                                              tokens=steps, seed=seed))
+
+def skewed_rows(trace, batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``batch`` requests of a synthetic trace decoding together: ``[steps, B, L, k]``."""
     sl = trace.request_slices()[:batch]
-    ids_all, w_all, emb_all = [], [], []
-    for t in range(steps):
-        rows = [x.start + t for x in sl]
-        ids = trace.ids[rows].to(device)  # [B, L, k]
-        w = trace.weights[rows].to(device=device, dtype=torch.bfloat16)
-        ids_all.append([ids[:, layer].contiguous() for layer in range(s.layers)])
-        w_all.append([w[:, layer].contiguous() for layer in range(s.layers)])
-        emb_all.append(trace.embeds[rows].to(device).unsqueeze(1))
-    return {"ids": ids_all, "weights": w_all, "hiddens": None, "embeds": emb_all, "trace": trace}
+    idx = torch.tensor([[x.start + t for x in sl] for t in range(steps)])
+    return trace.ids[idx], trace.weights[idx]
+
+
+def emulated_guesses(host: torch.Tensor, num_experts: int, precision: float, seed: int) -> list[list[list]]:
+    """Per step and layer, the emulated next-layer gate's rows on the host: the true ids of that layer, each
+    replaced by a random expert with probability ``1 - precision`` (drawn once, before any run)."""
+    g = torch.Generator().manual_seed(seed)
+    wrong = torch.rand(host.shape, generator=g) >= precision
+    guess = torch.where(wrong, torch.randint(0, num_experts, host.shape, generator=g), host)  # [T, B, L, k]
+    return [[guess[t, :, layer].tolist() for layer in range(host.shape[2])] for t in range(host.shape[0])]
+
+
+def trace_of(host: torch.Tensor):
+    """A :class:`RoutingTrace` of a replay (B = 1: one request) for :func:`reuse_statistics`."""
+    from harness.techniques.offload.trace import RoutingTrace
+
+    ids = host[:, 0].long()
+    n, nl, k = ids.shape
+    return RoutingTrace(ids, torch.ones(n, nl, k), torch.zeros(n, 1), torch.zeros(n, dtype=torch.long),
+                        torch.arange(n), torch.arange(nl))
 
 
 class ListTrace:
-    """The routing a run will serve, as an oracle trace (``steps_by_batch`` → [b, L, k] per step)."""
+    """The routing a run serves, as the oracle's trace (``steps_by_batch`` → ``[b, L, k]`` per step)."""
 
-    def __init__(self, ids: list[list[torch.Tensor]]):
-        self.steps = [torch.stack([x.cpu() for x in step], dim=1) for step in ids]
+    def __init__(self, host: torch.Tensor):
+        self.steps = [host[t] for t in range(host.shape[0])]
 
     def steps_by_batch(self, batch_size: int):
         return self.steps
 
 
 def aligned_oracle(ctx, warmup: int):
-    """offload-core's Belady oracle, its trace pointer kept on this run's steps across the warm-up reset.
-
-    The engine's oracle assumes the trace holds only the measured steps (the engine warms up on other
-    requests); here the warm-up steps are the first steps of the same replay, so after ``reset_stats`` (token
-    clock back to 0) trace step = clock step + ``warmup``."""
+    """Belady on this run's steps, its pointer kept aligned across the warm-up reset (trace step = clock step +
+    ``warmup``: the warm-up steps are the first steps of the same replay)."""
     from harness.techniques.offload.policies import OraclePolicy
 
     class AlignedOracle(OraclePolicy):
@@ -206,271 +199,315 @@ def aligned_oracle(ctx, warmup: int):
     return pol
 
 
-# -- one policy run -----------------------------------------------------------------------------------
-def run_policy(policy: str, s: Shapes, src: dict, capacity: int, device: str, store, resident, warmup: int,
-               params: dict[str, Any], gate_precision: float, seed: int, sere: dict | None = None) -> dict:
+def variant_params(variant: str, threshold: float = 0.5) -> tuple[str, dict]:
+    """``lease/dynamic`` → (``lease``, dynamic grace); ``lease/nopf`` → no gate prefetch; ``lease@0.7`` →
+    threshold 0.7; others as named."""
+    if variant.startswith("lease"):
+        lease = {"score": "recency", "prefetch": "none" if "/nopf" in variant else "gate"}
+        if "/dynamic" in variant:
+            lease["grace_mode"] = "dynamic"
+        if "@" in variant:
+            threshold = float(variant.split("@")[1])
+        return "lease", {"threshold": threshold, "lease": lease}
+    return variant, {}
+
+
+# -- one run ------------------------------------------------------------------------------------------
+def run_once(variant: str, s: Shapes, src: dict, capacity: int, device: str, store, resident, warmup: int,
+             tokens: int, profile: bool = False) -> dict:
+    """One run: a fresh cache, ``warmup`` untimed steps, ``tokens`` timed ones. Returns ms/token and counts."""
     from harness.techniques.offload.cache import ExpertCache
+    from harness.techniques.offload.gate_read import GateReader
     from harness.techniques.offload.policy import Geometry, PolicyContext, make_policy, policy_class
     from harness.techniques.offload.store import Mover
 
-    import harness.techniques.offload.lease  # noqa: F401  (registers "lease")
-
-    base, pf_settings = split_variant(policy)
-    name = "lease" if base.startswith("lease") else base
+    name, params = variant_params(variant)
     cls = policy_class(name)
     cap = s.e if cls.mode == "resident" else capacity
     geometry = Geometry(s.layers, s.e, s.k, cap, s.expert_bytes, tuple(range(s.layers)))
-    ids_all = src["ids"] if sere is None else sere["ids"]
-    rng = torch.Generator().manual_seed(seed + 7)
-
-    def gate(layer: int, hidden: Any) -> torch.Tensor:
-        if src["hiddens"] is not None:  # the real next-layer router on this layer's input
-            return route(src["routers"], layer, hidden, s.k)[0]
-        true = ids_all[hidden][layer].cpu()  # emulated gate: hidden = the step index
-        wrong = torch.rand(true.shape, generator=rng) >= gate_precision
-        return torch.where(wrong, torch.randint(0, s.e, true.shape, generator=rng), true)
-
-    ctx = PolicyContext(geometry, {"batch_size": len(ids_all[0][0]), **params}, ListTrace(ids_all), gate, device)
+    uses_gate = cls.needs_gate or (name == "lease" and params["lease"]["prefetch"] == "gate")
+    reader = None
+    if src["hiddens"] is not None:  # the real next-layer router, read with the layer's own ids
+        reader = GateReader((lambda layer, h: route(src["routers"], layer, h, s.k)[0]) if uses_gate else None,
+                            s.layers)
+        gate = reader
+    else:  # emulated on the host: hidden = the step index
+        guesses = src["guesses"]
+        gate = (lambda layer, t: guesses[t][layer]) if uses_gate else None
+    ctx = PolicyContext(geometry, {"batch_size": src["rows"], **params}, ListTrace(src["host"]), gate, device)
     pol = aligned_oracle(ctx, warmup) if name == "oracle" else make_policy(name, ctx)
     mover = Mover(store, cap, device) if cls.mode != "resident" else None
-    cache = ExpertCache(geometry, pol, mover, warm_after=8, prefetch=pf_settings)
+    cache = ExpertCache(geometry, pol, mover, warm_after=8)
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    steps = len(ids_all)
-    h_rand = torch.randn(len(ids_all[0][0]), s.h, generator=torch.Generator().manual_seed(seed)).to(
-        device=device, dtype=torch.bfloat16)
+    h_rand = torch.randn(src["rows"], s.h, generator=torch.Generator().manual_seed(1)).to(device=device,
+                                                                                         dtype=torch.bfloat16)
+    rf = torch.profiler.record_function if profile else None
     t_start = None
-    for t in range(steps):
+    for t in range(warmup + tokens):
         if t == warmup:
             cache.reset_stats()
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t_start = time.perf_counter()
-        emb = src.get("embeds", [None] * steps)[t]
-        cache.begin_pass("decode", rows=len(ids_all[t][0]), row_tokens=len(ids_all[t][0]), embeddings=emb)
+        cache.begin_pass("decode", rows=src["rows"], row_tokens=src["rows"])
         for layer in range(s.layers):
-            ids, w = ids_all[t][layer], src["weights"][t][layer]
+            ids, w = src["ids"][t][layer], src["weights"][t][layer]
             hidden = src["hiddens"][t][layer] if src["hiddens"] is not None else h_rand
-            needed = sorted(set(ids.reshape(-1).tolist()))
+            ctxm = rf("route_read") if rf else None
+            if ctxm:
+                ctxm.__enter__()
+            rows = reader.read(layer, ids, hidden) if reader is not None else ids.tolist()  # the sync per layer
+            needed = sorted({e for r in rows for e in r})
+            if ctxm:
+                ctxm.__exit__(None, None, None)
             if cache.mode == "resident":
                 cache.acquire(layer, needed)
                 kernel(hidden, resident[0][layer], resident[1][layer], ids, w)
             else:
                 chunks = cache.plan(layer, needed)
                 for chunk in chunks:
-                    cache.acquire(layer, chunk)
+                    if rf:
+                        with rf("acquire"):
+                            cache.acquire(layer, chunk)
+                    else:
+                        cache.acquire(layer, chunk)
                     slots = mover.table[layer][ids]
                     if len(chunks) > 1:
                         keep = torch.isin(ids, torch.tensor(chunk, device=ids.device))
                         slots = torch.where(keep, slots, torch.full_like(slots, -1))
                     kernel(hidden, mover.gate_up[layer], mover.down[layer], slots, w)
-                    cache.release(layer)
-            gate_hidden = hidden if src["hiddens"] is not None else t
-            cache.prefetch(pol.prefetch(layer, cache.clock, gate_hidden))
+                    if rf:
+                        with rf("release_on_access"):
+                            cache.release(layer)
+                    else:
+                        cache.release(layer)
+            gh = hidden if src["hiddens"] is not None else t
+            if rf:
+                with rf("prefetch"):
+                    cache.prefetch(pol.prefetch(layer, cache.clock, gh))
+            else:
+                cache.prefetch(pol.prefetch(layer, cache.clock, gh))
         cache.end_pass()
     sync()
     elapsed = time.perf_counter() - t_start
-    measured = steps - warmup
-    rows = len(ids_all[0][0])
-    summ = cache.summary()
-    ps = pol.stats()
+    summ, ps = cache.summary(), pol.stats()
     out = {
-        "policy": policy, "capacity": cap, "resident_fraction": cap / s.e,
-        "decode_ms_per_token": elapsed * 1e3 / measured, "tokens_per_s": rows * measured / elapsed,
-        "decode_ms_per_token_x48": elapsed * 1e3 / measured * 48 / s.layers,
-        "tokens_per_s_x48": rows * measured / elapsed * s.layers / 48,
+        "variant": variant, "capacity": cap, "resident_fraction": cap / s.e,
+        "ms_per_token": elapsed * 1e3 / tokens, "tokens_per_s": src["rows"] * tokens / elapsed,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-        "slots_gb": (mover.device_bytes / 1e9) if mover is not None else s.layers * s.e * s.expert_bytes / 1e9,
         "held_gb": ps["peak_held_bytes"] / 1e9 if "peak_held_bytes" in ps else None,
-        **{k: summ.get(k) for k in ("hit_rate", "hit_rate_warm", "hit_rate_cold", "late_arrivals", "misses",
-                                    "new_experts_per_layer_token", "prefetch_precision", "prefetch_recall_on_time",
-                                    "wasted_bytes", "h2d_bytes_per_token", "achieved_gb_s", "stall_ms_per_token",
-                                    "prefetch_issued", "prefetch_capped", "prefetch_throttled", "prefetch_dropped")},
-        "prefetch_settings": dict(pf_settings.__dict__),
-        "policy_stats": ps,
+        "gate_reads": reader.reads if reader else None, "gate_fallbacks": reader.fallbacks if reader else None,
+        **{k: summ.get(k) for k in ("hit_rate", "late_arrivals", "misses", "new_experts_per_layer_token",
+                                    "prefetch_issued", "prefetch_precision", "prefetch_recall_on_time",
+                                    "stall_ms_per_token", "achieved_gb_s", "h2d_bytes_per_token")},
+        **{k: ps.get(k) for k in ("lease_hit_rate", "peak_long_leases", "peak_held_experts", "preempted", "forced",
+                                  "trace_mismatch_steps")},
     }
     del mover, cache
-    if cuda:
-        torch.cuda.empty_cache()
     return out
 
 
-def run_repeated(repeats: int, *args, **kwargs) -> dict:
-    """``run_policy`` ``repeats`` times (fresh cache each time, same routing): the median-time run's numbers, plus
-    ``ms_per_token_repeats``, ``ms_min``/``ms_max`` and ``spread`` = (max - min) / median of ms/token."""
-    runs = [run_policy(*args, **kwargs) for _ in range(max(1, repeats))]
-    runs.sort(key=lambda r: r["decode_ms_per_token"])
-    out = dict(runs[len(runs) // 2])
-    ms = [r["decode_ms_per_token"] for r in runs]
-    out.update(repeats=len(runs), ms_per_token_repeats=ms, ms_min=ms[0], ms_max=ms[-1],
-               spread=(ms[-1] - ms[0]) / out["decode_ms_per_token"] if out["decode_ms_per_token"] else None,
-               late_arrivals_repeats=[r["late_arrivals"] for r in runs])
+def timed_cell(variants: list[str], repeats: int, run, log) -> dict:
+    """Warm-up run of every variant, then ``repeats`` rotated rounds; the protocol's comparison of the rounds."""
+    for v in variants:
+        run(v)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for order in rounds(variants, repeats):
+        for v in order:
+            runs[v].append(run(v))
+    ms = {v: [r["ms_per_token"] for r in rs] for v, rs in runs.items()}
+    cmp = compare(ms, reference="lru" if "lru" in ms else variants[0], resident="none")
+    out = {}
+    for v in variants:
+        last = runs[v][-1]
+        out[v] = {**{k: last[k] for k in last if k != "ms_per_token"}, "ms": cmp[v],
+                  "hit_rate_rounds": [r["hit_rate"] for r in runs[v]]}
+        c = cmp[v]
+        share = c.get("share_of_resident", {}).get("mean")
+        log(f"  {v:14s} {c['mean']:8.3f} ms/tok CI [{c['ci'][0] if c['ci'] else float('nan'):.3f}, "
+            f"{c['ci'][1] if c['ci'] else float('nan'):.3f}] spread {c['spread']:.3f} hit {last['hit_rate']} "
+            f"share {share if share is None else round(share, 3)} {c.get('verdict_vs_lru', '')}")
     return out
 
 
-def accelerate_baseline(s: Shapes, src: dict, store, device: str, steps: int) -> dict:
-    """accelerate's naive offload (what ``device_map`` with CPU-offloaded experts does): ``cpu_offload`` hooks on
-    each layer's experts module copy the module's whole weights (all E experts) to the GPU at every forward and
-    drop them after. The modules' host weights are the pinned store's own slabs (no extra host memory); the same
-    fused kernel computes. One untimed step first, then ``steps`` timed ones."""
-    from accelerate import cpu_offload
-
-    class Experts(torch.nn.Module):
-        def __init__(self, gate_up, down):
-            super().__init__()
-            self.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
-            self.down = torch.nn.Parameter(down, requires_grad=False)
-
-        def forward(self, h, ids, w):
-            return kernel(h, self.gate_up, self.down, ids, w)
-
-    mods = [cpu_offload(Experts(store.gate_up[layer], store.down[layer]), execution_device=torch.device(device))
-            for layer in range(s.layers)]
-    b = len(src["ids"][0][0])
-    h = torch.randn(b, s.h, device=device).to(torch.bfloat16)
-    cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = []
-    for t in range(steps + 1):
-        sync()
-        t0 = time.perf_counter()
-        for layer, mod in enumerate(mods):
-            mod(h, src["ids"][t][layer], src["weights"][t][layer])
-        sync()
-        times.append(time.perf_counter() - t0)
-    ms = sorted(times[1:])[len(times[1:]) // 2] * 1e3
-    from importlib.metadata import version
-
-    return {"policy": "accelerate", "batch": b, "decode_ms_per_token": ms, "tokens_per_s": b * 1e3 / ms,
-            "decode_ms_per_token_x48": ms * 48 / s.layers, "tokens_per_s_x48": b * 1e3 / ms * s.layers / 48,
-            "accelerate_version": version("accelerate"), "steps": steps,
-            "h2d_bytes_per_token": s.layers * s.e * s.expert_bytes}
+# -- tables and plots ---------------------------------------------------------------------------------
+def f(v: Any, p: int = 3) -> str:
+    return "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
 
-def policy_params(policy: str, predictor: str | None, threshold: float = 0.5) -> dict:
-    policy = split_variant(policy)[0]
-    if policy == "lease":
-        return {"threshold": threshold, "lease": {"score": "recency", "prefetch": "gate"}}
-    if policy == "lease+pred":
-        return {"threshold": threshold, "lease": {"score": "predictor", "predictor": predictor, "prefetch": "gate"}}
-    return {}
+def ci(c: dict | None, p: int = 3) -> str:
+    return "—" if not c or not c.get("ci") else f"[{c['ci'][0]:.{p}f}, {c['ci'][1]:.{p}f}]"
 
 
-# -- tables -------------------------------------------------------------------------------------------
-def fmt(v: Any, p: int = 3) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    return f"{v:.{p}f}" if isinstance(v, float) else str(v)
+def cell_table(cell: dict) -> list[str]:
+    head = ("| variant | ms/token mean | 95 % CI | spread | vs lru (paired) | CI | verdict vs lru | share of resident "
+            "| hit | new/layer/tok | pf issued | pf prec | late | stall ms/tok | peak GB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for v, r in cell.items():
+        m = r["ms"]
+        vs = m.get("vs_lru") or {}
+        sh = m.get("share_of_resident") or {}
+        lines.append(f"| {v} | {f(m['mean'])} | {ci(m)} | {f(m['spread'], 2)} | {f(vs.get('mean'))} | {ci(vs)} | "
+                     f"{m.get('verdict_vs_lru', '—')} | {f(sh.get('mean'))} {ci(sh, 2)} | {f(r.get('hit_rate'))} | "
+                     f"{f(r.get('new_experts_per_layer_token'), 2)} | {f(r.get('prefetch_issued'))} | "
+                     f"{f(r.get('prefetch_precision'), 2)} | {f(r.get('late_arrivals'))} | "
+                     f"{f(r.get('stall_ms_per_token'), 2)} | {f(r.get('peak_alloc_gb'), 2)} |")
+    return lines
 
 
-def table(rows: list[dict], cols: list[tuple[str, str, int]]) -> str:
-    head = "| " + " | ".join(c[0] for c in cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    body = ["| " + " | ".join(fmt(r.get(c[1]), c[2]) for c in cols) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    md = [f"# Expert offload, paired protocol ({env.get('device_name')}, {result['dtype']}, {result['weights']}; "
+          f"torch {env.get('torch_version')}, triton {env.get('triton_version')}, git {env.get('git_commit')})", "",
+          f"Command: `{result['command']}`. {result['shapes']['layers']} MoE layers of Qwen3-30B-A3B expert shape "
+          f"(MoE-only per-token times), {result['warmup_steps']} untimed + {result['timed_steps']} timed decode steps "
+          "per run, a fresh cache per run, one untimed run per variant first, then rotated rounds. Interval: "
+          "bootstrap (BCa) of the mean over rounds; verdict `faster`/`slower` only when the intervals of the "
+          "variant and lru do not overlap, else `n.s.`; `vs lru` and `share of resident` are per-round paired "
+          "ratios (ms/ms).", ""]
+    for key, cell in result["cells"].items():
+        src = result["sources"].get(cell["source"], {})
+        rd = (src.get("reuse") or {}).get("reuse_distance", {})
+        md += [f"## {key}", "", f"Source `{cell['source']}`: {src.get('what', '')}; reuse distance median "
+               f"{f(rd.get('median'), 1)} / mean {f(rd.get('mean'), 1)} / p90 {f(rd.get('p90'), 1)} tokens; "
+               f"B = {cell['batch']}, capacity {cell['capacity']} of {cell['experts']} experts per layer, "
+               f"{cell.get('layers')} MoE layers, {cell.get('timed_steps')} timed steps per run, {cell['repeats']} "
+               "rounds.", "", *cell_table(cell["variants"]), ""]
+    if result.get("budget_curve"):
+        md += ["## Budget → hit rate and tokens/s (skewed, B = 1)", "",
+               "| budget | variant | hit | tokens/s (mean of rounds) | ms/token CI |", "|---|---|---|---|---|"]
+        for row in result["budget_curve"]:
+            md.append(f"| {row['resident_fraction']:.2f} | {row['variant']} | {f(row['hit_rate'])} | "
+                      f"{f(row['tokens_per_s'], 1)} | {ci(row['ms'])} |")
+        md.append("")
+    if result.get("threshold_sweep"):
+        md += ["## Lease threshold → long leases, held experts, tokens/s (skewed, B = 1, recency score, fixed cache)",
+               "", "| threshold | long leases (peak) | held experts (peak) | held GB | hit | lease hit | tokens/s | "
+               "ms/token CI |", "|---|---|---|---|---|---|---|---|"]
+        for row in result["threshold_sweep"]:
+            md.append(f"| {row['threshold']} | {f(row.get('peak_long_leases'))} | {f(row.get('peak_held_experts'))} | "
+                      f"{f(row.get('held_gb'), 2)} | {f(row.get('hit_rate'))} | {f(row.get('lease_hit_rate'))} | "
+                      f"{f(row['tokens_per_s'], 1)} | {ci(row['ms'])} |")
+        md.append("")
+    if result.get("accelerate"):
+        a = result["accelerate"]
+        md += [f"accelerate `cpu_offload` (every expert copied at every forward, B = 1): {f(a['ms_per_token'], 1)} "
+               f"ms/token (median of {a['steps']} steps, no interval).", ""]
+    if result.get("skipped"):
+        md += ["Skipped (time budget): " + ", ".join(result["skipped"]), ""]
+    if result["errors"]:
+        md += ["## Errors", "", *[f"- {e['section']}: {e['error']}" for e in result["errors"]], ""]
+    return "\n".join(md) + "\n"
 
 
-MAIN_COLS = [("source", "source", 0), ("B", "batch", 0), ("budget", "resident_fraction", 2), ("policy", "policy", 0),
-             ("ms/tok", "decode_ms_per_token", 2), ("spread", "spread", 2), ("tok/s", "tokens_per_s", 1), ("tok/s x48", "tokens_per_s_x48", 1),
-             ("share of resident", "share_of_resident", 3), ("hit", "hit_rate", 3), ("hit warm", "hit_rate_warm", 3),
-             ("late", "late_arrivals", 0), ("new/layer/tok", "new_experts_per_layer_token", 2),
-             ("pf issued", "prefetch_issued", 0), ("pf prec", "prefetch_precision", 2),
-             ("pf recall", "prefetch_recall_on_time", 2),
-             ("stall ms/tok", "stall_ms_per_token", 2), ("GB/s", "achieved_gb_s", 1), ("peak GB", "peak_alloc_gb", 2)]
+def plot(path: str) -> list[str]:
+    """PNG curves beside ``path`` from a result JSON: budget → hit rate / tokens/s, threshold → held experts /
+    tokens/s, batch → tokens/s per variant."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def goal_check(runs: list[dict], frac: float) -> list[dict]:
-    """The issue's headline goal per source at B = 1 and the budget nearest ~32 %, for lru+gate and lease."""
-    out = []
-    cell = [r for r in runs if r.get("batch") == 1 and r.get("resident_fraction") is not None
-            and abs(r["resident_fraction"] - frac) < 0.02]
-    for source in ("skewed", "random"):
-        lru = next((r for r in cell if r.get("source") == source and r["policy"] == "lru"), None)
-        for r in cell:
-            if r.get("source") != source or r["policy"] not in ("lru+gate", "lease"):
-                continue
-            lo, hi = r.get("ms_min", r["decode_ms_per_token"]), r.get("ms_max", r["decode_ms_per_token"])
-            llo = lru.get("ms_min", lru["decode_ms_per_token"]) if lru else None
-            lhi = lru.get("ms_max", lru["decode_ms_per_token"]) if lru else None
-            share = r.get("share_of_resident")
-            out.append({"source": source, "policy": r["policy"], "share_of_resident": share, "ms_min": lo,
-                        "ms_max": hi, "lru_ms_min": llo, "lru_ms_max": lhi,
-                        "half_of_resident": None if share is None else share >= 0.5,
-                        "beats_lru": None if llo is None else hi < llo})
-    return out
+    r = json.load(open(path))
+    stem, written = os.path.splitext(path)[0], []
+    if r.get("budget_curve"):
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        for v in sorted({x["variant"] for x in r["budget_curve"]}):
+            rows = sorted((x for x in r["budget_curve"] if x["variant"] == v), key=lambda x: x["resident_fraction"])
+            ax[0].plot([x["resident_fraction"] for x in rows], [x["hit_rate"] for x in rows], "o-", label=v)
+            ax[1].plot([x["hit_rate"] for x in rows], [x["tokens_per_s"] for x in rows], "o-", label=v)
+        ax[0].set(xlabel="experts on the GPU (share per layer)", ylabel="hit rate")
+        ax[1].set(xlabel="hit rate", ylabel="tokens/s (MoE layers only)")
+        ax[1].legend()
+        fig.suptitle(f"{r['environment'].get('device_name')}, skewed trace, B = 1")
+        fig.tight_layout()
+        fig.savefig(stem + "_budget.png", dpi=110)
+        written.append(stem + "_budget.png")
+    batch = {k: c for k, c in r["cells"].items() if c["source"] == "skewed"}
+    if len(batch) > 1:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        names = sorted({v for c in batch.values() for v in c["variants"]})
+        for v in names:
+            pts = sorted((c["batch"], c["variants"][v]["tokens_per_s"]) for c in batch.values() if v in c["variants"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=v)
+        ax.set(xscale="log", xlabel="batch", ylabel="tokens/s (last round)", title="skewed, ~32 % budget")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + "_batch.png", dpi=110)
+        written.append(stem + "_batch.png")
+    if r.get("threshold_sweep"):
+        rows = r["threshold_sweep"]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot([x["threshold"] for x in rows], [x.get("peak_held_experts") or 0 for x in rows], "o-", label="held experts")
+        ax2 = ax.twinx()
+        ax2.plot([x["threshold"] for x in rows], [x["tokens_per_s"] for x in rows], "s--", color="C1", label="tokens/s")
+        ax.set(xlabel="offload.threshold", ylabel="peak experts held by leases")
+        ax2.set_ylabel("tokens/s")
+        fig.tight_layout()
+        fig.savefig(stem + "_threshold.png", dpi=110)
+        written.append(stem + "_threshold.png")
+    return written
 
 
 # -- main ---------------------------------------------------------------------------------------------
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks the script end to end")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    ap.add_argument("--plot", default=None, help="only draw the curves of this result JSON")
     ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 12; smoke 3)")
-    ap.add_argument("--tokens", type=int, default=None, help="timed decode steps per run (default 48; smoke 6)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 12; smoke 3)")
-    ap.add_argument("--max-seconds", type=float, default=285.0,
-                    help="stop starting new runs after this many seconds (skipped runs are listed in the JSON)")
-    ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--budgets", default="0.2,0.32,0.6")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--tokens", type=int, default=None, help="timed decode steps per run (default 40; smoke 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run first (default 10; smoke 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds of the headline cells (default 7; smoke 5)")
+    ap.add_argument("--curve-repeats", type=int, default=3, help="rounds of the budget/batch/threshold cells")
+    ap.add_argument("--budget", type=float, default=0.32, help="headline share of experts on the GPU")
+    ap.add_argument("--budgets", default="0.1,0.2,0.32,0.5,0.75,1.0")
+    ap.add_argument("--batches", default="4,16")
     ap.add_argument("--thresholds", default="0.9,0.7,0.5,0.3")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--accelerate-steps", type=int, default=4, help="timed steps of accelerate's offload (0 = skip)")
+    ap.add_argument("--sources", default="skewed,random,recorded:rag,recorded:ocr,recorded:mcq")
+    ap.add_argument("--accelerate-steps", type=int, default=2)
     ap.add_argument("--drift", type=float, default=0.2, help="per-layer hidden-state noise RMS (random source)")
-    ap.add_argument("--out", default=None, help="output stem (default results/benchmarks/offload; "
-                    "offload_headline with --only-headline)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per cell, median reported (default 1; "
-                    "3 with --only-headline)")
-    ap.add_argument("--only-headline", action="store_true",
-                    help="only the issue's headline cell: B=1, ~32 %%, skewed + random, none/lru/lru+gate/lease/"
-                         "oracle (+ the /legacy prefetch variants), --repeats 3; no predictor, sweep, SERE, accelerate")
-    ap.add_argument("--prefetch-max-per-layer", type=int, default=None, help="offload.prefetch.max_per_layer")
-    ap.add_argument("--prefetch-max-inflight", type=int, default=None, help="offload.prefetch.max_inflight")
-    ap.add_argument("--prefetch-protect-tokens", type=int, default=None, help="offload.prefetch.protect_tokens")
-    ap.add_argument("--prefetch-stream", default=None, help="offload.prefetch.stream (separate | shared)")
+    ap.add_argument("--max-seconds", type=float, default=200.0, help="no new section starts after this")
+    ap.add_argument("--profile-dir", default=None, help="write the torch.profiler tables of lru and lease here")
+    ap.add_argument("--out", default=None, help="output stem (default results/benchmarks/offload[_smoke])")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    global PREFETCH
-    from harness.techniques.offload.prefetch import PrefetchSettings
-
-    d = PrefetchSettings()
-    PREFETCH = PrefetchSettings(
-        max_per_layer=d.max_per_layer if args.prefetch_max_per_layer is None else args.prefetch_max_per_layer,
-        max_inflight=d.max_inflight if args.prefetch_max_inflight is None else args.prefetch_max_inflight,
-        protect_tokens=d.protect_tokens if args.prefetch_protect_tokens is None else args.prefetch_protect_tokens,
-        stream=args.prefetch_stream or d.stream)
-    if args.out is None:
-        args.out = os.path.join(REPO, "results", "benchmarks", "offload_headline" if args.only_headline else "offload")
-    if args.only_headline:
-        args.batches, args.budgets, args.accelerate_steps = "1", "0.32", 0
-        if args.policies == ",".join(POLICIES):
-            args.policies = ",".join(HEADLINE_POLICIES)
-    repeats = args.repeats or (3 if args.only_headline else 1)
-    device = "cpu" if args.smoke else "cuda"
-    if not args.smoke and not torch.cuda.is_available():
+    if args.plot:
+        for p in plot(args.plot):
+            print("wrote", p)
+        return
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_offload needs a CUDA GPU (use --smoke on CPU)")
-    s = Shapes(args.smoke, args.layers)
-    tokens = args.tokens or (6 if args.smoke else 48)
-    warmup = args.warmup if args.warmup is not None else (3 if args.smoke else 12)
+    s = Shapes(smoke, args.layers or (3 if smoke else 12))
+    tokens = args.tokens or (6 if smoke else 40)
+    warmup = args.warmup if args.warmup is not None else (3 if smoke else 10)
+    repeats = args.repeats or (5 if smoke else 7)
     steps = warmup + tokens
-    batches = [int(x) for x in args.batches.split(",")]
-    budgets = [float(x) for x in args.budgets.split(",")]
-    policies = [p for p in args.policies.split(",") if p]
-    if args.smoke:
-        args.out = args.out + "_smoke"
+    out = args.out or os.path.join(REPO, "results", "benchmarks", "offload_smoke" if smoke else "offload")
     from harness.results.envinfo import collect_environment
+    from harness.techniques.offload.store import ExpertStore
+    from harness.techniques.offload.synthetic import SyntheticSpec, reuse_statistics, synthetic_trace
 
     t_all = time.perf_counter()
-    result: dict[str, Any] = {"benchmark": "offload", "environment": collect_environment(device), "dtype": "bfloat16",
-                              "weights": "random-init", "shapes": s.as_dict(), "timed_steps": tokens,
-                              "warmup_steps": warmup, "scaled_to_layers": 48, "drift": args.drift, "errors": [], "runs": [],
-                              "threshold_sweep": [], "sere": [], "max_seconds": args.max_seconds,
-                              "repeats": repeats, "only_headline": args.only_headline,
-                              "prefetch_settings": dict(PREFETCH.__dict__)}
+    env = collect_environment(device)
+    if not env.get("git_commit"):
+        env["git_commit"] = os.environ.get("HARNESS_GIT_COMMIT")
+    result: dict[str, Any] = {
+        "benchmark": "offload", "protocol": "paired rounds (benchmarks/offload_protocol.py)",
+        "command": "python benchmarks/bench_offload.py " + " ".join(sys.argv[1:]), "environment": env,
+        "engine": "harness offload cache + fused MoE Triton kernel (HF engine's harness_offload_moe path, no attention)",
+        "dtype": "bfloat16", "weights": "random-init", "shapes": s.as_dict(), "timed_steps": tokens,
+        "warmup_steps": warmup, "repeats": repeats, "curve_repeats": args.curve_repeats, "sources": {},
+        "cells": {}, "budget_curve": [], "threshold_sweep": [], "errors": [], "skipped": []}
     log = lambda m: print(f"[{time.perf_counter() - t_all:6.1f}s] {m}", flush=True)  # noqa: E731
 
     def guarded(label: str, fn):
         if time.perf_counter() - t_all > args.max_seconds:
-            result.setdefault("skipped_over_time", []).append(label)
+            result["skipped"].append(label)
+            log(f"skipped (time): {label}")
             return None
         try:
             return fn()
@@ -479,209 +516,185 @@ def main() -> None:
             result["errors"].append({"section": label, "error": f"{type(e).__name__}: {e}"})
             return None
 
-    # weights, store (pinned), routing sources
+    def make_store(shapes: Shapes, gate_up, down):
+        st = ExpertStore(shapes.layers, shapes.e, shapes.i, shapes.h, torch.bfloat16, pin=not smoke)
+        for layer in range(shapes.layers):
+            st.put(layer, gate_up[layer], down[layer])
+        return st
+
     t0 = time.perf_counter()
     gate_up, down, routers = build_weights(s, device, args.seed)
-    from harness.techniques.offload.store import ExpertStore
-
-    store = ExpertStore(s.layers, s.e, s.i, s.h, torch.bfloat16, pin=device.startswith("cuda"))
-    for layer in range(s.layers):
-        store.put(layer, gate_up[layer], down[layer])
+    store = make_store(s, gate_up, down)
     result["setup"] = {"build_and_pin_s": time.perf_counter() - t0, "pinned": store.pinned,
-                       "pin_method": getattr(store, "pin_method", None), "host_store_gb": store.nbytes / 1e9}
-    log(f"store: {store.nbytes / 1e9:.2f} GB host ({'pinned' if store.pinned else 'pageable'})")
-
-    # predictor for lease+pred / the threshold sweep: trained on other requests of the same generator
-    pred_path = None
-
-    def train_pred():
-        from harness.techniques.offload.predictor import save_predictor, train_predictor
-        from harness.techniques.offload.synthetic import SyntheticSpec, synthetic_trace
-
-        tr = synthetic_trace(SyntheticSpec(num_layers=s.layers, num_experts=s.e, top_k=s.k,
-                                           requests=8 if args.smoke else 48, tokens=24 if args.smoke else 128,
-                                           seed=args.seed + 1000))
-        model, report = train_predictor([tr], epochs=5 if args.smoke else 25)
-        path = save_predictor(model, report, args.out + "_predictor")
-        result["predictor"] = {"path": os.path.relpath(str(path), REPO), "params": report["params"],
-                               "held_out": report["held_out"], "split": report["split"]}
-        h = report["held_out"]
-        log(f"predictor: {report['params']} params, held-out MSE {h['predictor']['mse']:.4f} (mean "
-            f"{h['baseline_mean']['mse']:.4f}, recency {h['baseline_recency']['mse']:.4f}), AUC "
-            f"{h['predictor']['auc']:.3f} (recency {h['baseline_recency']['auc']:.3f})")
-        return str(path)
-
-    pred_path = None if args.only_headline else guarded("predictor", train_pred)
-
-    sources: dict[tuple[str, int], dict] = {}
-    gate_precision = 0.8
-    for b in batches:
-        src = guarded(f"random source B={b}", lambda b=b: random_source(s, gate_up, down, routers, b, steps, device,
-                                                                         args.seed + b, args.drift))
-        if src is not None:
-            src["routers"] = routers
-            sources[("random", b)] = src
-            gate_precision = src["gate_precision"]
-            result.setdefault("gate_precision", {})[str(b)] = src["gate_precision"]
-    log(f"next-layer gate precision on the random model: {result.get('gate_precision')}")
-    skewed_trace = None
-    for b in batches:
-        src = guarded(f"skewed source B={b}", lambda b=b: skewed_source(s, b, steps, device, args.seed))
-        if src is not None:
-            sources[("skewed", b)] = src
-    skewed_trace = guarded("skewed stats", lambda: __import__("harness.techniques.offload.synthetic", fromlist=["x"]).
-                           reuse_statistics(sources[("skewed", max(batches))]["trace"], lru_layers=4))
-    result["skewed_trace_stats"] = skewed_trace
-
+                       "host_store_gb": store.nbytes / 1e9}
+    log(f"store {store.nbytes / 1e9:.2f} GB ({'pinned' if store.pinned else 'pageable'})")
     resident = (gate_up, down)
-    # 'none' first (needs the resident weights), then free them so the budgets' peaks are the slots' own
-    if "none" in policies:
-        for (name, b), src in sources.items():
-            r = guarded(f"none {name} B={b}", lambda src=src: run_repeated(repeats, "none", s, src, s.e, device,
-                                                                           store, resident, warmup, {},
-                                                                           gate_precision, args.seed))
-            if r is not None:
-                r.update(source=name, batch=b, share_of_resident=1.0)
-                result["runs"].append(r)
-                src["resident_tps"] = r["tokens_per_s"]
-                log(f"none {name} B={b}: {r['tokens_per_s']:.1f} tok/s")
-    del resident, gate_up, down
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    cap = max(1, round(args.budget * s.e))
+    sources: dict[str, dict] = {}
+    wanted = args.sources.split(",")
 
-    def policy_runs(name: str, b: int, frac: float) -> None:
-        src = sources.get((name, b))
-        if src is None:
-            return
-        cap = max(1, min(s.e, round(frac * s.e)))
-        for policy in policies:
-            if policy == "none" or (policy == "lease+pred" and (pred_path is None or name != "skewed")):
-                continue  # the predictor reads trace embeddings: the random source has none it was trained on
-            r = guarded(f"{policy} {name} B={b} cap={cap}", lambda policy=policy, src=src, cap=cap: run_repeated(
-                repeats, policy, s, src, cap, device, store, None, warmup, policy_params(policy, pred_path),
-                gate_precision, args.seed))
-            if r is None:
-                continue
-            r.update(source=name, batch=b,
-                     share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
-            result["runs"].append(r)
-            log(f"{policy:15s} {name} B={b} cap={cap}: {r['tokens_per_s']:8.1f} tok/s (median of {r['repeats']}, "
-                f"spread {fmt(r['spread'], 2)}) hit {fmt(r['hit_rate'])} pf issued {r['prefetch_issued']}")
+    rnd = guarded("random source", lambda: random_source(s, gate_up, down, routers, steps, device, args.seed,
+                                                           args.drift))
+    precision = rnd["gate_precision"] if rnd else 0.8
+    if rnd is not None and "random" in wanted:
+        sources["random"] = rnd
+        result["sources"]["random"] = {"what": "random-initialised routers on a resident run's hidden states (B = 1)",
+                                       "gate": "next layer's router on the current input (measured precision "
+                                               f"{precision:.3f})", "reuse": reuse_statistics(trace_of(rnd["host"]), lru_layers=4)}
+    log(f"next-layer gate precision (random model): {precision:.3f}")
+    spec = SyntheticSpec(num_layers=s.layers, num_experts=s.e, top_k=s.k, requests=16, tokens=steps, seed=args.seed)
+    synth = synthetic_trace(spec)
 
-    # the seed's threshold sweep: lease + predictor on the skewed trace, ~32 % budget
-    cap32 = max(1, round(0.32 * s.e))
+    def skewed(batch: int) -> dict:
+        rows, w = skewed_rows(synth, batch, steps)
+        src = replay_source(rows, w, device)
+        src["guesses"] = emulated_guesses(rows, s.e, precision, args.seed + batch)
+        return src
 
-    def sweep(b: int) -> None:
-        src = sources.get(("skewed", b))
-        if src is None or pred_path is None:
-            return
-        for thr in [float(x) for x in args.thresholds.split(",")]:
-            r = guarded(f"sweep thr={thr} B={b}", lambda thr=thr, src=src: run_policy(
-                "lease+pred", s, src, cap32, device, store, None, warmup, policy_params("lease+pred", pred_path, thr),
-                gate_precision, args.seed))
-            if r is not None:
-                r.update(source="skewed", batch=b, threshold=thr,
-                         long_leases=r["policy_stats"].get("long"), lease_hit_rate=r["policy_stats"].get("lease_hit_rate"),
-                         share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
-                result["threshold_sweep"].append(r)
-                log(f"threshold {thr} B={b}: {r['tokens_per_s']:.1f} tok/s, held {fmt(r['held_gb'])} GB")
+    if "skewed" in wanted:
+        sources["skewed"] = skewed(1)
+        result["sources"]["skewed"] = {"what": "synthetic skewed trace (harness.techniques.offload.synthetic, "
+                                               f"{spec})", "gate": f"emulated, precision {precision:.3f}",
+                                       "reuse": reuse_statistics(synth, lru_layers=4)}
 
-    # SERE on vs off at the largest batch: distinct experts per layer-step and misses
-    def sere_section(name: str, b: int):
-        from harness.techniques.sere.reroute import reroute
+    def headline(name: str, src: dict, shapes: Shapes, st, res, capacity: int, batch: int, variants, reps: int,
+                 n_tokens: int = tokens):
+        log(f"cell {name} B={batch} capacity {capacity}/{shapes.e}")
+        cell = timed_cell(list(variants), reps, lambda v: run_once(v, shapes, src, capacity, device, st, res,
+                                                                      warmup, n_tokens), log)
+        result["cells"][f"{name}, B = {batch}, {capacity}/{shapes.e} experts per layer"] = {
+            "source": name, "batch": batch, "capacity": capacity, "experts": shapes.e, "repeats": reps,
+            "timed_steps": n_tokens, "layers": shapes.layers, "variants": cell}
 
-        src = sources[(name, b)]
-        g = torch.Generator().manual_seed(args.seed + 11)
-        a = torch.rand(s.e, s.e, generator=g)
-        sim = ((a + a.T) / 2).fill_diagonal_(1.0).to(device)
-        k_primary = max(1, s.k // 2)
-        new_ids = [[reroute(ids, sim, k_primary, 0.0) for ids in step] for step in src["ids"]]
-        for label, ids_all in (("off", src["ids"]), ("on", new_ids)):
-            distinct = sum(len(set(x.reshape(-1).tolist())) for step in ids_all[warmup:] for x in step)
-            distinct /= (len(ids_all) - warmup) * s.layers
-            for policy in ("lru", "lease"):
-                r = run_policy(policy, s, src, cap32, device, store, None, warmup, policy_params(policy, pred_path),
-                               gate_precision, args.seed, sere={"ids": ids_all})
-                r.update(source=name, batch=b, sere=label, k_primary=k_primary if label == "on" else None,
-                         distinct_experts_per_layer_step=distinct,
-                         misses_per_token=(r["misses"] or 0) / tokens)
-                result["sere"].append(r)
-                log(f"SERE {label} {name} B={b} {policy}: distinct {distinct:.1f}, hit {fmt(r['hit_rate'])}, "
-                    f"{r['tokens_per_s']:.1f} tok/s")
+    for name in ("skewed", "random"):
+        if name in sources:
+            guarded(f"headline {name}", lambda name=name: headline(name, sources[name], s, store, resident, cap, 1,
+                                                                   HEADLINE, repeats))
 
-    # accelerate's naive offload (B = 1, skewed routing: it copies every expert anyway, routing is irrelevant)
-    def accelerate_section() -> None:
-        if ("skewed", batches[0]) not in sources or args.accelerate_steps <= 0:
-            return
-        src = sources[("skewed", batches[0])]
-        r = guarded("accelerate", lambda: accelerate_baseline(s, src, store, device, args.accelerate_steps))
-        if r is not None:
-            r.update(source="skewed", resident_fraction=0.0,
-                     share_of_resident=r["tokens_per_s"] / src["resident_tps"] if src.get("resident_tps") else None)
-            result["runs"].append(r)
-            log(f"accelerate cpu_offload B={r['batch']}: {r['tokens_per_s']:.2f} tok/s")
+    def recorded(task: str) -> None:
+        from harness.techniques.offload.trace import load_trace
 
-    # priority order (--max-seconds stops starting new runs): the issue's headline cell first (B = 1, ~32 %),
-    # then its threshold sweep, larger batches, the baselines, the other budgets
-    main_frac = min(budgets, key=lambda f: abs(f - 0.32))
-    small = [b for b in batches if b == min(batches)]
-    large = [b for b in batches if b != min(batches)]
-    for b in small:
-        for name in ("skewed", "random"):
-            policy_runs(name, b, main_frac)
-        if not args.only_headline:
-            sweep(b)
-    if args.only_headline:  # the issue's headline cell only
-        large, budgets = [], [main_frac]
-    for b in large:
-        for name in ("skewed", "random"):
-            policy_runs(name, b, main_frac)
-    accelerate_section()
-    for name in ("skewed", "random") if not args.only_headline else ():
-        if (name, max(batches)) in sources:
-            guarded(f"sere {name}", lambda name=name: sere_section(name, max(batches)))
-    for frac in [f for f in budgets if f != main_frac]:
-        for b in batches:
-            for name in ("skewed", "random"):
-                policy_runs(name, b, frac)
-    for b in large:
-        sweep(b)
-    order = {p: i for i, p in enumerate((*POLICIES, "accelerate"))}
-    result["runs"].sort(key=lambda r: (r.get("source", ""), r.get("batch", 0), r.get("resident_fraction", 0),
-                                       order.get(r["policy"], 99)))
+        path = os.path.join(REPO, "results", "benchmarks", RECORDED[task])
+        tr = load_trace(path)
+        rs = Shapes(smoke, tr.num_layers, tr.num_experts, tr.top_k)
+        n = min(tr.num_tokens, warmup + 4 * tokens)  # 4 layers: 4x the steps in about the same time
+        rows, w = tr.ids[:n].unsqueeze(1), tr.weights[:n].unsqueeze(1)  # requests one after another, B = 1
+        src = replay_source(rows, w, device)
+        src["guesses"] = emulated_guesses(rows, rs.e, precision, args.seed + 99)
+        gu, dn, _ = build_weights(rs, device, args.seed + 5)
+        st = make_store(rs, gu, dn)
+        result["sources"][f"recorded:{task}"] = {
+            "what": f"routing of the embedded trained model on its {task} task ({os.path.relpath(path, REPO)}:"
+                    f" {tr.num_requests} requests, {tr.num_tokens} decode tokens, {tr.num_layers} MoE layers x "
+                    f"{tr.num_experts} experts, top-{tr.top_k}), replayed at Qwen3-30B-A3B expert size, B = 1",
+            "gate": f"emulated, precision {precision:.3f}", "reuse": reuse_statistics(tr, lru_layers=tr.num_layers),
+            "trace_meta": {k: tr.meta.get(k) for k in ("model", "dataset", "weights", "overrides")}}
+        headline(f"recorded:{task}", src, rs, st, (gu, dn), max(rs.k, round(args.budget * rs.e)), 1, HEADLINE,
+                 repeats, n - warmup)
+        if hasattr(st, "unpin"):
+            st.unpin()
 
+    for task in RECORDED:
+        if f"recorded:{task}" in wanted and os.path.exists(os.path.join(REPO, "results", "benchmarks", RECORDED[task])):
+            guarded(f"headline recorded:{task}", lambda task=task: recorded(task))
+
+    def profile() -> None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprof
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if not smoke else [])
+        os.makedirs(args.profile_dir, exist_ok=True)
+        prof_out = {}
+        for v in ("lru", "lease"):
+            with tprof(activities=acts) as p:
+                r = run_once(v, s, sources["skewed"], cap, device, store, resident, warmup, tokens, profile=True)
+            table = p.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+            with open(os.path.join(args.profile_dir, f"offload_profile_{v.replace('+', '_')}.txt"), "w") as fh:
+                fh.write(table)
+            ev = {e.key: e.cpu_time_total / 1e3 / (warmup + tokens) for e in p.key_averages()
+                  if e.key in ("route_read", "acquire", "release_on_access", "prefetch")}
+            prof_out[v] = {"ms_per_token_under_profiler": r["ms_per_token"], "host_ms_per_step": ev}
+            log(f"profile {v}: {ev}")
+        result["profile"] = prof_out
+
+    if args.profile_dir and "skewed" in sources:
+        guarded("profile", profile)
+
+    def budget_curve() -> None:
+        src = sources["skewed"]
+        for frac in [float(x) for x in args.budgets.split(",")]:
+            c = max(s.k, round(frac * s.e))
+            log(f"budget {frac}")
+            cell = timed_cell(["lru", "lease", "oracle"], args.curve_repeats,
+                              lambda v, c=c: run_once(v, s, src, c, device, store, resident, warmup, tokens),
+                              lambda m: None)
+            for v, r in cell.items():
+                result["budget_curve"].append({"variant": v, "resident_fraction": c / s.e, "capacity": c,
+                                               "hit_rate": r["hit_rate"], "ms": r["ms"],
+                                               "tokens_per_s": 1e3 / r["ms"]["mean"]})
+
+    if "skewed" in sources:
+        guarded("budget curve", budget_curve)
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        def batch_cell(b=b):
+            headline("skewed", skewed(b), s, store, resident, cap, b, ("none", "lru", "lease", "oracle"),
+                     args.curve_repeats)
+        if "skewed" in sources:
+            guarded(f"batch {b}", batch_cell)
+
+    def thresholds() -> None:
+        src = sources["skewed"]
+        vs = [f"lease@{t}" for t in args.thresholds.split(",")]
+        cell = timed_cell(vs, args.curve_repeats, lambda v: run_once(v, s, src, cap, device, store, resident,
+                                                                     warmup, tokens), log)
+        for v, r in cell.items():
+            result["threshold_sweep"].append({"threshold": float(v.split("@")[1]), **r,
+                                              "tokens_per_s": 1e3 / r["ms"]["mean"]})
+
+    if "skewed" in sources:
+        guarded("threshold sweep", thresholds)
+
+    def accelerate() -> None:
+        from accelerate import cpu_offload
+
+        class Experts(torch.nn.Module):
+            def __init__(self, gu, dn):
+                super().__init__()
+                self.gate_up = torch.nn.Parameter(gu, requires_grad=False)
+                self.down = torch.nn.Parameter(dn, requires_grad=False)
+
+            def forward(self, h, ids, w):
+                return kernel(h, self.gate_up, self.down, ids, w)
+
+        mods = [cpu_offload(Experts(store.gate_up[i], store.down[i]), execution_device=torch.device(device))
+                for i in range(s.layers)]
+        src, times = sources["skewed"], []
+        h = torch.randn(1, s.h, device=device).to(torch.bfloat16)
+        for t in range(args.accelerate_steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i, m in enumerate(mods):
+                m(h, src["ids"][t][i], src["weights"][t][i])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        from importlib.metadata import version
+
+        result["accelerate"] = {"ms_per_token": sorted(times[1:])[len(times[1:]) // 2] * 1e3,
+                                "steps": args.accelerate_steps, "accelerate_version": version("accelerate")}
+
+    if not smoke and args.accelerate_steps > 0 and "skewed" in sources:
+        guarded("accelerate", accelerate)
     if hasattr(store, "unpin"):
         store.unpin()
     result["total_s"] = time.perf_counter() - t_all
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=2, default=str)
-    md = [f"# Expert offload benchmark ({result['environment']['device_name']}, bf16, random-init, "
-          f"{s.layers} MoE layers of Qwen3-30B-A3B shape; x48 = scaled to 48 layers)", "",
-          table(result["runs"], MAIN_COLS), "", "## Threshold sweep (lease + predictor, skewed trace, ~32 % budget)", "",
-          table(result["threshold_sweep"], [("B", "batch", 0), ("threshold", "threshold", 1),
-                                              ("tok/s", "tokens_per_s", 1), ("hit", "hit_rate", 3),
-                                              ("lease hit", "lease_hit_rate", 3), ("long leases", "long_leases", 0),
-                                              ("held GB", "held_gb", 3), ("peak GB", "peak_alloc_gb", 2)]),
-          "", "## SERE on vs off (~32 % budget)", "",
-          table(result["sere"], [("source", "source", 0), ("B", "batch", 0), ("SERE", "sere", 0),
-                                 ("policy", "policy", 0), ("distinct/layer/step", "distinct_experts_per_layer_step", 2),
-                                 ("misses/token", "misses_per_token", 1), ("hit", "hit_rate", 3),
-                                 ("tok/s", "tokens_per_s", 1)]), ""]
-    result["goal"] = goal_check(result["runs"], main_frac)
-    md += ["## Issue 15 goal (B=1, ~32 %: lease or lru+gate >= 50 % of resident AND beats lru)", "",
-           "A policy *beats* lru only when its slowest repeat is faster than lru's fastest (ranges of ms/tok over "
-           "repeats do not overlap); with --repeats 1 that is a single pass and says little.", "",
-           *[f"- {g['source']}: {g['policy']} {fmt(g['share_of_resident'])} of resident, ms/tok "
-             f"[{fmt(g['ms_min'], 2)}, {fmt(g['ms_max'], 2)}] vs lru [{fmt(g['lru_ms_min'], 2)}, "
-             f"{fmt(g['lru_ms_max'], 2)}] -> share>=0.5: {g['half_of_resident']}, beats lru: {g['beats_lru']}"
-             for g in result["goal"]], ""]
-    if result["errors"]:
-        md += ["## Errors", "", *[f"- {e['section']}: {e['error']}" for e in result["errors"]]]
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
-    log(f"wrote {args.out}.json / .md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    md = markdown(result)
+    with open(out + ".md", "w") as fh:
+        fh.write(md)
+    print(md)
+    log(f"wrote {out}.json / .md")
 
 
 if __name__ == "__main__":

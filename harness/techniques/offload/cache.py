@@ -66,6 +66,7 @@ class ExpertCache:
         self._inflight: list[Any] = []  # handles of prefetch loads that may still be copying
         self._slot_after: list[dict[int, Any]] = [dict() for _ in range(geometry.num_layers)]
         self._steps = 0  # decode steps ever (never reset: the recency rule must survive reset_stats)
+        self._pending: list[tuple[int, list[int], Clock]] = []  # on_access calls not yet delivered (see _flush)
         self.policy = policy
         self.mover = mover
         self.mode = policy.mode
@@ -98,17 +99,20 @@ class ExpertCache:
             self.step += 1
             self.tokens += 1
             self._steps += 1
+        self._flush()
         self.clock = self._clock()
         self.acct.begin_pass(phase, row_tokens)
         self.policy.begin_pass(self.clock, tokens, embeddings if self.policy.needs_embeddings else None)
 
     def end_pass(self) -> None:
+        self._flush()
         if self.mover is not None:
             self.mover.end_pass(self)
         self.policy.end_pass(self.clock)
 
     def reset_stats(self) -> None:
         """Measurement starts: counters zeroed, contents kept, token clock restarted."""
+        self._flush()
         if self.mover is not None:
             self.mover.drain(self)
         self.acct.reset()
@@ -138,12 +142,13 @@ class ExpertCache:
     def acquire(self, layer: int, chunk: Sequence[int], rows: dict[int, int] | None = None) -> dict[int, int]:
         """Make ``chunk`` resident in ``layer``; returns expert → slot. Accounts each access once (``rows``:
         expert → how many rows named it, for the per-token hit rate; default 1)."""
+        self._flush()
         clock, phase, acct = self.clock, self.phase, self.acct
         rows = rows or {}
         if self.mode == "resident":
             for e in chunk:
                 acct.access(phase, self.step, layer, e, "hit", False, rows.get(e, 1))
-            self.policy.on_access(layer, list(chunk), clock)
+            self._pending.append((layer, list(chunk), clock))
             return {e: e for e in chunk}
         entries = self.entries[layer]
         waits: list[Any] = []
@@ -171,13 +176,25 @@ class ExpertCache:
                     ent.load = None
         if waits and self.mover is not None:
             self.mover.wait(self, waits)
-        self.policy.on_access(layer, list(chunk), clock)
+        self._pending.append((layer, list(chunk), clock))  # on_access: in release, after the kernel is issued
         return {e: entries[e].slot for e in chunk}
 
+    def _flush(self) -> None:
+        """Deliver the pending ``on_access`` calls. ``acquire`` only queues them; ``release`` (called right after
+        the layer's kernel was issued) delivers them, so the policy's bookkeeping runs while the GPU computes
+        instead of between the routing read and the kernel launch. Every other entry point flushes first, so a
+        policy sees exactly the order of calls it saw when ``acquire`` called it directly."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for layer, chunk, clock in pending:
+                self.policy.on_access(layer, chunk, clock)
+
     def release(self, layer: int) -> None:
-        """The layer's compute was issued: record its read event; staging forgets the layer's experts."""
+        """The layer's compute was issued: record its read event, deliver ``on_access`` (off the critical path);
+        staging forgets the layer's experts."""
         if self.mover is not None:
             self.mover.record_read(layer)
+        self._flush()
         if self.mode == "staging":
             for e in list(self.entries[layer]):
                 self._drop(layer, e, count=False)
@@ -189,6 +206,7 @@ class ExpertCache:
         ``max_per_layer`` (others ``prefetch_capped``), while fewer than ``max_inflight`` prefetch copies are in
         flight (others ``prefetch_throttled``), into free slots or victims that are not protected (others
         ``prefetch_dropped``)."""
+        self._flush()
         if self.mode != "cache":
             return
         by_layer: dict[int, list[int]] = {}
@@ -224,6 +242,8 @@ class ExpertCache:
                 ent = self._load(layer, e, prefetch=True)
                 if ent.load is not None:
                     self._inflight.append(ent.load)
+            if experts:
+                self.policy.on_prefetch_issued(layer, experts, self.clock)
 
     def _prune_inflight(self) -> None:
         if self.mover is None:
@@ -281,6 +301,7 @@ class ExpertCache:
         return ent
 
     def summary(self) -> dict[str, Any]:
+        self._flush()
         if self.mover is not None:
             self.mover.drain(self)
         out = self.acct.summary()

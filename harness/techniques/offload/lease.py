@@ -145,7 +145,8 @@ class LeasePolicy(OffloadPolicy):
         self._tick = 0
         self._last_tokens, self._last_ms = 0, 0.0
         self._layer_scores: list[float] | None = None  # this step's predictor score per layer
-        self._recent: list[deque] = [deque(maxlen=RECENCY_WINDOW) for _ in range(nl)]  # last steps' expert sets
+        self._recent: list[deque] = [deque() for _ in range(nl)]  # last RECENCY_WINDOW steps' expert sets
+        self._recent_count: list[dict[int, int]] = [dict() for _ in range(nl)]  # expert -> steps of _recent naming it
         self._recent_pass = [-1] * nl
         self._scorer = None
         if self.s.score == "predictor":
@@ -175,6 +176,8 @@ class LeasePolicy(OffloadPolicy):
                 self._scorer.reset()
             for r in self._recent:
                 r.clear()
+            for c in self._recent_count:
+                c.clear()
             return
         self._expire(clock)
         if self._scorer is not None and embeddings is not None:
@@ -186,9 +189,8 @@ class LeasePolicy(OffloadPolicy):
         """The stability score of ``expert`` at ``layer`` for the current step (0 when none is available)."""
         if self.s.score == "predictor":
             return self._layer_scores[layer] if self._layer_scores is not None else 0.0
-        if self.s.score == "recency":
-            recent = self._recent[layer]
-            return sum(expert in s for s in recent) / RECENCY_WINDOW
+        if self.s.score == "recency":  # counts kept as the window moves: O(1) per expert
+            return self._recent_count[layer].get(expert, 0) / RECENCY_WINDOW
         return 0.0
 
     # -- lease state --------------------------------------------------------------------------------
@@ -236,8 +238,12 @@ class LeasePolicy(OffloadPolicy):
             if rec.until >= until:  # a longer live lease is kept as it is
                 rec.last_use = self._tick
                 return
-        self.leases[layer][e] = _Lease(until=until, preemptible=self.s.preemptible and not long, score=score,
-                                       last_use=self._tick)
+        if rec is None:
+            self.leases[layer][e] = _Lease(until=until, preemptible=self.s.preemptible and not long, score=score,
+                                           last_use=self._tick)
+        else:  # a new lease on the same record (no allocation on the per-access path)
+            rec.until, rec.preemptible, rec.score, rec.last_use = until, self.s.preemptible and not long, score, self._tick
+            rec.grace_tokens_end = rec.grace_ms_end = None
         self._expiring.setdefault(until, []).append((layer, e))
         self.n["granted"] += 1
         self.n["long"] += long
@@ -257,12 +263,23 @@ class LeasePolicy(OffloadPolicy):
                 self.score_sum += sc
             self._grant(layer, e, clock, sc)
         if decode:  # one set per (step, layer): a chunked layer calls on_access once per chunk
-            recent = self._recent[layer]
+            recent, counts = self._recent[layer], self._recent_count[layer]
             if self._recent_pass[layer] == clock.pass_index and recent:
-                recent[-1] = recent[-1] | frozenset(experts)
+                new = frozenset(experts) - recent[-1]
+                recent[-1] = recent[-1] | new
             else:
-                recent.append(frozenset(experts))
+                if len(recent) == RECENCY_WINDOW:
+                    for e in recent.popleft():
+                        c = counts[e] - 1
+                        if c:
+                            counts[e] = c
+                        else:
+                            del counts[e]
+                new = frozenset(experts)
+                recent.append(new)
                 self._recent_pass[layer] = clock.pass_index
+            for e in new:
+                counts[e] = counts.get(e, 0) + 1
             if layer == self.geometry.num_layers - 1:
                 self._track_peaks(clock)
 
@@ -273,34 +290,40 @@ class LeasePolicy(OffloadPolicy):
             for r in leases.values():
                 if tok <= r.until:
                     held += 1
-                    long += not r.preemptible
+                    if not r.preemptible:
+                        long += 1
                 elif r.grace_tokens_end is None or tok <= r.grace_tokens_end or ms < r.grace_ms_end:
                     held += 1
         self.peak_held = max(self.peak_held, held)
         self.peak_long = max(self.peak_long, long)
 
-    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
-        order = {"untracked": 0, "free": 1, "grace": 2, "leased": 3}
-        leases = self.leases[layer]
-
-        def key(e: int) -> tuple:
-            st = self.lease_state(layer, e, clock)
-            rec = leases.get(e)
-            if st in ("untracked", "free"):
-                return (order[st], 0, rec.last_use if rec else -1, e)
-            if st == "grace":  # the grace that ends first goes first
-                return (2, rec.grace_tokens_end if rec.grace_tokens_end is not None else -1,
-                        rec.grace_ms_end if rec.grace_ms_end is not None else -math.inf, e)
+    def victim_key(self, layer: int, e: int, clock: Clock) -> tuple:
+        """The eviction order of the module doc as one sort key (smallest goes first):
+        ``(0, 0, -1, e)`` untracked; ``(1, 0, last_use, e)`` free (least recently used first);
+        ``(2, grace_tokens_end, grace_ms_end, e)`` grace (earliest end first); ``(3, 0, score, until, e)``
+        pre-emptible lease (lowest score, then earliest end); ``(3, 1, score, until, e)`` non-pre-emptible.
+        The expert id breaks every remaining tie (lowest first)."""
+        rec = self.leases[layer].get(e)
+        if rec is None:
+            return (0, 0, -1, e)
+        tok = clock.tokens
+        if tok <= rec.until:
             return (3, 0 if rec.preemptible else 1, rec.score, rec.until, e)
+        gte = rec.grace_tokens_end
+        if gte is None or tok <= gte or clock.ms < rec.grace_ms_end:  # grace: the one that ends first goes first
+            return (2, gte if gte is not None else -1, rec.grace_ms_end if rec.grace_ms_end is not None else -math.inf, e)
+        return (1, 0, rec.last_use, e)
 
-        victims = sorted(candidates, key=key)[:n]
-        for e in victims:
-            st = self.lease_state(layer, e, clock)
-            if st == "leased":
-                self.n["preempted" if leases[e].preemptible else "forced"] += 1
+    def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
+        """The ``n`` smallest :meth:`victim_key` of ``candidates`` (one key per candidate, no second pass)."""
+        keyed = sorted(self.victim_key(layer, e, clock) for e in candidates)[:n]
+        names = ("evict_untracked", "evict_free", "evict_grace")
+        for k in keyed:
+            if k[0] == 3:
+                self.n["preempted" if k[1] == 0 else "forced"] += 1
             else:
-                self.n[{"untracked": "evict_untracked", "free": "evict_free", "grace": "evict_grace"}[st]] += 1
-        return victims
+                self.n[names[k[0]]] += 1
+        return [k[-1] for k in keyed]
 
     def on_evict(self, layer: int, expert: int, clock: Clock) -> None:
         self.leases[layer].pop(expert, None)
@@ -314,10 +337,15 @@ class LeasePolicy(OffloadPolicy):
         from harness.techniques.offload.policies import rank_gate_guess
 
         experts = rank_gate_guess(ids, self.geometry.num_experts)  # best first: the cache admits the first few
-        for e in experts:
-            if e not in self.leases[nxt]:
-                self._grant(nxt, e, clock, 0.0, prefetched=True)
         return [(nxt, e) for e in experts]
+
+    def on_prefetch_issued(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        """A short pre-emptible lease for each prefetch the cache loaded (only those: a guess the cache refused
+        never gets one, and no lease is created and dropped again per refused guess)."""
+        leases = self.leases[layer]
+        for e in experts:
+            if e not in leases:
+                self._grant(layer, e, clock, 0.0, prefetched=True)
 
     def on_prefetch_skipped(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
         """The cache did not load these prefetch guesses (offload.prefetch admission): no lease for an expert

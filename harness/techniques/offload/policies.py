@@ -16,7 +16,7 @@ Trivial baselines (issue 31), for a predictive policy to beat at the same capaci
   evictions: "perfect" LFU, the stronger variant), ties to the least recently used, then the lower id;
 - ``static_hot`` — the most frequent experts of a recorded routing trace (``offload.trace``: counts per layer over
   every token row of the trace), pinned: a victim is always the coldest candidate by the trace's counts (ties:
-  lower id), so once loaded the ``capacity`` hottest experts of a layer are never evicted for a colder one; no
+  the higher id: the reverse of the hot ranking, so the hot set is exactly what stays), so once loaded the ``capacity`` hottest experts of a layer are never evicted for a colder one; no
   adaptation at run time. Record the trace on other requests than the measured ones for an honest baseline
   (the same requests make it an in-sample, optimistic one).
 """
@@ -94,7 +94,19 @@ def rank_gate_guess(ids: Any, num_experts: int) -> list[int]:
     """The gate's guessed experts ``[T, k]`` (each row's top-k, best first), best first: by the number of rows
     naming the expert, then by its best rank in a row, then id. The cache admits only the first few
     (``offload.prefetch.max_per_layer``), so the order is the prefetch priority."""
-    rows = ids.reshape(-1, ids.shape[-1]).tolist() if hasattr(ids, "reshape") else [list(ids)]
+    if hasattr(ids, "reshape"):
+        rows = ids.reshape(-1, ids.shape[-1]).tolist()
+    elif ids and isinstance(ids[0], (list, tuple)):
+        rows = [list(r) for r in ids]  # host rows (a gate guess read with the layer's routing)
+    else:
+        rows = [list(ids)]
+    if len(rows) == 1:  # one row: its own order (ties in count are all 1; best rank first), duplicates dropped
+        seen: dict[int, None] = {}
+        for e in rows[0]:
+            e = int(e)
+            if 0 <= e < num_experts and e not in seen:
+                seen[e] = None
+        return list(seen)
     score: dict[int, list[int]] = {}
     for row in rows:
         for rank, e in enumerate(row):
@@ -227,7 +239,7 @@ class StaticHotPolicy(OffloadPolicy):
 
     def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
         c = self.counts[layer]
-        victims = sorted(candidates, key=lambda e: (c[e], e))[:n]
+        victims = sorted(candidates, key=lambda e: (c[e], -e))[:n]  # the reverse of the hot ranking
         self.hot_evictions += sum(1 for e in victims if e in self.hot_sets[layer])
         return victims
 

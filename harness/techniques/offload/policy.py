@@ -22,7 +22,8 @@ Life cycle, per forward pass (a prefill, or one decode step of a batch):
    b. ``on_access(layer, experts, clock)`` — the sorted unique experts the layer computes now (all of them
       are resident when this is called; hits and misses are the cache's business). When a layer needs more
       experts than it has slots (a prefill, a large batch) it is computed in chunks and this is called once
-      per chunk.
+      per chunk. The cache delivers it after the chunk's kernel was issued (``release``), before any later
+      hook: bookkeeping runs while the GPU computes, never between the routing read and the kernel launch.
    c. ``prefetch(layer, clock, hidden)`` — after the layer's experts were scheduled: return ``(layer', expert)``
       pairs to load speculatively (``layer' > layer`` normally; loads run on the copy stream, evictions they
       need go through ``choose_victims`` of ``layer'``). ``hidden`` is the layer's MoE input ``[T, H]`` (None
@@ -130,6 +131,11 @@ class OffloadPolicy:
         """Prefetch guesses of ``layer`` (not resident) the cache did not load (``offload.prefetch`` admission:
         over the per-layer cap, too many copies in flight, or no unprotected slot). Added in interface v1
         (additive)."""
+
+    def on_prefetch_issued(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        """Prefetch guesses of ``layer`` the cache did load (their copies are in flight), after their victims
+        were chosen. Added in interface v1 (additive): a policy that keeps state per resident expert (a lease)
+        creates it here, for the loads that happened, instead of for every guess in :meth:`prefetch`."""
 
     def on_evict(self, layer: int, expert: int, clock: Clock) -> None:
         """``expert`` left ``layer``'s pool (a victim the policy chose)."""

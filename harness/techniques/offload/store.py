@@ -163,10 +163,13 @@ class Mover:
             self._stalls.append((cache.phase, a, b))
 
     def record_read(self, layer: int) -> None:
+        """Re-record the layer's one read event (created once, no timing): a later copy's ``wait_event`` waits
+        on the most recent record, so no event is allocated per layer per pass."""
         if self.cuda:
-            ev = torch.cuda.Event()
+            ev = self.read_events[layer]
+            if ev is None:
+                ev = self.read_events[layer] = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            self.read_events[layer] = ev
 
     def unmap(self, layer: int, expert: int) -> None:
         self.table[layer, expert] = -1
