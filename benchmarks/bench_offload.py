@@ -214,8 +214,10 @@ def variant_params(variant: str, threshold: float = 0.5) -> tuple[str, dict]:
 
 # -- one run ------------------------------------------------------------------------------------------
 def run_once(variant: str, s: Shapes, src: dict, capacity: int, device: str, store, resident, warmup: int,
-             tokens: int, profile: bool = False) -> dict:
-    """One run: a fresh cache, ``warmup`` untimed steps, ``tokens`` timed ones. Returns ms/token and counts."""
+             tokens: int, profile: bool = False, verify: bool = False) -> dict:
+    """One run: a fresh cache, ``warmup`` untimed steps, ``tokens`` timed ones. Returns ms/token and counts.
+    ``verify``: afterwards, every resident slot is compared with the host store and the device table with the
+    cache's bookkeeping (a copy race or a table error shows as ``slots_verified: false``)."""
     from harness.techniques.offload.cache import ExpertCache
     from harness.techniques.offload.gate_read import GateReader
     from harness.techniques.offload.policy import Geometry, PolicyContext, make_policy, policy_class
@@ -293,12 +295,23 @@ def run_once(variant: str, s: Shapes, src: dict, capacity: int, device: str, sto
     sync()
     elapsed = time.perf_counter() - t_start
     summ, ps = cache.summary(), pol.stats()
+    verified = None
+    if verify and mover is not None:
+        verified = True
+        for layer, entries in enumerate(cache.entries):
+            table = mover.table[layer].tolist()
+            for e, ent in entries.items():
+                verified &= table[e] == ent.slot
+                dev = mover.gate_up.device
+                verified &= bool(torch.equal(mover.gate_up[layer, ent.slot], store.gate_up[layer, e].to(dev)))
+                verified &= bool(torch.equal(mover.down[layer, ent.slot], store.down[layer, e].to(dev)))
+            verified &= sum(x >= 0 for x in table) == len(entries)
     out = {
         "variant": variant, "capacity": cap, "resident_fraction": cap / s.e,
         "ms_per_token": elapsed * 1e3 / tokens, "tokens_per_s": src["rows"] * tokens / elapsed,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "held_gb": ps["peak_held_bytes"] / 1e9 if "peak_held_bytes" in ps else None,
-        "gate_reads": reader.reads if reader else None, "gate_fallbacks": reader.fallbacks if reader else None,
+        "slots_verified": verified, "gate_reads": reader.reads if reader else None, "gate_fallbacks": reader.fallbacks if reader else None,
         **{k: summ.get(k) for k in ("hit_rate", "late_arrivals", "misses", "new_experts_per_layer_token",
                                     "prefetch_issued", "prefetch_precision", "prefetch_recall_on_time",
                                     "stall_ms_per_token", "achieved_gb_s", "h2d_bytes_per_token")},
@@ -309,10 +322,9 @@ def run_once(variant: str, s: Shapes, src: dict, capacity: int, device: str, sto
     return out
 
 
-def timed_cell(variants: list[str], repeats: int, run, log) -> dict:
-    """Warm-up run of every variant, then ``repeats`` rotated rounds; the protocol's comparison of the rounds."""
-    for v in variants:
-        run(v)
+def timed_cell(variants: list[str], repeats: int, run, log, verify: bool = True) -> dict:
+    """Warm-up run of every variant (its slots verified), then ``repeats`` rotated rounds; the comparison."""
+    verified = {v: run(v, verify=verify).get("slots_verified") for v in variants}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for order in rounds(variants, repeats):
         for v in order:
@@ -322,7 +334,8 @@ def timed_cell(variants: list[str], repeats: int, run, log) -> dict:
     out = {}
     for v in variants:
         last = runs[v][-1]
-        out[v] = {**{k: last[k] for k in last if k != "ms_per_token"}, "ms": cmp[v],
+        out[v] = {**{k: last[k] for k in last if k not in ("ms_per_token", "slots_verified")}, "ms": cmp[v],
+                  "slots_verified_in_warmup": verified[v],
                   "hit_rate_rounds": [r["hit_rate"] for r in runs[v]]}
         c = cmp[v]
         share = c.get("share_of_resident", {}).get("mean")
@@ -560,8 +573,8 @@ def main() -> None:
     def headline(name: str, src: dict, shapes: Shapes, st, res, capacity: int, batch: int, variants, reps: int,
                  n_tokens: int = tokens):
         log(f"cell {name} B={batch} capacity {capacity}/{shapes.e}")
-        cell = timed_cell(list(variants), reps, lambda v: run_once(v, shapes, src, capacity, device, st, res,
-                                                                      warmup, n_tokens), log)
+        cell = timed_cell(list(variants), reps, lambda v, **kw: run_once(v, shapes, src, capacity, device, st, res,
+                                                                            warmup, n_tokens, **kw), log)
         result["cells"][f"{name}, B = {batch}, {capacity}/{shapes.e} experts per layer"] = {
             "source": name, "batch": batch, "capacity": capacity, "experts": shapes.e, "repeats": reps,
             "timed_steps": n_tokens, "layers": shapes.layers, "variants": cell}
@@ -626,8 +639,8 @@ def main() -> None:
             c = max(s.k, round(frac * s.e))
             log(f"budget {frac}")
             cell = timed_cell(["lru", "lease", "oracle"], args.curve_repeats,
-                              lambda v, c=c: run_once(v, s, src, c, device, store, resident, warmup, tokens),
-                              lambda m: None)
+                              lambda v, c=c, **kw: run_once(v, s, src, c, device, store, resident, warmup, tokens, **kw),
+                              lambda m: None, verify=False)
             for v, r in cell.items():
                 result["budget_curve"].append({"variant": v, "resident_fraction": c / s.e, "capacity": c,
                                                "hit_rate": r["hit_rate"], "ms": r["ms"],
@@ -645,8 +658,8 @@ def main() -> None:
     def thresholds() -> None:
         src = sources["skewed"]
         vs = [f"lease@{t}" for t in args.thresholds.split(",")]
-        cell = timed_cell(vs, args.curve_repeats, lambda v: run_once(v, s, src, cap, device, store, resident,
-                                                                     warmup, tokens), log)
+        cell = timed_cell(vs, args.curve_repeats, lambda v, **kw: run_once(v, s, src, cap, device, store, resident,
+                                                                           warmup, tokens, **kw), log, verify=False)
         for v, r in cell.items():
             result["threshold_sweep"].append({"threshold": float(v.split("@")[1]), **r,
                                               "tokens_per_s": 1e3 / r["ms"]["mean"]})
