@@ -101,9 +101,10 @@ def fused_routing_reference(logits: torch.Tensor, spec: RoutingSpec, decode_rows
     if spec.k_primary is not None:
         kp = spec.k_primary
         head = ids[:, :width]
-        in_p = torch.zeros(num_experts + 1, dtype=torch.bool, device=dev)
-        in_p[torch.where(dec[:, None], head[:, :kp], num_experts).reshape(-1)] = True
-        in_p = in_p[:num_experts]
+        # index_fill_, not ``in_p[idx] = True``: that copies a CPU scalar to the device, which CUDA graph
+        # capture refuses (vLLM captures steps the one-launch kernel does not take: H200, vLLM 0.26)
+        flat = torch.where(dec[:, None], head[:, :kp], num_experts).reshape(-1)
+        in_p = torch.zeros(num_experts + 1, dtype=torch.bool, device=dev).index_fill_(0, flat, True)[:num_experts]
         src = head[:, kp:]
         sim = spec.similarity.to(device=dev, dtype=torch.float32)[src]                    # [T, S, E]
         sim = sim.masked_fill(~in_p | torch.isnan(sim), float("-inf"))

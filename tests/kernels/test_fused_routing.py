@@ -170,3 +170,27 @@ def test_custom_op_under_compile():
     got = fn(logits)
     assert torch.equal(got[1], want[1])
     assert comp_s.tolist() == eager_s.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_reference_is_capturable_in_a_cuda_graph():
+    """vLLM captures decode steps the one-launch kernel does not take (more rows than FUSED_MAX_TOKENS) with the
+    torch reference inside the graph: it must not copy from the host (H200, vLLM 0.26: the SERE server died in
+    capture), and replays must follow new logits."""
+    logits, sim, protected, decode, real = make_case(300, 128, seed=5)
+    spec = spec_of("top4-sere-k2", sim, protected)
+    counters = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    static = logits.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_routing_reference(static, spec, decode, real, counters.clone())   # warm-up off the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gid = fused_routing_reference(static, spec, decode, real, counters)
+    fresh = logits.flip(0).contiguous()
+    static.copy_(fresh)
+    graph.replay()
+    want_w, want_id = fused_routing_reference(fresh, spec, decode, real)
+    assert torch.equal(gid, want_id)
+    torch.testing.assert_close(gw, want_w)
