@@ -119,7 +119,8 @@ class TimedBatches:
         for g in gens:
             self.samples.append({"uid": g.uid, "pass": pass_index, "batch": batch_index, "ttft_ms": g.ttft_ms,
                                  "tpot_ms": g.tpot_ms, "e2e_ms": g.e2e_ms, "itl_ms": g.extra.get("itl_ms"),
-                                 "output_tokens": g.output_tokens, "error": g.error, "excluded": excluded,
+                                 "output_tokens": g.output_tokens, "prompt_tokens": g.prompt_tokens,
+                                 "error": g.error, "excluded": excluded,
                                  "retimed": attempts, "reasons": why or None})
         if attempts == 0 and not excluded:
             return first

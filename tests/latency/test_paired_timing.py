@@ -118,3 +118,29 @@ def test_paired_ratio_and_units():
     assert unit_means(samples, "ttft_ms") == {(0, 0): 5.0}  # a unit with an excluded timing is dropped whole
     res = compare({"t": samples, "b": [dict(s, ttft_ms=10.0, excluded=False) for s in samples]}, "t", "b")
     assert res["ttft_ms"]["n"] == 1 and res["ttft_ms"]["dropped"] == 1 and res["ttft_ms"]["estimate"] == 2.0
+
+
+@pytest.mark.slow
+def test_paired_timing_on_the_embedded_model_really_switches_visionzip_off_and_on(tmp_path):
+    """End to end (HF engine, embedded model, 2 OCR samples): the baseline side ran every visual token, the
+    technique and the random side the same pruned count; summary.json carries latency.paired and the comparisons
+    the report reads; answers and scores are the scored pass's (the paired phase never re-scores)."""
+    import json
+
+    from tests.run.test_sere_resume import compose_cfg
+    from harness.run.experiment import run_experiment
+
+    cfg = compose_cfg("sere.k=null", "visionzip.keep=0.5", "dataset.limit=2", "generation.max_new_tokens=3",
+                      "cache.enabled=false", "latency.paired=true", "latency.paired_rounds=2",
+                      "latency.paired_with=[random]")
+    summary = run_experiment(cfg, tmp_path / "run")
+    paired = summary["latency"]["paired"]
+    names = [v["name"] for v in paired["variants"]]
+    assert [v["role"] for v in paired["variants"]] == ["technique", "baseline", "trivial"]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "paired_timings.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 3  # requests x rounds x variants
+    tokens = {n: {line["prompt_tokens"] for line in lines if line["variant"] == n} for n in names}
+    assert max(tokens[names[0]]) < min(tokens["baseline"]) and tokens[names[0]] == tokens[names[2]]
+    assert {(c["against"], c["metric"]) for c in summary["comparisons"]} >= {("baseline", "ttft_ms"),
+                                                                             ("random keep=0.5", "ttft_ms")}
+    assert summary["metrics"]["n"] == 2 and summary["latency"]["n_measured"] == 2
