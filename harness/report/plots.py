@@ -263,9 +263,10 @@ METHOD_STYLE = {"visionzip": ("tab:blue", "o"), "random": ("tab:gray", "x"), "po
 
 
 def _budget_points(group: Sequence[dict[str, Any]], metric: str) -> tuple[str, dict[str, list[tuple]]]:
-    """(x-axis name, {method: [(x, y, lo, hi)]}) of one setup: VisionZip and its baselines against the keep rate,
-    SERE and the routing baselines against the expert union per layer and step (where top-p lands). ``lo``/``hi``:
-    the paired interval of the delta against the baseline, moved to the metric's scale (None without one)."""
+    """(x-axis name, {method: [(x, Δ, lo, hi, label)]}) of one setup: VisionZip and its baselines against the keep
+    rate, SERE and the routing baselines against the expert union per layer and step (where top-p lands); Δ the
+    quality change against the baseline, ``lo``/``hi`` its paired interval (None without one), on the metric's
+    display scale."""
     from harness.report.rows import QUALITY
 
     scale = QUALITY[metric][2]
@@ -290,22 +291,21 @@ def _budget_points(group: Sequence[dict[str, Any]], metric: str) -> tuple[str, d
             else:
                 continue
             x = r["vz_keep"]
-        if x is None:
+        if x is None or r.get(f"{metric}_delta") is None:
             continue
-        y = r[metric] * scale
+        y = r[f"{metric}_delta"] * scale
         ci = r.get(f"{metric}_delta_ci")
-        lo = hi = None
-        if ci and r.get(f"{metric}_delta") is not None:
-            lo, hi = y + (ci[0] - r[f"{metric}_delta"]) * scale, y + (ci[1] - r[f"{metric}_delta"]) * scale
+        lo, hi = (ci[0] * scale, ci[1] * scale) if ci else (None, None)
         series.setdefault(name, []).append((x, y, lo, hi, r["label"]))
     return ("experts per layer per decode step (union after routing)" if routing else "visual tokens kept (keep)",
             {k: sorted(v) for k, v in series.items()})
 
 
 def frontier_figure(rows: Sequence[dict[str, Any]], *, title: str):
-    """Quality against budget, one subplot per (setup, metric) that has a technique and a trivial baseline: every
-    method a line, the trivial baselines beside the technique on the same axes, the baseline a dashed line, the
-    paired interval against the baseline as error bars. None when no setup has both."""
+    """Quality change against budget, one subplot per (setup, metric) that has a technique and a trivial baseline:
+    every method a line, the trivial baselines beside the technique on the same axes (shifted a little apart so
+    their bars stay readable), the baseline the dashed zero, the paired interval over samples as error bars. None
+    when no setup has both."""
     from harness.report.rows import QUALITY
 
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -330,8 +330,12 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, title: str):
     for ax, (group, metric) in zip(axes.flat, panels_):
         label, unit, scale, _ = QUALITY[metric]
         xname, series = _budget_points(group, metric)
-        for name, pts in series.items():
+        xs_all = [p[0] for pts in series.values() for p in pts]
+        step = 0.012 * ((max(xs_all) - min(xs_all)) or 1.0)  # methods side by side at one budget, bars apart
+        for k, (name, pts) in enumerate(series.items()):
             color, marker = METHOD_STYLE.get(name, ("black", "o"))
+            shift = (k - (len(series) - 1) / 2) * step
+            pts = [(x + shift, *rest) for x, *rest in pts]
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             ax.plot(xs, ys, marker=marker, color=color, lw=1.2, ms=7, label=name)
             for x, y, lo, hi, _ in pts:
@@ -339,10 +343,10 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, title: str):
                     ax.errorbar([x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt="none", ecolor=color,
                                 capsize=3, alpha=0.7)
         base = [r[metric] * scale for r in group if r["family"] == "baseline" and r.get(metric) is not None]
-        if base:
-            ax.axhline(sum(base) / len(base), color="black", ls="--", lw=1, label="baseline")
+        ax.axhline(0.0, color="black", ls="--", lw=1,
+                   label="baseline" + (f" ({sum(base) / len(base):.3g})" if base else ""))
         ax.set_xlabel(xname)
-        ax.set_ylabel(f"{label} [{unit}]")
+        ax.set_ylabel(f"Δ {label} vs baseline [{unit}]")
         ax.set_title(wrap_title(f"{label} · {group[0]['dataset']}"
                                 + (f" ({group[0]['dataset_variant']})" if group[0]["dataset_variant"] else ""),
                                 width / ncols, 10), fontsize=10)

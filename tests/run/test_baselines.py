@@ -11,28 +11,40 @@ import pytest
 from tests.run.test_experiment import harness_cmd
 
 
-def _multirun(tmp_path_factory, name, *overrides):
+def _multirun(tmp_path_factory, name, *overrides, limit="2", tokens=4):
     root = tmp_path_factory.mktemp(name)
     proc = harness_cmd("-m", f"hydra.sweep.dir={root}/sweep", "wandb.mode=disabled", "cache.enabled=false",
-                       "dataset.limit=2", "generation.max_new_tokens=4", *overrides, cwd=root)
+                       f"dataset.limit={limit}", f"generation.max_new_tokens={tokens}", *overrides, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted((root / "sweep").glob("*/summary.json"), key=lambda p: int(p.parent.name))
     return [json.loads(p.read_text()) for p in runs], [p.parent for p in runs]
 
 
 @pytest.mark.slow
-def test_visionzip_baselines_prune_at_the_same_budget_without_attention(tmp_path_factory):
-    summaries, dirs = _multirun(tmp_path_factory, "vz", "visionzip.method=random,pool,first", "visionzip.keep=0.5",
-                                "visionzip.seed=3")
-    assert [s["visionzip"]["method"] for s in summaries] == ["random", "pool", "first"]
-    assert summaries[0]["visionzip"]["seed"] == 3 and summaries[0]["config"]["visionzip"]["seed"] == 3
+def test_visionzip_baselines_prune_at_the_same_budget_and_visionzip_beats_random_on_ocr(tmp_path_factory):
+    """The four methods of the VisionZip family at keep 0.75 on the bundled OCRBench sample (10 held-out rows), as
+    sweeps/baselines_equal_budget runs them. Each baseline keeps VisionZip's count without attention scoring, and
+    VisionZip reads more texts than random pruning: measured 3 of 10 against 0 (CPU, float32, greedy; pool 1, first
+    2), asserted with a margin of one flipped answer. At keep 0.25 every method reads 0 of 10 on this model
+    (docs/embedded_model.md: OCR 0.00 at keep 0.25), so the issue's keep-0.25 direction cannot be asserted here."""
+    summaries, dirs = _multirun(tmp_path_factory, "vz", "visionzip.method=attention,random,pool,first",
+                                "visionzip.keep=0.75", "visionzip.seed=0", "dataset=ocrbench_sample",
+                                limit="null", tokens=12)
+    assert [s["visionzip"]["method"] for s in summaries] == ["attention", "random", "pool", "first"]
+    records = {}
     for s, d in zip(summaries, dirs):
         vz = s["visionzip"]
-        assert vz["keep_rate"] == pytest.approx(0.5, abs=0.02) and vz["visual_tokens_kept"] < vz["visual_tokens_in"]
-        assert vz["importance_ms_total"] == 0.0  # no attention scoring ran: the baseline, not VisionZip, chose
+        assert vz["keep_rate"] == pytest.approx(0.75, abs=0.02) and vz["visual_tokens_kept"] < vz["visual_tokens_in"]
         samples = [json.loads(line) for line in (d / "samples.jsonl").read_text().splitlines()]
         assert all(r["visual_tokens"] == r["visionzip"]["visual_tokens_after"] < r["visionzip"]["visual_tokens_before"]
                    for r in samples)
+        records[vz["method"]] = {r["uid"]: r["scores"]["score"] for r in samples}
+        if vz["method"] != "attention":  # no attention scoring ran: the baseline, not VisionZip, chose
+            assert vz["importance_ms_total"] == 0.0
+    assert summaries[1]["visionzip"]["visual_tokens_kept"] == summaries[0]["visionzip"]["visual_tokens_kept"]
+    assert len(records["attention"]) == len(records["random"]) == 10
+    won = sum(records["attention"][u] - records["random"][u] for u in records["attention"])
+    assert won >= 2, records
 
 
 @pytest.mark.slow
