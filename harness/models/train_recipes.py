@@ -81,6 +81,10 @@ V7_TASK_WEIGHTS = {"ocr": 0.10, "ocr_mix": 0.04, "mcq": 0.07, "mcq_hint": 0.04, 
                    "text_arith": 0.13, "text_list": 0.11, "text_lookup": 0.08, "text_choice": 0.14}
 VARIANTS["v7"] = {**VARIANTS["v4"], "task_weights": V7_TASK_WEIGHTS, "init": "v4", "lr": 1e-3, "route_prior": 0.05}
 VARIANTS["v7-noprior"] = {**VARIANTS["v7"], "route_prior": 0.0}
+# the text tasks alone (learning-speed experiments: how many steps each text task needs; not a checkpoint recipe —
+# run with --no-pack, the pool has no image)
+VARIANTS["v7-text"] = {**VARIANTS["v7"], "task_weights": {"text_arith": 0.3, "text_list": 0.3, "text_lookup": 0.2,
+                                                          "text_choice": 0.2}, "lr": 2.5e-3}
 # the v4 checkpoint v7 starts from (``--init v4``: the committed checkpoint while it is v4; after v7's adoption, the
 # v4 files from git: ``git show 8fa1f54:harness/models/checkpoints/tiny-trained-synthetic/model.safetensors``)
 V4_SHA256 = "eb57d509e9defebdb1d08a86a9a8329167ec0bcba3e19fe156e6ee81ecca8441"
