@@ -35,6 +35,7 @@ from typing import Any
 
 from harness.datasets import LOADERS, register_from_config  # light registries (names → "module:attr"), nothing heavy imported
 from harness.engines import ENGINES
+from harness.models.real_shapes import ARCHS  # the shapes archs (a table; torch and transformers stay unimported)
 from harness.config.checks import (NONEMPTY, _MISSING, Check, ConfigError, CrossRule, Rule, _select, _sere_on,
                                      _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern,
                                      registered)
@@ -144,7 +145,7 @@ RULES: tuple[Rule, ...] = (
     Rule("cache.read", one_of("resume", "always", "never")),
     Rule("seed", at_least(0)),
     # --- real-shape models, synthetic load, decode path, device_map (issue 17; docs/real_shapes.md) ---
-    Rule("model.shapes.arch", optional(one_of("qwen3_30b_a3b", "qwen3_vl_30b_a3b"), "load model.path")),
+    Rule("model.shapes.arch", optional(one_of(*ARCHS), "load model.path")),
     Rule("model.shapes.num_layers", optional(at_least(1), "the checkpoint's")),
     Rule("dataset.n_images", at_least(0)),
     Rule("dataset.image_width", at_least(1)),
@@ -186,7 +187,8 @@ def _shapes(cfg: Any) -> bool:
 
 
 def _text_only_shapes(cfg: Any) -> bool:
-    return _select(cfg, "model.shapes.arch", None) == "qwen3_30b_a3b"
+    arch = _select(cfg, "model.shapes.arch", None)
+    return arch in ARCHS and ARCHS[arch]["vision"] is None
 
 
 def _technique_engine(cfg: Any) -> bool:
@@ -236,8 +238,8 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     # needs a multimodal processor inside vLLM: not implemented); not through vllm serve (load.endpoint)
     CrossRule("model.shapes.arch", _shapes,
               lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and _text_only_shapes(cfg)),
-              lambda cfg: ("qwen3_30b_a3b with engine=vllm (the text model, vLLM dummy weights; the VL shapes model "
-                           "runs with engine=hf)") if _vllm(cfg) else
+              lambda cfg: ("a text-only arch with engine=vllm (vLLM dummy weights; the VL shapes model runs with "
+                           "engine=hf)") if _vllm(cfg) else
               "null with an engine other than hf or vllm (shapes models are built by the HF engine, or loaded by "
               "vLLM with dummy weights)"),
     CrossRule("load.endpoint", lambda cfg: _shapes(cfg) and _vllm(cfg) and cfg.load.get("endpoint") is not None,
@@ -252,7 +254,8 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "not synthetic_load with an engine other than hf, except engine=vllm with a shapes model (its "
               "token-id prompts need a tokenizer-free path)"),
     CrossRule("dataset.n_images", lambda cfg: cfg.dataset.name == "synthetic_load" and _text_only_shapes(cfg),
-              lambda cfg: cfg.dataset.n_images == 0, "0 with a text-only model (model.shapes.arch=qwen3_30b_a3b)"),
+              lambda cfg: cfg.dataset.n_images == 0,
+              lambda cfg: f"0 with a text-only model (model.shapes.arch={cfg.model.shapes.arch})"),
     CrossRule("generation.ignore_eos", lambda cfg: cfg.dataset.name == "synthetic_load",
               lambda cfg: bool(_select(cfg, "generation.ignore_eos", False)),
               "true with dataset=synthetic_load (add generation=synthetic_load: a fixed output length)"),
