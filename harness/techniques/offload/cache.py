@@ -265,8 +265,12 @@ class ExpertCache:
         if len(free) >= n:
             return n
         entries = self.entries[layer]
-        cands = [e for e in sorted(entries) if e not in exclude
-                 and not (for_prefetch and (entries[e].pass_loaded == self.pass_index or self.protected(layer, e)))]
+        if for_prefetch:  # not loaded in this pass, not protected (protected() inlined: this runs per prefetch)
+            n_prot, now, pi = self.pf.protect_tokens, self._steps, self.pass_index
+            cands = [e for e in sorted(entries) if e not in exclude and entries[e].pass_loaded != pi
+                     and not (n_prot and entries[e].last_step >= 0 and entries[e].last_step > now - n_prot)]
+        else:
+            cands = [e for e in sorted(entries) if e not in exclude]
         want = min(n - len(free), len(cands))
         if want < n - len(free) and not for_prefetch:
             raise RuntimeError(f"layer {layer}: {n} slots needed, {len(free)} free and {len(cands)} evictable "

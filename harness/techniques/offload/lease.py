@@ -27,9 +27,16 @@ Eviction (the pool is full and a load needs a slot), in this order — this is w
 pressure" happens: ``free`` experts (least recently used first), then ``grace`` (earliest grace end first),
 then pre-emptible leases (lowest score, then earliest lease end: a **pre-emption**), and only when nothing else
 is left, non-pre-emptible leases (counted as ``forced``: the budget is smaller than what the leases ask for).
+Never-leased (``untracked``) experts go before all of them; every remaining tie goes to the lowest id
+(:meth:`LeasePolicy.victim_key` is the whole order as one key).
 
 Prefetch (``offload.lease.prefetch = gate``): as ``lru+gate``, the next layer's router on the current hidden
-state; a prefetched expert gets a short pre-emptible lease.
+state; a prefetched expert gets a short pre-emptible lease when the cache actually loads it
+(``on_prefetch_issued``): a guess the cache refuses never holds a lease.
+
+Cost (issue 27): this runs for every expert of every layer, so the recency score is a count kept as the
+window moves (O(1) per expert), a renewed lease reuses its record, and ``choose_victims`` computes one key per
+candidate; the cache delivers ``on_access`` after the layer's kernel was issued.
 
 Clock: ``clock.tokens`` (decode steps of the run) for lease and grace tokens, ``clock.ms`` for grace ms.
 """
@@ -250,18 +257,33 @@ class LeasePolicy(OffloadPolicy):
 
     # -- policy hooks -------------------------------------------------------------------------------
     def on_access(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
+        """Count lease/grace hits (decode), then grant or renew a lease per expert (its length from the score).
+        The state test is :meth:`lease_state` inlined: this runs for every expert of every layer."""
         decode = clock.phase == "decode"
+        if not decode:
+            for e in experts:
+                self._grant(layer, e, clock, 0.0)
+            return
+        leases, tok, ms = self.leases[layer], clock.tokens, clock.ms
+        scored = self.s.score != "none"
+        lease_hits = grace_hits = 0
         for e in experts:
-            if decode:
-                state = self.lease_state(layer, e, clock)
-                self.n["accesses"] += 1
-                self.n["lease_hits"] += state == "leased"
-                self.n["grace_hits"] += state == "grace"
-            sc = self.score(layer, e) if decode else 0.0
-            if decode and self.s.score != "none":
-                self.n["scored"] += 1
+            rec = leases.get(e)
+            if rec is not None:
+                if tok <= rec.until:
+                    lease_hits += 1
+                elif rec.grace_tokens_end is None or tok <= rec.grace_tokens_end or ms < rec.grace_ms_end:
+                    grace_hits += 1
+            sc = self.score(layer, e)
+            if scored:
                 self.score_sum += sc
             self._grant(layer, e, clock, sc)
+        n = self.n
+        n["accesses"] += len(experts)
+        n["lease_hits"] += lease_hits
+        n["grace_hits"] += grace_hits
+        if scored:
+            n["scored"] += len(experts)
         if decode:  # one set per (step, layer): a chunked layer calls on_access once per chunk
             recent, counts = self._recent[layer], self._recent_count[layer]
             if self._recent_pass[layer] == clock.pass_index and recent:
@@ -316,7 +338,8 @@ class LeasePolicy(OffloadPolicy):
 
     def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
         """The ``n`` smallest :meth:`victim_key` of ``candidates`` (one key per candidate, no second pass)."""
-        keyed = sorted(self.victim_key(layer, e, clock) for e in candidates)[:n]
+        keys = (self.victim_key(layer, e, clock) for e in candidates)
+        keyed = ([min(keys)] if len(candidates) else []) if n == 1 else sorted(keys)[:n]
         names = ("evict_untracked", "evict_free", "evict_grace")
         for k in keyed:
             if k[0] == 3:

@@ -33,6 +33,14 @@ __all__ = ["NonePolicy", "StagingPolicy", "LRUPolicy", "LRUGatePolicy", "OracleP
            "StaticHotPolicy"]
 
 
+def smallest(n: int, candidates: Sequence[int], key: Any) -> list[int]:
+    """The ``n`` candidates of smallest ``key``, smallest first (keys end with the id, so they are unique and
+    the order is total). One pass for the common n = 1 (a single prefetch or miss), a sort otherwise."""
+    if n == 1:
+        return [min(candidates, key=key)] if len(candidates) else []
+    return sorted(candidates, key=key)[:n]
+
+
 @register_policy("none")
 class NonePolicy(OffloadPolicy):
     """All experts resident; never asked anything."""
@@ -49,7 +57,15 @@ class StagingPolicy(OffloadPolicy):
 
 @register_policy("lru")
 class LRUPolicy(OffloadPolicy):
-    """Per-layer LRU. Recency is a counter of accesses (pass, layer order), so it is exact and clock-free."""
+    """Per-layer LRU. Recency is a counter of accesses (pass, layer order), so it is exact and clock-free.
+
+    Contract (tests/techniques/offload/test_policy_contracts.py):
+
+    - victims: the ``n`` candidates with the oldest last use, oldest first;
+    - an expert never used since it was loaded (or since its last eviction) is older than any used one;
+    - one ``on_access`` call is one tick: the experts of one call tie, and every tie goes to the lowest id;
+    - ``on_evict`` forgets the expert's recency; layers never share recency.
+    """
 
     def __init__(self, ctx: PolicyContext):
         super().__init__(ctx)
@@ -66,7 +82,7 @@ class LRUPolicy(OffloadPolicy):
 
     def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
         lu = self.last_use[layer]
-        return sorted(candidates, key=lambda e: (lu.get(e, -1), e))[:n]
+        return smallest(n, candidates, lambda e: (lu.get(e, -1), e))
 
     def on_evict(self, layer: int, expert: int, clock: Clock) -> None:
         self.last_use[layer].pop(expert, None)
@@ -75,7 +91,11 @@ class LRUPolicy(OffloadPolicy):
 @register_policy("lru+gate")
 class LRUGatePolicy(LRUPolicy):
     """LRU + next layer's router on the current hidden state → prefetch (decode only; ``params.prefetch_prefill``
-    turns it on for prefill too). A prefetched expert counts as just used, so LRU does not evict it at once."""
+    turns it on for prefill too). A prefetched expert counts as just used, so LRU does not evict it at once.
+
+    Contract, beyond LRU's: ``prefetch(l)`` returns ``(l + 1, e)`` for the gate's guesses in
+    :func:`rank_gate_guess` order, nothing for the last layer, without a hidden state or a gate, or outside
+    decode (unless ``prefetch_prefill``); every guess (resident or not) is touched as one access."""
 
     needs_gate = True
 
@@ -93,7 +113,9 @@ class LRUGatePolicy(LRUPolicy):
 def rank_gate_guess(ids: Any, num_experts: int) -> list[int]:
     """The gate's guessed experts ``[T, k]`` (each row's top-k, best first), best first: by the number of rows
     naming the expert, then by its best rank in a row, then id. The cache admits only the first few
-    (``offload.prefetch.max_per_layer``), so the order is the prefetch priority."""
+    (``offload.prefetch.max_per_layer``), so the order is the prefetch priority. ``ids`` is a tensor or host
+    rows (lists, as :class:`harness.techniques.offload.gate_read.GateReader` returns them); ids outside
+    ``[0, num_experts)`` are dropped; a single row keeps its own order, duplicates dropped."""
     if hasattr(ids, "reshape"):
         rows = ids.reshape(-1, ids.shape[-1]).tolist()
     elif ids and isinstance(ids[0], (list, tuple)):
@@ -124,7 +146,12 @@ class OraclePolicy(OffloadPolicy):
     order this run decodes in; ``params.batch_size`` = the engine's batch size). Decode step ``t`` of the
     measured run (``clock.tokens`` after the warm-up reset) is trace step ``t - 1``; a prefill looks ahead from
     the next decode step. Steps whose routing differs from the trace are counted (``trace_mismatch_steps``):
-    the ceiling is exact only when that is 0."""
+    the ceiling is exact only when that is 0.
+
+    Contract: the next use of a candidate is its first trace step ``>= now`` (a use at the current step counts:
+    an expert the current step still needs is the last to go); victims are the farthest next uses first, never
+    used again (∞) before any, ties to the lowest id. Only decode accesses are checked against the trace;
+    an access at ``now >= len(trace)`` is counted in ``accesses_beyond_trace``."""
 
     needs_trace = True
 
@@ -157,7 +184,7 @@ class OraclePolicy(OffloadPolicy):
 
     def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
         now = self._now(clock)
-        return sorted(candidates, key=lambda e: (-self.next_use(layer, e, now), e))[:n]
+        return smallest(n, candidates, lambda e: (-self.next_use(layer, e, now), e))
 
     def on_access(self, layer: int, experts: Sequence[int], clock: Clock) -> None:
         if clock.phase != "decode":
@@ -179,7 +206,8 @@ class OraclePolicy(OffloadPolicy):
 
 @register_policy("lfu")
 class LFUPolicy(LRUPolicy):
-    """Per-layer LFU (module doc): evict the candidate computed in the fewest passes, then the least recent."""
+    """Per-layer LFU (module doc): evict the candidate computed in the fewest passes, then the least recent
+    (LRU's ticks), then the lowest id. Counts survive eviction ("perfect" LFU); recency does not."""
 
     def __init__(self, ctx: PolicyContext):
         super().__init__(ctx)
@@ -193,7 +221,7 @@ class LFUPolicy(LRUPolicy):
 
     def choose_victims(self, layer: int, n: int, candidates: Sequence[int], clock: Clock) -> list[int]:
         counts, lu = self.count[layer], self.last_use[layer]
-        return sorted(candidates, key=lambda e: (counts.get(e, 0), lu.get(e, -1), e))[:n]
+        return smallest(n, candidates, lambda e: (counts.get(e, 0), lu.get(e, -1), e))
 
     def stats(self) -> dict[str, Any]:
         return {"distinct_experts_counted": sum(len(c) for c in self.count)}
@@ -225,7 +253,9 @@ def _trace_ids(trace: Any) -> Any:
 
 @register_policy("static_hot")
 class StaticHotPolicy(OffloadPolicy):
-    """The trace's hottest experts pinned (module doc): victims are the coldest candidates by trace counts."""
+    """The trace's hottest experts pinned (module doc): victims are the coldest candidates by trace counts, ties
+    to the higher id (the hot ranking keeps the lower id, so on a tie the expert outside the hot set goes);
+    ``hot_evictions`` counts victims from the hot set (a layer needing more than its capacity at once)."""
 
     needs_trace = True
 

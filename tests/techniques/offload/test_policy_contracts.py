@@ -50,10 +50,10 @@ def test_lru_never_used_goes_before_any_used_and_ties_go_to_the_lowest_id():
 
 def test_lru_forgets_an_evicted_expert_and_keeps_layers_apart():
     p = make("lru")
-    p.on_access(0, [1], clk())
     p.on_access(0, [2], clk())
+    p.on_access(0, [1], clk())  # 1 more recent than 2
     p.on_evict(0, 1, clk())
-    assert p.choose_victims(0, 1, [1, 2], clk()) == [1]  # reloaded, not yet used: never used
+    assert p.choose_victims(0, 1, [1, 2], clk()) == [1]  # reloaded, not yet used: never used, goes before 2
     p.on_access(1, [2], clk())  # layer 1's access does not refresh layer 0
     p.on_access(0, [3], clk())
     assert p.choose_victims(0, 1, [2, 3], clk()) == [2]
