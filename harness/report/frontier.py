@@ -172,6 +172,10 @@ def frontier_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
 
     entries = frontier_rows(rows)
     lines = ["# Frontier: each technique against the baseline and its trivial baselines at equal budget", ""]
+    if not any(r["family"] in ("vz-baseline", "routing-baseline") for r in rows):
+        return "\n".join(lines + ["No trivial baseline run (`visionzip.method=random|pool|first`, `moe.routing="
+                                   "random_p|top_p`) among these runs: `python -m harness -m --config-name "
+                                   "baselines_equal_budget` runs them.", ""])
     if not entries:
         return "\n".join(lines + ["No technique run with a baseline of the same setup among these runs.", ""])
     head = ["dataset", "technique", "budget", "metric", "Δ quality vs baseline", "TTFT × vs baseline",

@@ -124,10 +124,11 @@ def all_data_errors(records: list[dict[str, Any]]) -> str | None:
     reasons: dict[str, int] = {}
     for r in records:
         reasons[r.get("error_reason") or "unknown"] = reasons.get(r.get("error_reason") or "unknown", 0) + 1
-    first = records[0]
+    first = str(records[0].get("error") or "")
+    first = first if len(first) <= 200 else first[:199] + "…"
     return (f"all {len(records)} samples failed for data reasons ("
             + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
-            + f"; first: {first.get('uid')}: {str(first.get('error') or '')[:160]}): nothing was scored")
+            + f"; first: {records[0].get('uid')}: {first}): nothing was scored")
 
 
 def finished_summary(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
