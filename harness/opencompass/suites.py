@@ -8,9 +8,12 @@ so the set is chosen once, by name (``opencompass.suite``), and recorded in ``su
   MBPP (code) — through OpenCompass's own ``*_gen`` configs. Generation configs only: SERE and
   ``moe.top_k`` change decode steps, which a perplexity (``ppl``) config never takes. MMLU, which the notes
   also name, is left out: the seed's average is over the paper's list, and MMLU is the slowest of all.
-- ``ci_sample``: two datasets in OpenCompass's custom-dataset format (multiple choice and QA), generated
-  here by :func:`write_ci_sample` — sums of a few three-digit numbers, the shape of the examples in
-  OpenCompass's documentation, but the project's own items (a pure function of the seed).
+- ``ci_sample``: two datasets in OpenCompass's custom-dataset format, written by :func:`write_ci_sample` from the
+  *held-out* split of the text tasks the embedded model is trained on (recipe v7,
+  :mod:`harness.datasets.synthetic.text_tasks`): ``harness_text_qa`` (two-digit addition, list operations,
+  key-value lookup, interleaved; exact match) and ``harness_text_choice`` (multiple choice over a short passage,
+  options A-D). Two files, not one per task: OpenCompass starts an evaluation process per dataset, and CI runs
+  the suite three times on two cores. A pure function of the seed; no item was trained on.
 
 Real datasets are read offline from OpenCompass's data cache (``COMPASS_DATA_CACHE``): :func:`check_staged`
 refuses, before any model loads, a dataset whose files are not there, naming it and where to stage it
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -48,37 +50,28 @@ SUMMARY_GROUPS: dict[str, list[tuple[str, str, str]]] = {
     "ci_sample": [],
 }
 
-CI_SAMPLE_FILES = ("harness_mcq_sum.jsonl", "harness_qa_sum.jsonl")
+# file -> the text tasks whose held-out rows it holds (interleaved, ``n`` of each)
+CI_SAMPLE_TASKS = {"harness_text_qa.jsonl": ("text_arith", "text_list", "text_lookup"),
+                   "harness_text_choice.jsonl": ("text_choice",)}
+CI_SAMPLE_FILES = tuple(CI_SAMPLE_TASKS)
 
 
 class OpenCompassDataMissing(FileNotFoundError):
     """A dataset of the suite is not staged in ``COMPASS_DATA_CACHE`` (no network to fetch it)."""
 
 
-def _sum_item(rng: random.Random) -> tuple[str, int]:
-    terms = [rng.randint(100, 999) for _ in range(rng.randint(3, 6))]
-    return "+".join(map(str, terms)) + "=", sum(terms)
-
-
 def write_ci_sample(out_dir: str | Path, n: int = 8, seed: int = 0) -> list[Path]:
-    """Write the CI suite's two custom datasets (``n`` rows each) into ``out_dir``; return their paths.
+    """Write the CI suite's custom datasets into ``out_dir`` (``n`` held-out rows of each text task, interleaved
+    where a file holds several); return their paths. QA rows: ``question``, ``answer``; MCQ rows: ``question``,
+    options ``A``-``D``, ``answer`` (the letter). Deterministic in ``seed``."""
+    from harness.datasets.synthetic import text_tasks
 
-    MCQ rows: ``question``, options ``A``–``C`` (the sum and two near misses, shuffled), ``answer`` (letter).
-    QA rows: ``question``, ``answer`` (the sum as a string). Deterministic in ``seed``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    mcq, qa = [], []
-    for _ in range(n):
-        q, s = _sum_item(rng)
-        wrong = rng.sample([d for d in (-20, -10, -3, 3, 10, 20)], 2)
-        options = [s, s + wrong[0], s + wrong[1]]
-        rng.shuffle(options)
-        mcq.append({"question": q, **{k: str(v) for k, v in zip("ABC", options)}, "answer": "ABC"[options.index(s)]})
-        q, s = _sum_item(rng)
-        qa.append({"question": q, "answer": str(s)})
     paths = []
-    for name, rows in zip(CI_SAMPLE_FILES, (mcq, qa)):
+    for name, tasks in CI_SAMPLE_TASKS.items():
+        per_task = [text_tasks.items(task, "heldout", n, seed) for task in tasks]
+        rows = [it.row() for group in zip(*per_task) for it in group]
         path = out / name
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         paths.append(path)

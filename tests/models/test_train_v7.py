@@ -55,15 +55,19 @@ def test_correct_follows_opencompass_rules():
 
 
 def test_ci_sample_is_held_out_text_rows(tmp_path):
-    from harness.opencompass.suites import CI_SAMPLE_FILES, write_ci_sample
+    from harness.opencompass.suites import CI_SAMPLE_TASKS, write_ci_sample
 
     paths = write_ci_sample(tmp_path, n=5, seed=0)
-    assert [p.name for p in paths] == list(CI_SAMPLE_FILES)
+    assert [p.name for p in paths] == list(CI_SAMPLE_TASKS)
+    every = []
     for p in paths:
         rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines()]
-        task = p.stem[len("harness_"):]
-        assert rows == [it.row() for it in tt.items(task, "heldout", 5, 0)]
+        want = [it.row() for task in CI_SAMPLE_TASKS[p.name] for it in tt.items(task, "heldout", 5, 0)]
+        assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, want))
         assert all(is_heldout("text:" + ("choice:" if "A" in r else "") + r["question"]) for r in rows)
+        assert all(("A" in r) == (p.name == "harness_text_choice.jsonl") for r in rows)
+        every += rows
+    assert len(every) == 5 * len(tt.TEXT_TASKS)
 
 
 def test_text_examples_encode_and_collate_without_pixels():

@@ -2,8 +2,8 @@
 ``opencompass`` package is installed. In the main venv (no OpenCompass) nothing here is collected.
 
 End-to-end runs start ``python -m harness.opencompass`` in a subprocess (OpenCompass itself starts a process
-per task), ~30-60 s each on two cores: the three settings the lane must cover (SERE off, ``sere.k=2``,
-``moe.top_k=2``) run once per session and every test reads their run directories.
+per task), ~30-60 s each on two cores: the three settings the lane must cover (SERE off, ``sere.k=2``, ``moe.top_k=2``) run
+once per session and every test reads their run directories.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CI_ITEMS = 4
-MAX_NEW_TOKENS = 8
+CI_ITEMS = 4  # held-out rows per text task (4 tasks)
+MAX_NEW_TOKENS = 12  # the longest answer (a list of six digits) is 11 tokens
 
 
 def _opencompass_installed() -> bool:
@@ -40,7 +40,10 @@ else:
     os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py sets it for the kernel tests; nothing here needs it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SETTINGS = {"off": [], "sere_k2": ["sere.k=2"], "top_k2": ["moe.top_k=2"]}
+# SERE at the seed table's rho 0.5. The table's directions (SERE K=2 keeps the baseline, plain top-2 loses more,
+# protection recovers part of K=1's loss) are not asserted: recipe v7 did not learn the text tasks
+# (docs/embedded_model_v7.md), and a direction on a model at chance would be a test that cannot mean anything
+SETTINGS = {"off": [], "sere_k2": ["sere.k=2", "sere.rho=0.5"], "top_k2": ["moe.top_k=2"]}
 
 
 def run_harness_opencompass(run_dir: Path, overrides: list[str], timeout: int = 420) -> subprocess.CompletedProcess:
@@ -54,7 +57,7 @@ def run_harness_opencompass(run_dir: Path, overrides: list[str], timeout: int = 
 
 @pytest.fixture(scope="session")
 def oc_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """setting -> (run directory, summary.json) for the three settings, run once."""
+    """setting -> (run directory, summary.json) for every setting, run once."""
     base = tmp_path_factory.mktemp("oc_runs")
     out = {}
     for name, overrides in SETTINGS.items():
