@@ -5,7 +5,7 @@ tokenizer or processor files (the GPU machine has no network), and ``dataset=syn
 an exact length in tokens. So this module builds the model inputs itself:
 
 - ``{"type": "synthetic_tokens", "n": N, "seed": s}`` parts → N ids drawn uniformly (seeded) from the ordinary
-  vocabulary, below every special id of the model's config;
+  vocabulary, clear of every special id of the model's config (``harness.models.real_shapes.synthetic_ids``);
 - text parts → the engine's tokenizer (the byte-level ``ShapesTokenizer`` of a shapes model, or a real one);
 - image parts → ``<|vision_start|>`` + one ``<|image_pad|>`` per merged patch + ``<|vision_end|>``, and the
   image's patches in the Qwen2-VL / Qwen3-VL processor layout (resize to a multiple of patch × merge, rescale to
@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["has_direct_parts", "build_inputs", "patchify", "image_tokens", "resized_size"]
+from harness.models.real_shapes import synthetic_ids  # re-exported: it lives with the shapes models (layout)
+
+__all__ = ["has_direct_parts", "build_inputs", "patchify", "image_tokens", "resized_size", "synthetic_ids"]
 
 
 def has_direct_parts(requests: list[Any]) -> bool:
@@ -89,22 +91,6 @@ def patchify(image: Any, vision: Any, device: Any = None) -> tuple[torch.Tensor,
     gh, gw = h // p, w // p
     x = x.reshape(1, t, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(gh * gw, 3 * t * p * p).contiguous(), (1, gh, gw)
-
-
-def _special_ids(model_config: Any) -> set[int]:
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    ids = {getattr(model_config, n, None) for n in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                    "vision_end_token_id")}
-    ids |= {getattr(text, n, None) for n in ("eos_token_id", "pad_token_id", "bos_token_id")}
-    return {int(i) for i in ids if isinstance(i, int)}
-
-
-def synthetic_ids(n: int, seed: int, model_config: Any) -> list[int]:
-    """``n`` seeded ids below the lowest special id (and the vocabulary size)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    high = min([int(text.vocab_size), *_special_ids(model_config)])
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, high, (int(n),), generator=g).tolist()
 
 
 def build_inputs(requests: list[Any], model_config: Any, tokenizer: Any, pad_id: int, device: str,

@@ -1,12 +1,15 @@
 """Real-shape models in ``engine=vllm``: a ``config.json`` and vLLM's dummy weights, token-id prompts.
 
-``model=qwen3_30b_a3b_shapes engine=vllm`` (and ``_4l`` / ``_tiny``) loads no checkpoint: the engine writes the
+``model=<arch>_shapes engine=vllm`` (every text-only arch of :data:`harness.models.real_shapes.ARCHS`: Qwen3-30B-A3B,
+Mixtral-8x7B, DeepSeek-V2-Lite, OLMoE-1B-7B, GPT-OSS-20B, Qwen2-57B-A14B; ``_4l`` / ``_tiny`` presets) loads no
+checkpoint: the engine writes the
 shapes ``config.json`` (:func:`harness.models.real_shapes.shapes_config`, the same dict the HF engine builds its
 model from) into a run-local directory and starts ``LLM(model=that_dir, load_format="dummy",
 skip_tokenizer_init=True)``: vLLM fills every weight with its own dummy initialiser (uniform in ±1e-3, fixed seed),
 no tokenizer and no processor are read. Prompts go to vLLM as token ids, built exactly as the HF engine's
 tokenizer-free path builds them (:mod:`harness.engines.hf.direct`): ``synthetic_tokens`` parts → the same seeded
-ids, text parts → the byte-level :class:`~harness.models.real_shapes.ShapesTokenizer`; no chat template. Output ids
+ids (:func:`harness.models.real_shapes.synthetic_ids`), text parts → the byte-level
+:class:`~harness.models.real_shapes.ShapesTokenizer`; no chat template. Output ids
 are decoded with the same tokenizer (the answer text is the ids).
 
 Only the text model: the Qwen3-VL shapes model needs a multimodal processor inside vLLM (placeholder expansion,
@@ -27,7 +30,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from harness.models.real_shapes import ARCHS, ShapesProcessor, ShapesTokenizer, shapes_config, text_parameters
+from harness.models.real_shapes import (ARCHS, ShapesProcessor, ShapesTokenizer, config_special_ids, shapes_config,
+                                       synthetic_ids, text_parameters)
 
 #: where in a run directory the config of the model vLLM loads is written (kept: it is what ran)
 CONFIG_DIR_NAME = "vllm_shapes_model"
@@ -58,15 +62,13 @@ def write_config_dir(config: dict[str, Any], directory: str | Path) -> Path:
 
 
 def model_config_view(config: dict[str, Any]) -> SimpleNamespace:
-    """An attribute view of a text ``config.json`` dict, for :func:`harness.engines.hf.direct.synthetic_ids`
+    """An attribute view of a text ``config.json`` dict, for :func:`harness.models.real_shapes.synthetic_ids`
     (which reads ``vocab_size`` and the special ids as a transformers config has them)."""
     return SimpleNamespace(**config)
 
 
 def prompt_token_ids(request: Any, config: dict[str, Any], tokenizer: ShapesTokenizer) -> list[int]:
     """The prompt ids of one request, as the HF engine's tokenizer-free path builds them (module doc)."""
-    from harness.engines.hf.direct import synthetic_ids
-
     view = model_config_view(config)
     ids: list[int] = []
     for part in request.content:
@@ -77,7 +79,7 @@ def prompt_token_ids(request: Any, config: dict[str, Any], tokenizer: ShapesToke
             ids += list(tokenizer(part["text"], add_special_tokens=False)["input_ids"])
         elif kind == "image":
             raise ValueError(f"request {request.uid}: an image part for the text-only shapes model "
-                             f"(engine=vllm runs only qwen3_30b_a3b shapes)")
+                             f"(engine=vllm runs the text-only shapes models)")
         else:
             raise ValueError(f"request {request.uid}: unknown content part type {kind!r}")
     if not ids:
@@ -97,7 +99,7 @@ class VllmShapes:
     processor: ShapesProcessor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.processor = ShapesProcessor(int(self.config["vocab_size"]))
+        self.processor = ShapesProcessor(int(self.config["vocab_size"]), config_special_ids(self.config))
         self.tokenizer = self.processor.tokenizer
 
     def engine_args(self) -> dict[str, Any]:
@@ -109,7 +111,9 @@ class VllmShapes:
 
     def describe(self) -> dict[str, Any]:
         """``run.engine_settings.shapes`` (the HF engine's fields where they apply)."""
-        return {"arch": self.arch, "checkpoint_shapes_of": ARCHS[self.arch]["checkpoint"],
+        spec = ARCHS[self.arch]
+        return {"arch": self.arch, "checkpoint_shapes_of": spec["checkpoint"], "family": spec["family"],
+                **({"note": spec["note"]} if spec.get("note") else {}),
                 "num_layers": self.config["num_hidden_layers"], "hidden_size": self.config["hidden_size"],
                 "parameters": text_parameters(self.config), "weights": "random-init", "init": DUMMY_INIT,
                 "load_format": "dummy", "tokenizer": "ShapesTokenizer (byte-level; skip_tokenizer_init)"}
@@ -138,7 +142,7 @@ def shapes_for_vllm(shapes_cfg: Any, run_dir: str | None = None) -> VllmShapes:
         raise NotImplementedError(
             f"model.shapes.arch={arch} with engine=vllm: the VL shapes model needs a multimodal processor inside "
             "vLLM, which a tokenizer-free config directory does not give (not implemented); use engine=hf, or "
-            "model=qwen3_30b_a3b_shapes for the text model (docs/vllm.md)")
+            "model=qwen3_30b_a3b_shapes for its text model (docs/vllm.md)")
     base = run_dir or hydra_run_dir()
     if base:
         directory, temporary = Path(base) / CONFIG_DIR_NAME, False
