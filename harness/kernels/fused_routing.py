@@ -1,5 +1,6 @@
-"""MoE routing for an engine's ``custom_routing_function`` in one launch: softmax, top-k, renormalisation,
-``moe.top_k`` truncation, SERE's re-route and the statistics counters.
+"""MoE routing for an engine's ``custom_routing_function`` in one launch: softmax (or DeepSeek-V3's sigmoid +
+selection bias + group-limited top-k + scaling), top-k, renormalisation, ``moe.top_k`` truncation, SERE's
+re-route and the statistics counters.
 
 Why (issue 23). Inside vLLM the harness's routing function ran a chain of ~25 small torch ops per MoE layer
 (the stock top-k, the truncation, the decode-row mask, the re-route kernel, ~15 counter ops, a concat, a
@@ -78,13 +79,46 @@ def _flags(hit, rows):
 
 
 @triton.jit
-def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt, s_wk,
+def _sigmoid_key(x, e, e_ok, bias_ptr, GSIZE: tl.constexpr, NG: tl.constexpr, TG: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """DeepSeek-V3's rule on a tile of logits ``x``: (scores s = sigmoid(x), rank key c = s + bias with the
+    experts of all but the ``TG`` best of ``NG`` groups at -inf; a group's score is the sum of its two best c,
+    ties to the lower id / group)."""
+    s = 1.0 / (1.0 + tl.exp(-x))
+    c = s
+    if HAS_BIAS:
+        c = c + tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+    c = tl.where(e_ok[None, :], c, float("-inf"))
+    if NG > 1:
+        grp = e // GSIZE
+        g_ids = tl.arange(0, NG)
+        g_score = tl.zeros([BLOCK_T, NG], dtype=tl.float32)
+        for g in tl.static_range(NG):
+            in_g = (grp == g) & e_ok
+            m1 = tl.max(tl.where(in_g[None, :], c, float("-inf")), axis=1)
+            i1 = tl.min(tl.where(in_g[None, :] & (c == m1[:, None]), e[None, :], BLOCK_E), axis=1)
+            m2 = tl.max(tl.where(in_g[None, :] & (e[None, :] != i1[:, None]), c, float("-inf")), axis=1)
+            g_score = tl.where(g_ids[None, :] == g, (m1 + m2)[:, None], g_score)
+        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+        for r in tl.static_range(TG):
+            best = tl.max(g_score, axis=1)
+            gi = tl.min(tl.where(g_score == best[:, None], g_ids[None, :], NG), axis=1)
+            keep = tl.where(grp[None, :] == gi[:, None], 1, keep)
+            g_score = tl.where(g_ids[None, :] == gi[:, None], float("-inf"), g_score)
+        c = tl.where(keep > 0, c, float("-inf"))
+    return s, c
+
+
+@triton.jit
+def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, bias_ptr, t0, T, E, scale, s_lt, s_le, s_wt, s_wk,
                TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
-               HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr):
+               HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+               NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr):
     """Pass 1 on rows [t0, t0 + BLOCK_T): ids [BLOCK_T, BLOCK_K] int32 (returned), weights stored, and the
-    [BLOCK_E] flag vectors the counters and pass 2 need."""
+    [BLOCK_E] flag vectors the counters and pass 2 need. ``SIGMOID``: DeepSeek-V3's rule (:func:`_sigmoid_key`;
+    weights = s, renormalised with + 1e-20, times ``scale``, kept float32), else the softmax rule."""
     rows = t0 + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     e = tl.arange(0, BLOCK_E)
@@ -104,21 +138,33 @@ def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt,
         tr = dec
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + e[None, :] * s_le,
                 mask=row_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.where(e_ok[None, :], x, float("-inf"))
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    rem = tl.where(e_ok[None, :], p, -1.0)
+    if SIGMOID:
+        p, key = _sigmoid_key(x, e, e_ok, bias_ptr, GSIZE, NG, TG, HAS_BIAS, BLOCK_T, BLOCK_E)
+        rem = key
+        gone = float("-inf")
+    else:
+        x = tl.where(e_ok[None, :], x, float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        rem = tl.where(e_ok[None, :], p, -1.0)
+        gone = -1.0
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     rank = tl.full([BLOCK_T, BLOCK_E], BLOCK_K, dtype=tl.int32)   # slot an expert was selected in (BLOCK_K: none)
     counted = real & tr
     for j in tl.static_range(TOPK):
         best = tl.max(rem, axis=1)
-        idx = tl.min(tl.where(rem == best[:, None], e[None, :], BLOCK_E), axis=1)
-        hit = e[None, :] == idx[:, None]
+        if SIGMOID:  # ranked on c (which -inf fills: never pick a taken or padding expert), weighed by s
+            free = (rank == BLOCK_K) & e_ok[None, :]
+            idx = tl.min(tl.where((rem == best[:, None]) & free, e[None, :], BLOCK_E), axis=1)
+            hit = e[None, :] == idx[:, None]
+            best = tl.sum(tl.where(hit, p, 0.0), axis=1)
+        else:
+            idx = tl.min(tl.where(rem == best[:, None], e[None, :], BLOCK_E), axis=1)
+            hit = e[None, :] == idx[:, None]
         ids = tl.where(slots[None, :] == j, idx[:, None], ids)
         vals = tl.where(slots[None, :] == j, best[:, None], vals)
-        rem = tl.where(hit, -1.0, rem)
+        rem = tl.where(hit, gone, rem)
         rank = tl.where(hit, j, rank)
     # the expert sets, one cross-row reduction each (not one per slot: those cost ~0.3 µs apiece)
     prim = _flags(rank < KP, dec)            # P: first KP slots of decode rows
@@ -127,21 +173,25 @@ def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt,
     k_after = _flags(rank < KT, counted)     # top-K: its first KT slots (= after and primary)
     need = _flags((rank >= KP) & (rank < WIDTH), dec)   # experts some decode row has in a secondary slot
     k_ok = slots < TOPK
+    eps = 1e-20 if SIGMOID else 0.0
     if RENORM:
-        w = vals / tl.sum(tl.where(k_ok[None, :], vals, 0.0), axis=1)[:, None]
+        w = vals / (tl.sum(tl.where(k_ok[None, :], vals, 0.0), axis=1)[:, None] + eps)
     else:
         w = vals
     if TRUNC:
         head = slots < KT
         hv = tl.where(head[None, :], vals, 0.0)
         if RENORM:
-            tw = hv / tl.sum(hv, axis=1)[:, None]
+            tw = hv / (tl.sum(hv, axis=1)[:, None] + eps)
         else:
             tw = hv
         w = tl.where(tr[:, None], tw, w)
         first = _column(ids, slots, 0)
         ids = tl.where(tr[:, None] & (slots[None, :] >= KT), first[:, None], ids)
-    w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    if SIGMOID:
+        w = w * scale
+    else:
+        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
     tl.store(w_ptr + rows[:, None].to(tl.int64) * s_wt + slots[None, :] * s_wk, w,
              mask=row_ok[:, None] & k_ok[None, :])
     n_dec = tl.sum(dec.to(tl.int64), axis=0)
@@ -272,13 +322,14 @@ def _add_counters(ptr, rows, before, after, primary, moved, secondary_per_row):
 
 @triton.jit(do_not_specialize=["T", "n_tiles"])  # one compilation per tile size, not per step length
 def _fused_routing_kernel(
-    logits_ptr, dec_ptr, real_ptr, sim_ptr, prot_ptr, w_ptr, ids_ptr, sere_cnt_ptr, topk_cnt_ptr,
-    T, n_tiles, E, rho, s_lt, s_le, s_se, s_sp, s_wt, s_wk, s_it, s_ik,
+    logits_ptr, dec_ptr, real_ptr, sim_ptr, prot_ptr, w_ptr, ids_ptr, sere_cnt_ptr, topk_cnt_ptr, bias_ptr,
+    T, n_tiles, E, rho, scale, s_lt, s_le, s_se, s_sp, s_wt, s_wk, s_it, s_ik,
     TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
     RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
     HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, HAS_PROT: tl.constexpr,
     SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr, VEC_CELLS: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr,
 ):
     slots = tl.arange(0, BLOCK_K)
     k_ok = slots < TOPK
@@ -288,8 +339,9 @@ def _fused_routing_kernel(
     moved = n_dec
     if SINGLE:
         ids, dec, prim, s_before, k_before, k_after, need, n_dec, n_tr = _topk_tile(
-            logits_ptr, dec_ptr, real_ptr, w_ptr, 0, T, E, s_lt, s_le, s_wt, s_wk,
-            TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL)
+            logits_ptr, dec_ptr, real_ptr, w_ptr, bias_ptr, 0, T, E, scale, s_lt, s_le, s_wt, s_wk,
+            TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL,
+            SIGMOID, HAS_BIAS, NG, GSIZE, TG)
         kept = zero_e
         if SERE:
             if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:
@@ -311,8 +363,9 @@ def _fused_routing_kernel(
         for tile in range(0, n_tiles):
             t0 = tile * BLOCK_T
             ids, dec, p_t, sb_t, kb_t, ka_t, nn_t, nd_t, nt_t = _topk_tile(
-                logits_ptr, dec_ptr, real_ptr, w_ptr, t0, T, E, s_lt, s_le, s_wt, s_wk,
-                TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL)
+                logits_ptr, dec_ptr, real_ptr, w_ptr, bias_ptr, t0, T, E, scale, s_lt, s_le, s_wt, s_wk,
+                TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL,
+                SIGMOID, HAS_BIAS, NG, GSIZE, TG)
             prim = tl.maximum(prim, p_t)
             s_before = tl.maximum(s_before, sb_t)
             k_before = tl.maximum(k_before, kb_t)
@@ -380,13 +433,21 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     if sere and tuple(sim.shape) != (num_experts, num_experts):
         raise ValueError(f"routing: similarity {tuple(sim.shape)} for {num_experts} experts")
     prot = spec.protected if sere else None
+    bias = spec.bias if spec.sigmoid else None
+    if bias is not None and (bias.device != dev or bias.dtype != torch.float32):
+        bias = bias.to(device=dev, dtype=torch.float32)
+    if spec.groups > 1 and (num_experts % spec.groups or spec.groups & (spec.groups - 1)
+                            or spec.top_k > spec.topk_groups * (num_experts // spec.groups)):
+        raise ValueError(f"routing: top-{spec.top_k} of {num_experts} experts in {spec.topk_groups} of "
+                         f"{spec.groups} groups (the kernel needs equal groups, a power-of-two count, enough experts)")
     dummy = ids
     n_tiles = triton.cdiv(t, block_t)
     _fused_routing_kernel[(1,)](
         logits, decode_rows if decode_rows is not None else dummy, real_rows if real_rows is not None else dummy,
         sim if sim is not None else dummy, prot if prot is not None else dummy, weights, ids,
         sere_counters if sere_counters is not None else dummy, topk_counters if topk_counters is not None else dummy,
-        t, n_tiles, num_experts, float(spec.rho), logits.stride(0), logits.stride(1),
+        bias if bias is not None else weights,
+        t, n_tiles, num_experts, float(spec.rho), float(spec.scaling), logits.stride(0), logits.stride(1),
         sim.stride(0) if sim is not None else 0, sim.stride(1) if sim is not None else 0,
         weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
         TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
@@ -395,6 +456,8 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         SERE=sere, HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None, HAS_PROT=prot is not None,
         SERE_STATS=sere and sere_counters is not None, TOPK_STATS=trunc and topk_counters is not None,
         VEC_CELLS=VEC_CELLS if vec_cells is None else vec_cells,
+        SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups,
+        TG=spec.topk_groups,
         # 4 warps up to 8 rows x 128 experts, 8 beyond (H200 sweep: SERE K=2 at T=16 9.9 µs with 8 warps vs 11.7
         # with 4; at T=1 7.4 with 4 vs 8.9 with 8); never chosen by technique, so every technique's stock part
         # reduces in the same order (identical weights with SERE on and off)
@@ -410,16 +473,18 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
 def _routing_op(logits: torch.Tensor, top_k: int, renormalize: bool, trunc_k: int, trunc_all: bool,
                 k_primary: int, rho: float, similarity: torch.Tensor | None, protected: torch.Tensor | None,
                 decode_rows: torch.Tensor | None, real_rows: torch.Tensor | None,
-                sere_counters: torch.Tensor | None, topk_counters: torch.Tensor | None
+                sere_counters: torch.Tensor | None, topk_counters: torch.Tensor | None, scoring: str,
+                bias: torch.Tensor | None, groups: int, topk_groups: int, scaling: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = RoutingSpec(top_k, renormalize, trunc_k=trunc_k or None, trunc_all=trunc_all,
-                       k_primary=k_primary or None, rho=rho, similarity=similarity, protected=protected)
+                       k_primary=k_primary or None, rho=rho, similarity=similarity, protected=protected,
+                       scoring=scoring, bias=bias, groups=groups, topk_groups=topk_groups, scaling=scaling)
     return _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
 
 
 @_routing_op.register_fake
 def _routing_fake(logits, top_k, renormalize, trunc_k, trunc_all, k_primary, rho, similarity, protected,
-                  decode_rows, real_rows, sere_counters, topk_counters):
+                  decode_rows, real_rows, sere_counters, topk_counters, scoring, bias, groups, topk_groups, scaling):
     t = logits.shape[0]
     return (logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32))
 
@@ -439,5 +504,6 @@ def fused_routing(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Te
     if torch.compiler.is_compiling():
         return torch.ops.harness.fused_moe_routing(
             logits, spec.top_k, spec.renormalize, spec.trunc_k or 0, spec.trunc_all, spec.k_primary or 0,
-            spec.rho, spec.similarity, spec.protected, decode_rows, real_rows, sere_counters, topk_counters)
+            spec.rho, spec.similarity, spec.protected, decode_rows, real_rows, sere_counters, topk_counters,
+            spec.scoring, spec.bias, spec.groups, spec.topk_groups, spec.scaling)
     return _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)

