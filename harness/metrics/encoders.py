@@ -21,8 +21,8 @@
 * :class:`TransformersClipScorer` — the same cosine from a transformers ``CLIPModel`` directory or hub id
   (``scoring.clip_model=transformers:openai/clip-vit-large-patch14`` is the reference's own stack), with the
   PIL image processor (no torchvision) and the checkpoint's tokenizer. Base install only: the embedded
-  ``tiny`` CLIP of :mod:`harness.metrics.tiny_encoders` is such a directory, so the default run needs no
-  open_clip.
+  ``tiny`` CLIP of :mod:`harness.metrics.tiny_encoders` is such a directory, and so is the trained CLIP of
+  ``scoring=default`` (:mod:`harness.metrics.scorer_checkpoints`), so the default run needs no open_clip.
 * :class:`TextEmbedder` — sentence embeddings from a transformers checkpoint (default
   ``TencentBAC/Conan-embedding-v1``). The reference calls ``SentenceTransformer(path).encode``, which runs the
   checkpoint's own module pipeline (``modules.json``: Transformer → Pooling → Dense → Normalize). We read that
@@ -32,7 +32,9 @@
   SentenceTransformer falls back to for a plain transformers model.
 
 Both take a hub name or a local path, load on first use (never at import or construction), and
-:func:`get_clip_scorer` / :func:`get_text_embedder` keep one instance per configuration.
+:func:`get_clip_scorer` / :func:`get_text_embedder` keep one instance per configuration. A local directory whose
+``harness_model.json`` records the SHA-256 of its weight files (the committed trained scorers) is checked
+against them before it loads (:func:`harness.metrics.scorer_checkpoints.verify_checkpoint`).
 """
 
 from __future__ import annotations
@@ -210,6 +212,9 @@ class TransformersClipScorer(_PairScorer):
         from transformers import AutoTokenizer, CLIPModel
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
+        from harness.metrics.scorer_checkpoints import verify_checkpoint
+
+        verify_checkpoint(self.name_or_path)  # a committed trained scorer: its weights' SHA-256 first
         model = CLIPModel.from_pretrained(self.name_or_path).to(self.device).eval()
         return (model, CLIPImageProcessorPil.from_pretrained(self.name_or_path),
                 AutoTokenizer.from_pretrained(self.name_or_path))
@@ -351,6 +356,9 @@ class TextEmbedder:
             if self._loaded is None:
                 from transformers import AutoModel, AutoTokenizer
 
+                from harness.metrics.scorer_checkpoints import verify_checkpoint
+
+                verify_checkpoint(self.name_or_path)  # a committed trained scorer: its weights' SHA-256 first
                 self.device = self.device or _default_device()
                 modes, dense, normalize, max_len = self._read_pipeline()
                 model = AutoModel.from_pretrained(self.name_or_path).to(self.device).eval()

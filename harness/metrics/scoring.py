@@ -17,7 +17,7 @@ from harness.datasets.base import Sample
 from harness.datasets.synthetic_load import REASON as SYNTHETIC_LOAD_REASON
 from harness.registry import Registry
 
-TINY = "tiny"  # the embedded random-weight encoders (harness.metrics.tiny_encoders)
+TINY = "tiny"  # the embedded random-weight encoders (harness.metrics.tiny_encoders); the trained ones are directories
 TRANSFORMERS_PREFIX = "transformers:"  # scoring.clip_model=transformers:<hub id or directory>: a transformers CLIPModel
 
 
@@ -33,9 +33,11 @@ class Scorer:
     """Per-sample scoring under each benchmark's definition.
 
     ``scoring.clip_model`` / ``scoring.embed_model`` name the encoders of RAG-IGBench's ``clip_score`` and
-    ``alignment`` (None: the metric is skipped). The value ``tiny`` selects the embedded random-weight stand-ins
-    of :mod:`harness.metrics.tiny_encoders` (built once into the cache, then re-used; base install only): their
-    scores exercise the path and mean nothing. ``transformers:<repo or dir>`` scores with a transformers
+    ``alignment`` (None: the metric is skipped). The default (``conf/scoring/default.yaml``) is the committed
+    tiny CLIP and text embedder trained on the synthetic data (:mod:`harness.metrics.scorer_checkpoints`, loaded
+    as directories): meaningful on the embedded model's data. The value ``tiny`` selects the embedded
+    random-weight stand-ins of :mod:`harness.metrics.tiny_encoders` (built once into the cache, then re-used;
+    base install only): their scores exercise the path and mean nothing. ``transformers:<repo or dir>`` scores with a transformers
     ``CLIPModel`` (``transformers:openai/clip-vit-large-patch14`` is the reference's own stack); any other
     ``clip_model`` is an open_clip name (the ``[clip]`` extra). Encoders are built and loaded only when a
     RAG-IGBench sample is scored.
@@ -110,9 +112,13 @@ class Scorer:
 
         ``clip_weights`` / ``embed_weights``: ``"random-init"`` for the embedded ``tiny`` models, for a local
         directory whose ``harness_model.json`` says so, and for an open_clip model name without pretrained
-        weights; ``"pretrained"`` otherwise; None where the metric is off.
+        weights; ``"trained-synthetic"`` for the committed scorers trained on the synthetic data (the default,
+        :mod:`harness.metrics.scorer_checkpoints`: meaningful on the embedded data only); ``"pretrained"``
+        otherwise (the reference's models); None where the metric is off. ``clip_sha256`` / ``embed_sha256``:
+        the weights' SHA-256 a local checkpoint records (checked when it loads), else None.
         """
         from harness.metrics import tiny_encoders as te
+        from harness.metrics.scorer_checkpoints import checkpoint_info
 
         clip_model, clip_pretrained, clip_weights = self.cfg.clip_model, self.cfg.clip_pretrained, None
         if clip_model == te.TINY:
@@ -129,7 +135,16 @@ class Scorer:
             embed_model, embed_weights = te.text_embedder_dir_name(), "random-init"
         elif embed_model:
             embed_weights = te.weights_label(embed_model) or "pretrained"
+
+        def recorded_sha(local: str | None) -> str | None:
+            return (checkpoint_info(local) or {}).get("sha256") if local else None
+
+        cfg_clip, cfg_embed = self.cfg.clip_model, self.cfg.embed_model
+        clip_local = (str(cfg_clip).removeprefix(TRANSFORMERS_PREFIX) if cfg_clip and cfg_clip != te.TINY and (
+            clip_backend(cfg_clip) == "transformers" or str(cfg_clip).startswith("local-dir:")) else None)
         return {"clip_model": clip_model, "clip_pretrained": clip_pretrained, "clip_weights": clip_weights,
+                "clip_sha256": recorded_sha(clip_local),
+                "embed_sha256": recorded_sha(str(cfg_embed) if cfg_embed and cfg_embed != te.TINY else None),
                 "clip_backend": clip_backend(self.cfg.clip_model) if self.cfg.clip_model else None,
                 "embed_model": embed_model, "embed_weights": embed_weights,
                 "allow_random_scorers": bool(getattr(self.cfg, "allow_random_scorers", False)),

@@ -214,17 +214,25 @@ def ensure_tiny_clip(cache_dir: str | Path | None = None, seed: int = 0, spec: T
 # --------------------------------------------------------------------------------------- text embedder
 
 
-def build_embedder_tokenizer(spec: TinyTextEmbedderSpec):
-    """A byte-level BPE tokenizer trained locally, BERT-style ``[CLS] … [SEP]`` framing, ``[PAD]`` right."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def build_embedder_tokenizer(spec: TinyTextEmbedderSpec, corpus: list[str] | None = None, cjk_chars: bool = False):
+    """A byte-level BPE tokenizer trained locally, BERT-style ``[CLS] … [SEP]`` framing, ``[PAD]`` right.
+
+    ``corpus``: the lines the BPE merges are learnt from (default: the few lines above; the trained scorer of
+    :mod:`harness.metrics.scorer_training` passes the synthetic generator's vocabulary). ``cjk_chars``: every
+    Chinese character its own piece, as Chinese BERTs tokenise (merges never span two characters, so two
+    phrases sharing a word share its tokens)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("[\u4e00-\u9fff]"), "isolated"),
+                                                  byte_level]) if cjk_chars else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=list(_EMBEDDER_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([l for l in _TOKENIZER_CORPUS.splitlines() if l.strip()], trainer=trainer)
+    lines = corpus if corpus is not None else _TOKENIZER_CORPUS.splitlines()
+    tok.train_from_iterator([l for l in lines if l.strip()], trainer=trainer)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
@@ -233,8 +241,10 @@ def build_embedder_tokenizer(spec: TinyTextEmbedderSpec):
         unk_token=None, model_max_length=spec.max_position_embeddings, padding_side="right")
 
 
-def build_tiny_text_embedder(out_dir: str | Path, spec: TinyTextEmbedderSpec | None = None) -> Path:
-    """Write the tiny embedder: a transformers BERT checkpoint plus sentence-transformers module files."""
+def build_tiny_text_embedder(out_dir: str | Path, spec: TinyTextEmbedderSpec | None = None,
+                             corpus: list[str] | None = None, cjk_chars: bool = False) -> Path:
+    """Write the tiny embedder: a transformers BERT checkpoint plus sentence-transformers module files
+    (``corpus``, ``cjk_chars``: the tokenizer's, see :func:`build_embedder_tokenizer`)."""
     import torch
     from safetensors.torch import save_file
     from transformers import BertConfig, BertModel
@@ -242,7 +252,7 @@ def build_tiny_text_embedder(out_dir: str | Path, spec: TinyTextEmbedderSpec | N
     spec = spec or TinyTextEmbedderSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_embedder_tokenizer(spec)
+    tokenizer = build_embedder_tokenizer(spec, corpus, cjk_chars)
     config = BertConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, intermediate_size=spec.intermediate_size,

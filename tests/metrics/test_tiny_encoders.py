@@ -195,8 +195,9 @@ def test_scorer_tiny_builds_lazily_and_describes_random_weights(tmp_path, monkey
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
     scorer = Scorer(_cfg(clip_model="tiny", clip_pretrained="openai", embed_model="tiny"))
     assert scorer.describe() == {
-        "clip_model": te.clip_dir_name(), "clip_pretrained": None, "clip_weights": "random-init",
+        "clip_model": te.clip_dir_name(), "clip_pretrained": None, "clip_weights": "random-init", "clip_sha256": None,
         "clip_backend": "transformers", "embed_model": te.text_embedder_dir_name(), "embed_weights": "random-init",
+        "embed_sha256": None,
         "allow_random_scorers": False, "stopwords": "public", "stopword_count": len(scorer.stopwords),
         "mcq_extraction": "vlmevalkit", **scorer.conformance()}
     assert scorer.describe()["departures"] == [] and scorer.describe()["reference_faults"] == "score"
@@ -212,8 +213,8 @@ def test_scorer_describes_other_settings(tiny_embedder):
     from harness.metrics.scoring import Scorer
 
     plain = Scorer(_cfg()).describe()
-    assert plain == {"clip_model": None, "clip_pretrained": None, "clip_weights": None,
-                     "clip_backend": None, "embed_model": None, "embed_weights": None,
+    assert plain == {"clip_model": None, "clip_pretrained": None, "clip_weights": None, "clip_sha256": None,
+                     "clip_backend": None, "embed_model": None, "embed_weights": None, "embed_sha256": None,
                      "allow_random_scorers": False, "stopwords": "public", "stopword_count": plain["stopword_count"],
                      "mcq_extraction": "vlmevalkit", **Scorer(_cfg()).conformance()}
     assert plain["stopword_count"] == 752  # the public scorer's list (752 distinct lines, a space among them)
