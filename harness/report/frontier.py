@@ -196,7 +196,8 @@ def frontier_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     apart = [e for e in entries if not e["matched"]]
     if apart:
         lines += ["", "Not matched to a budget (reported where they land):", "",
-                  "| dataset | run | budget | metric | Δ quality vs baseline | TTFT × vs baseline | expert union after |",
+                  "| dataset | run | budget | metric | Δ quality vs baseline | TTFT × vs baseline "
+                  "| expert union after |",
                   "|---|---|---|---|---|---|---|"]
         for e in apart:
             r = e["run"]

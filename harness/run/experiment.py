@@ -207,7 +207,7 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     with RunLock(run_dir), run_logging(run_dir):
         from harness.run.rerun import archive_if_changed
 
-        archive_if_changed(run_dir, config)  # another configuration's run here: moved to previous/N, said on the console
+        archive_if_changed(run_dir, config)  # another configuration's run here: to previous/N, said on the console
         if cfg.cache.enabled and cfg.cache.read != "never":
             done = finished_summary(run_dir, config)
             state = read_state(run_dir)

@@ -203,7 +203,8 @@ def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> s
                            else f"{k} {v:.3f}")
     n, scored = metrics.get("n_samples"), metrics.get("n_scored")
     count = f"{n} samples" + (f", {scored} scored" if scored is not None else "")
-    not_shown = [k for group in CONSOLE_METRICS for k in group if k in hidden and isinstance(metrics.get(k), (int, float))]
+    not_shown = [k for group in CONSOLE_METRICS for k in group
+                 if k in hidden and isinstance(metrics.get(k), (int, float))]
     lines.append(f"quality  {' · '.join(quality) or 'n/a'}  ({count})"
                  + (f"; {', '.join(not_shown)} not shown: random-init scorers (in summary.json)" if not_shown else ""))
     lines.append(f"latency  TTFT p50 {_fmt_ms(lat.get('ttft_ms'))} · TPOT p50 {_fmt_ms(lat.get('tpot_ms'))} · "

@@ -36,7 +36,8 @@ def test_a_changed_config_in_a_used_run_dir_keeps_the_earlier_run_and_names_the_
     ScriptedEngine.script = {}
     run, cache = tmp_path / "run", f"cache.path={tmp_path / 'cache'}"
     first = run_experiment(_cfg("dataset.limit=3", "cache.enabled=true", cache), run)
-    same = run_experiment(_cfg("dataset.limit=3", "cache.enabled=true", cache), run)  # the same configuration: reported, not moved
+    # the same configuration: reported, not moved
+    same = run_experiment(_cfg("dataset.limit=3", "cache.enabled=true", cache), run)
     assert same["run"]["start_time"] == first["run"]["start_time"] and not (run / "previous").exists()
     with caplog.at_level(logging.WARNING, logger="harness"):
         second = run_experiment(_cfg("dataset.limit=2", "cache.enabled=true", cache, "wandb.mode=disabled"), run)
