@@ -96,7 +96,7 @@ def test_wheel_runs_the_harness_a_sweep_and_the_report_from_anywhere(tmp_path):
     _run([str(python), "-m", "harness", "hydra.run.dir=run", *quick], cwd=work, env=env)
     summary = json.loads((work / "run" / "summary.json").read_text())
     assert summary["metrics"]["n_samples"] == 2 and "clip_score" in summary["metrics"]
-    assert summary["run"]["scoring"]["clip_weights"] == "random-init"
+    assert summary["run"]["scoring"]["clip_weights"] == "trained-synthetic"  # shipped in the wheel
 
     # 2. a sweep found by name in the installed package (2 jobs)
     _run([str(python), "-m", "harness", "-m", "--config-name", "baseline", "hydra.sweep.dir=sweep",

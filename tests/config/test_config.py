@@ -103,7 +103,8 @@ def test_real_model_composes_the_reference_scorers_and_answer_length(compose_cfg
     # the command line still wins over the model's choices
     cfg = compose_cfg(["model=qwen3_vl_30b_a3b", "generation.max_new_tokens=256", "scoring.embed_model=null"])
     assert cfg.generation.max_new_tokens == 256 and cfg.scoring.embed_model is None
-    assert compose_cfg().scoring.clip_model == "tiny" and compose_cfg().generation.max_new_tokens == 192
+    assert compose_cfg().scoring.clip_model.endswith("/metrics/checkpoints/tiny-clip-trained-synthetic")  # trained
+    assert compose_cfg().generation.max_new_tokens == 192
 
 
 def test_summary_records_random_scorers():
@@ -298,7 +299,8 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     (("model.weights=fake",), "model.weights"),
     (("model.max_images_per_prompt=0",), "model.max_images_per_prompt"),
     ((QWEN,), None),  # real weights with the reference scorers
-    ((QWEN, "scoring=default"), "scoring.allow_random_scorers"),  # real weights, random-init scorers
+    ((QWEN, "scoring=default", "scoring.clip_model=tiny", "scoring.embed_model=tiny"),
+     "scoring.allow_random_scorers"),  # real weights, random-init scorers
     ((QWEN, "scoring.clip_model=tiny"), "scoring.allow_random_scorers"),
     ((QWEN, "scoring.clip_model=ViT-B-32", "scoring.clip_pretrained=null"), "scoring.allow_random_scorers"),
     ((QWEN, "scoring=default", "scoring.allow_random_scorers=true"), None),

@@ -229,7 +229,7 @@ def test_circular_mcq_scoring_through_the_run(tmp_path, monkeypatch):
 
 
 def test_embedded_scorers_report_every_rag_igbench_metric(tmp_path, monkeypatch):
-    """The default scoring config (``tiny`` CLIP and text embedder, random weights) gives all six RAG-IGBench
+    """The default scoring config (the committed trained CLIP and text embedder) gives all six RAG-IGBench
     metrics through the real pipeline; the reference answers score 1 where that holds by definition."""
     from harness.metrics.rag_igbench import kendall_scale
 
@@ -331,7 +331,7 @@ def test_a_plain_run_prints_no_warning_logs_to_its_file_and_ends_with_a_summary(
     assert f"{run_dir}: attempt 1, cache not read" in log and "warning: random-init model weights" in log
     assert "summary.json written" in log
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert any("random-init scorers" in w for w in summary["warnings"])
+    assert not any("random-init scorers" in w for w in summary["warnings"])  # scoring=default: trained scorers
 
 
 def _git(cwd, *args):
