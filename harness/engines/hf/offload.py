@@ -8,7 +8,7 @@ kernel on CUDA, the float32 reference on CPU. No new kernel: the kernel already 
 weight tensor and ids in ``[0, E')``, so slot ids are just another numbering of experts (ids of -1 contribute
 nothing, as in the reference's conventions).
 
-Reading the needed expert ids is one device→host read per MoE layer (``unique().tolist()``): a cache decision
+Reading the needed expert ids is one device→host read per MoE layer (``GateReader.read``): a cache decision
 must be made on the host. That rules out CUDA graphs (``engine.cuda_graphs`` is turned off with offload) and
 costs one synchronisation per layer; it is part of what the offload numbers measure.
 
@@ -106,8 +106,17 @@ class OffloadRuntime:
             from harness.techniques.offload.lease import lease_params
 
             params = lease_params(cfg, params)
-        ctx = PolicyContext(self.geometry, params, trace, self._gate, self.device.type)
+        from harness.techniques.offload.gate_read import GateReader
+
+        # the next layer's gate guess is read in the same device→host transfer as each layer's own ids
+        # (issue 27: a second read after the kernel left the GPU idle while the policy decided)
+        self.gate_reader = GateReader(self._gate, len(blocks))
+        ctx = PolicyContext(self.geometry, params, trace, self.gate_reader, self.device.type)
         self.policy = make_policy(name, ctx)
+        # a guess is computed only for a policy that asks for one (the rule of benchmarks/bench_offload.py)
+        uses_gate = self.policy.needs_gate or getattr(getattr(self.policy, "s", None), "prefetch", None) == "gate"
+        if not uses_gate:
+            self.gate_reader.router = None
         self.budget = self._enforce_budget(cfg.get("gpu_budget_gb"))
         self.store = self.mover = None
         if cls.mode == "resident":
@@ -216,8 +225,12 @@ class OffloadRuntime:
         cache = self.cache
         if self.recorder is not None and cache.phase == "decode":
             self.recorder.layer(layer, top_k_index, top_k_weights)
-        uniq, counts = torch.unique(top_k_index, return_counts=True)  # one device→host read per layer
-        rows = {e: c for e, c in zip(uniq.tolist(), counts.tolist()) if 0 <= e < self.geometry.num_experts}
+        # one device→host read per layer: this layer's ids (and, for a gate policy, the next layer's guess)
+        rows: dict[int, int] = {}
+        for row in self.gate_reader.read(layer, top_k_index, hidden):
+            for e in row:
+                if 0 <= e < self.geometry.num_experts:
+                    rows[e] = rows.get(e, 0) + 1
         needed = sorted(rows)
         if cache.mode == "resident":
             cache.acquire(layer, needed, rows)
