@@ -174,7 +174,9 @@ def _random_scorers(cfg: Any) -> list[str]:
     from harness.metrics.scoring import Scorer
 
     d = Scorer(cfg.scoring).describe()
-    return [k for k in ("clip", "embed") if d[f"{k}_weights"] == "random-init"]
+    # trained-synthetic scorers (the default) learnt the embedded data's images and notes only: on a real
+    # model's answers they mean no more than random ones
+    return [k for k in ("clip", "embed") if d[f"{k}_weights"] in ("random-init", "trained-synthetic")]
 
 
 #: Engines that implement the techniques (VisionZip, SERE, plain top-K); any other registered engine (a user's,
@@ -284,7 +286,8 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               lambda cfg: bool(cfg.scoring.get("allow_random_scorers", False)) or not _random_scorers(cfg),
               lambda cfg: "true to score a real-weight model with random-init scorers ("
               + ", ".join(f"scoring.{k}_model={cfg.scoring[f'{k}_model']!r}" for k in _random_scorers(cfg))
-              + " has random weights); scoring=reference selects the reference's scorers"),
+              + " has random weights or was trained on the synthetic data only); scoring=reference selects the "
+              "reference's scorers"),
 )
 
 

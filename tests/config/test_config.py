@@ -303,6 +303,7 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
      "scoring.allow_random_scorers"),  # real weights, random-init scorers
     ((QWEN, "scoring.clip_model=tiny"), "scoring.allow_random_scorers"),
     ((QWEN, "scoring.clip_model=ViT-B-32", "scoring.clip_pretrained=null"), "scoring.allow_random_scorers"),
+    ((QWEN, "scoring=default"), "scoring.allow_random_scorers"),  # trained-synthetic scorers on a real model
     ((QWEN, "scoring=default", "scoring.allow_random_scorers=true"), None),
     ((QWEN, "scoring.clip_model=null", "scoring.embed_model=null"), None),
     ((QWEN, "model.path=null"), "model.path"),
