@@ -123,11 +123,16 @@ class HFEngine:
         self.attn_implementation = engine_cfg.attn_implementation
         self.device_map = getattr(engine_cfg, "device_map", None)
         if shapes_cfg is not None and getattr(shapes_cfg, "arch", None):  # random weights, built on the device
-            from harness.models.real_shapes import shapes_model_for_engine
+            from harness.models.real_shapes import family_settings, shapes_hf_config, shapes_model_for_engine
 
+            # the family's refusals before a (possibly 57 GiB) build, as for a checkpoint
+            self._family_checks(shapes_hf_config(shapes_cfg), visionzip_cfg, offload_cfg)
             self.model, self.processor, self.shapes_info = shapes_model_for_engine(
                 shapes_cfg, self.device, self.dtype, self.experts_impl, seed=seed,
                 attn_implementation=engine_cfg.attn_implementation)
+            # what the build used (a family without the fused experts kernel falls back): describe() says so
+            self.experts_impl = family_settings(shapes_cfg.arch, self.experts_impl,
+                                                engine_cfg.attn_implementation)[0]
         else:
             from transformers import AutoConfig
 

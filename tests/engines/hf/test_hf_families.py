@@ -133,6 +133,10 @@ def test_cli_refusals_are_one_line(tmp_path):
     proc = _harness("model=gpt_oss_tiny_random", "offload.policy=lru", "offload.capacity=4",
                     f"hydra.run.dir={tmp_path / 'off'}", *SMALL, cwd=tmp_path)
     assert proc.returncode == 2 and "expert offload reads only" in proc.stderr.strip().splitlines()[-1]
+    # the real-shapes path asks the family too, before it builds anything
+    proc = _harness("model=gpt_oss_20b_shapes", "model.shapes.num_layers=2", "offload.policy=lru",
+                    "offload.capacity=4", f"hydra.run.dir={tmp_path / 'shapes'}", "dataset.limit=1", cwd=tmp_path)
+    assert proc.returncode == 2 and "expert offload reads only" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
