@@ -101,3 +101,47 @@ def read_trace(trace_path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return records, {"engine": per_process[0].get("engine"),
                      "technique_stats_by_process": [{k: v for k, v in s.items() if k != "engine"}
                                                     for s in per_process]}
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value  # --dump-eval-details wraps items in lists
+
+
+#: per-item outcome fields of OpenCompass's evaluators, in the order its BaseEvaluator reads them
+CORRECT_FIELDS = ("correct", "is_correct", "cascade_correct")
+
+
+def item_records(out_dir: Path, model_abbr: str, dataset_abbrs: list[str]) -> list[dict[str, Any]]:
+    """OpenCompass's per-item outcomes as ``samples.jsonl`` records, so that two OpenCompass runs of the same
+    suite compare item by item (``python -m harness.commands.paired_quality BASE RUN``: a paired interval per
+    dataset, issue 31) exactly as two harness runs do.
+
+    One record per evaluated item: ``uid`` = ``<dataset>/<item key>``, ``scores`` = ``correct`` (0/1; over all
+    datasets, item-weighted) and ``correct/<dataset>`` (that dataset alone), from the first of
+    :data:`CORRECT_FIELDS` the item carries. OpenCompass's own average is
+    unweighted over datasets; the per-dataset keys are the ones to read. A dataset whose results carry no
+    per-item details, or an item without a ``correct`` field (an evaluator that does not report one), becomes a
+    record with ``error`` and its reason: counted by the comparison, never silently dropped."""
+    records: list[dict[str, Any]] = []
+    for abbr in dataset_abbrs:
+        res = read_result_json(out_dir, model_abbr, abbr)
+        details = (res or {}).get("details")
+        if details is None:
+            records.append({"uid": f"{abbr}/*", "dataset": abbr, "task": "opencompass", "scores": {},
+                            "error": f"OpenCompass wrote no per-item details for {abbr}", "error_kind": "data"})
+            continue
+        pairs = list(details.items()) if isinstance(details, dict) else list(enumerate(details))
+        for key, item in pairs:
+            rec: dict[str, Any] = {"uid": f"{abbr}/{key}", "dataset": abbr, "task": "opencompass"}
+            # the per-item fields OpenCompass itself reads (BaseEvaluator.evaluate): an evaluator that reports
+            # none (AccEvaluator: its details are formatted afterwards, without one) leaves the item unscored
+            fields = [_first(item.get(k)) for k in CORRECT_FIELDS] if isinstance(item, dict) else []
+            correct = next((v for v in fields if v is not None), None)
+            if correct is None:
+                rec.update(scores={}, error=f"item {key} of {abbr}: the evaluator reported no per-item outcome "
+                                            f"({' / '.join(CORRECT_FIELDS)})", error_kind="data")
+            else:
+                value = float(bool(correct))
+                rec["scores"] = {"correct": value, f"correct/{abbr}": value}
+            records.append(rec)
+    return records

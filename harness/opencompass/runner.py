@@ -10,6 +10,7 @@ OpenCompass writes stays under ``<run_dir>/opencompass/work``; its console outpu
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.opencompass.results import OpenCompassFailed, read_results, read_trace
+from harness.config.paths import write_atomic
+from harness.opencompass.results import OpenCompassFailed, item_records, read_results, read_trace
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,6 +242,10 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     }
     if crosscheck:
         summary["opencompass_crosscheck"] = crosscheck
+    items = item_records(out_dir, model_abbr, [str(d.get("abbr")) for d in datasets])
+    # per item, for paired comparisons between runs (issue 31); atomic and never through a link, as summary.json
+    write_atomic(run_dir / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in items).encode())
+    summary["run"]["opencompass"]["items"] = {"n": len(items), "errors": sum(1 for r in items if r.get("error"))}
     write_summary(run_dir / "summary.json", summary)
     wandb_dir = log_run(cfg.wandb, config, summary, records, run_dir, name=run_dir.name)
     if wandb_dir:

@@ -105,3 +105,32 @@ def test_summary_csv_is_the_source(oc_runs):
     for abbr in DATASETS:
         assert float(rows[abbr][s["run"]["opencompass"]["model_abbr"]]) == pytest.approx(s["metrics"]["opencompass"][abbr]["accuracy"],
                                                                        abs=0.01)
+
+
+def test_items_compare_pairwise_per_dataset(oc_runs):
+    """Each run writes OpenCompass's per-item outcomes as samples.jsonl (uid ``<dataset>/<item>``), so two runs of
+    the suite compare item by item: ``paired_quality`` gives every dataset its paired interval (issue 31). The
+    items agree with OpenCompass's own accuracy."""
+    from harness.commands.paired_quality import compare
+    from harness.metrics.paired import read_samples
+
+    run_off, s_off = oc_runs["off"]
+    recs = read_samples(run_off)
+    items = s_off["run"]["opencompass"]["items"]
+    assert items["n"] == len(recs) == sum(N_ROWS.values()) and items["errors"] == sum(1 for r in recs if r.get("error"))
+    scored = []
+    for abbr in DATASETS:
+        mine = [r for r in recs if r["dataset"] == abbr]
+        assert len(mine) == N_ROWS[abbr]
+        if any(r.get("error") for r in mine):  # an evaluator without per-item outcomes: every item counted
+            assert all("no per-item outcome" in r["error"] for r in mine), mine[0]
+            continue
+        values = [r["scores"][f"correct/{abbr}"] for r in mine]
+        assert 100.0 * sum(values) / len(values) == pytest.approx(s_off["metrics"]["opencompass"][abbr]["accuracy"], abs=0.01)
+        scored.append(abbr)
+    assert "harness_text_choice" in scored  # OptionSimAccEvaluator reports per-item outcomes
+    (row,) = compare(run_off, [oc_runs["top_k2"][0]])
+    assert row["pairs"] == sum(N_ROWS.values()) and row["unmatched"] == 0
+    for abbr in scored:
+        m = row["metrics"][f"correct/{abbr}"]
+        assert m["n"] == N_ROWS[abbr] and m["verdict"] in ("n.s.", "+", "−") and m["low"] <= m["delta"] <= m["high"]
