@@ -131,6 +131,9 @@ def item_records(out_dir: Path, model_abbr: str, dataset_abbrs: list[str]) -> li
                             "error": f"OpenCompass wrote no per-item details for {abbr}", "error_kind": "data"})
             continue
         pairs = list(details.items()) if isinstance(details, dict) else list(enumerate(details))
+        # OpenCompass's format_details (evaluators without details of their own) adds {"type": "GEN"} beside
+        # the items: only dict values are items
+        pairs = [(key, item) for key, item in pairs if isinstance(item, dict)]
         for key, item in pairs:
             rec: dict[str, Any] = {"uid": f"{abbr}/{key}", "dataset": abbr, "task": "opencompass"}
             # the per-item fields OpenCompass itself reads (BaseEvaluator.evaluate): an evaluator that reports

@@ -22,7 +22,8 @@ def _run(tmp: Path, name: str, correct_a: list[bool]) -> Path:
     # --dump-eval-details wraps values in lists; details keyed by item index (AccEvaluator) or a plain list
     _results(out, "m", "a", {"accuracy": 50.0, "details": {str(i): {"pred": ["x"], "correct": [c]}
                                                           for i, c in enumerate(correct_a)}})
-    _results(out, "m", "b", {"accuracy": 100.0, "details": [{"pred": "y", "is_correct": True}, {"pred": "z"}]})
+    _results(out, "m", "b", {"accuracy": 100.0, "details": {"0": {"pred": "y", "is_correct": True}, "1": {"pred": "z"},
+                                                          "type": "GEN"}})   # as OpenCompass's format_details
     _results(out, "m", "c", {"score": 1.0})  # no details at all
     records = item_records(out, "m", ["a", "b", "c"])
     run = tmp / name
