@@ -16,12 +16,12 @@ loudly instead of scoring silently wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from harness.models.tiny import MARKER
+from harness.models.trained import sha256_file  # one hash rule for every committed checkpoint
 
 #: ``run.scoring.clip_weights`` / ``embed_weights`` of these checkpoints (the embedded model's label too)
 WEIGHTS_LABEL = "trained-synthetic"
@@ -35,14 +35,6 @@ EMBEDDER_WEIGHT_FILES = ("model.safetensors", "2_Dense/model.safetensors")
 
 class ScorerCheckpointError(RuntimeError):
     """A scorer checkpoint's weight file is missing or does not match the SHA-256 its marker records."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoint_info(path: str | Path) -> dict[str, Any] | None:
