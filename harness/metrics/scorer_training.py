@@ -91,6 +91,20 @@ def _common(cfg: TrainConfig) -> dict[str, Any]:
             "independent_of": "the embedded VLM (trained on the data generator's items only)"}
 
 
+def _finish(tmp: Path, out: Path, cfg: TrainConfig, *, name: str, spec: Any, n_parameters: int, n_pairs: int,
+            losses: list[float], train_s: float, measured: dict[str, Any], meaning: str,
+            weight_files: tuple[str, ...]) -> dict[str, Any]:
+    """The marker both scorers record (training, losses, held-out figures, weight hashes), written into the
+    finished build, which then replaces ``out``; returns the marker."""
+    info = {"name": name, **_common(cfg), "spec": asdict(spec), "n_parameters": n_parameters, "n_pairs": n_pairs,
+            "loss_first": statistics.mean(losses[:20]), "loss_last": statistics.mean(losses[-20:]),
+            "train_seconds": round(train_s, 1), "heldout": measured, "meaning": meaning,
+            "sha256": sha256_file(tmp / "model.safetensors"), "sha256_files": record_hashes(tmp, weight_files)}
+    _write_marker(tmp, info)
+    _replace_dir(tmp, out)
+    return info
+
+
 # ------------------------------------------------------------------------------------------------- CLIP
 
 
@@ -152,18 +166,12 @@ def train_clip(out: Path, cfg: TrainConfig = TrainConfig(), progress: bool = Tru
     model.eval().save_pretrained(tmp)
     train_s = time.time() - t0
     measured = evaluate_clip(tmp, cfg)
-    info = {"name": "tiny-clip-trained-synthetic", **_common(cfg), "spec": asdict(CLIP_SPEC),
-            "n_parameters": sum(p.numel() for p in model.parameters()), "n_pairs": len(pairs),
-            "loss_first": statistics.mean(losses[:20]), "loss_last": statistics.mean(losses[-20:]),
-            "train_seconds": round(train_s, 1), "heldout": measured,
-            "meaning": "clip_score on the synthetic RAG-IGBench data: 1 for an image the reference places after a "
-                       "note (a text image), 0 for a scene image there; it cannot tell two text images apart "
-                       "(their words are drawn independently of the notes)",
-            "sha256": sha256_file(tmp / "model.safetensors"),
-            "sha256_files": record_hashes(tmp, CLIP_WEIGHT_FILES)}
-    _write_marker(tmp, info)
-    _replace_dir(tmp, out)
-    return info
+    return _finish(tmp, out, cfg, name="tiny-clip-trained-synthetic", spec=CLIP_SPEC,
+                   n_parameters=sum(p.numel() for p in model.parameters()), n_pairs=len(pairs), losses=losses,
+                   train_s=train_s, measured=measured, weight_files=CLIP_WEIGHT_FILES,
+                   meaning="clip_score on the synthetic RAG-IGBench data: 1 for an image the reference places after "
+                           "a note (a text image), 0 for a scene image there; it cannot tell two text images apart "
+                           "(their words are drawn independently of the notes)")
 
 
 def evaluate_clip(path: str | Path, cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
@@ -261,17 +269,12 @@ def train_embedder(out: Path, cfg: TrainConfig = TrainConfig(), progress: bool =
               str(tmp / "2_Dense" / "model.safetensors"), metadata={"format": "pt"})
     train_s = time.time() - t0
     measured = evaluate_embedder(tmp, cfg)
-    info = {"name": "tiny-text-embedder-trained-synthetic", **_common(cfg), "spec": asdict(EMBED_SPEC),
-            "n_parameters": sum(p.numel() for p in params), "n_pairs": len(pairs),
-            "loss_first": statistics.mean(losses[:20]), "loss_last": statistics.mean(losses[-20:]),
-            "train_seconds": round(train_s, 1), "heldout": measured,
-            "meaning": "alignment on the synthetic RAG-IGBench data: ≈ the Dice overlap of the Chinese character "
-                       "bigrams of the model's and the reference's contexts of an image (cosine ≈ 0.7 + 0.3·overlap)",
-            "sha256": sha256_file(tmp / "model.safetensors"),
-            "sha256_files": record_hashes(tmp, EMBEDDER_WEIGHT_FILES)}
-    _write_marker(tmp, info)
-    _replace_dir(tmp, out)
-    return info
+    return _finish(tmp, out, cfg, name="tiny-text-embedder-trained-synthetic", spec=EMBED_SPEC,
+                   n_parameters=sum(p.numel() for p in params), n_pairs=len(pairs), losses=losses,
+                   train_s=train_s, measured=measured, weight_files=EMBEDDER_WEIGHT_FILES,
+                   meaning="alignment on the synthetic RAG-IGBench data: ≈ the Dice overlap of the Chinese "
+                           "character bigrams of the model's and the reference's contexts of an image "
+                           "(cosine ≈ 0.7 + 0.3·overlap)")
 
 
 def evaluate_embedder(path: str | Path, cfg: TrainConfig = TrainConfig()) -> dict[str, Any]:
