@@ -6,8 +6,9 @@ Why (issue 23). Inside vLLM the harness's routing function ran a chain of ~25 sm
 (the stock top-k, the truncation, the decode-row mask, the re-route kernel, ~15 counter ops, a concat, a
 cast). Under vLLM's CUDA graphs no Python runs, but every one of those kernels still runs: ~70 µs per layer,
 ~3.5 ms per step on Qwen3-30B-A3B shapes — SERE made single-request decode 1.86× slower and plain top-2 was
-slower than stock top-8. vLLM's own softmax top-k is one kernel. This op is one kernel too, for decode-sized
-steps (T <= :data:`FUSED_MAX_TOKENS`, which covers every step vLLM captures in a graph by default):
+slower than stock top-8. vLLM's own softmax top-k is one kernel. This op is one kernel too on small steps
+(T < :data:`MULTI_MIN_TOKENS`), and two on larger ones (``harness.kernels.fused_routing_multi``: one program
+per row tile, the second launch as the grid barrier SERE's step-wide set P needs). The one-program kernel:
 
     one program (grid 1), row tiles of BLOCK_T tokens × BLOCK_E experts
     pass 1, per tile: logits → fp32 softmax → top-k by k rounds of "largest, lowest id on ties" →
@@ -22,10 +23,11 @@ steps (T <= :data:`FUSED_MAX_TOKENS`, which covers every step vLLM captures in a
     end:     (STATS) the counters [calls, rows, before, after, primary, moved, secondary] += this call,
              in place (grid 1: no atomics)
 
-P is a reduction over the whole step and pass 2 needs all of it, hence one program; a step that fits one tile
-keeps everything in registers (no store/reload between the passes). Longer steps (prefill: eager, never in a
-graph at vLLM's default capture sizes) go to the torch reference, whose ops spread over the GPU
-(:func:`fused_routing`).
+P is a reduction over the whole step and pass 2 needs all of it: one program sees all of it, and a step that
+fits one tile keeps everything in registers (no store/reload between the passes, one launch). Its cost grows
+with T (SERE K=2 on the H200: 5.1 µs per layer at T=4, 23 at 64, 79 at 256), so from
+:data:`MULTI_MIN_TOKENS` rows on the multi-program plan takes the step; the tile functions both plans run are
+in ``harness.kernels.fused_routing_tiles``. The torch reference runs only where Triton does not.
 
 Semantics: :func:`fused_routing_reference` (plain torch, beside the kernel), which equals the composition of
 the engine's stock top-k, ``harness.techniques.moe_topk.truncate_routing`` + ``pad_routing`` and
@@ -48,169 +50,22 @@ import triton
 import triton.language as tl
 
 from harness.kernels._triton import triton_runs
+from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
+from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _nearest_in_p,
+                                                 _reroute_slots, _route_table, _topk_tile)
 
-__all__ = ["COUNTERS", "FUSED_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
+__all__ = ["COUNTERS", "MULTI_MIN_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
            "fused_routing_triton"]
 
-#: steps up to this many tokens run the one-launch kernel; longer ones the torch reference. One program walks
-#: the step's tiles, so its cost grows with T: on the H200 SERE K=2 costs 79 µs per layer at T=256 against 84 for
-#: the op chain it replaced (results/benchmarks/routing_op_h200.json); beyond that the chain's ops, which spread
-#: over the GPU, are the better bet (unmeasured above 256; vLLM captures graphs up to 512 tokens by default)
-FUSED_MAX_TOKENS = 256
-#: rows x slots x experts up to which SERE's secondary slots are re-routed all at once (:func:`_reroute_slots`):
-#: 4 rows at top-8 of 128 experts; beyond, the per-slot loop keeps registers in bounds
+#: steps of at least this many rows run the multi-program plan (``fused_routing_multi``), shorter ones the
+#: one-program kernel. Chosen by rows only, never by technique, so SERE on and off give identical weights.
+#: PROVISIONAL until measured (results/benchmarks/routing_op_h200.json)
+MULTI_MIN_TOKENS = 8
+#: rows x slots x experts up to which a tile re-routes SERE's secondary slots all at once (``_reroute_slots``):
+#: 4 rows at top-8 of 128 experts; beyond, the per-slot loop (one program) or the per-expert table (one program
+#: per tile) keeps registers in bounds
 VEC_CELLS = 4096
-
-
-# ------------------------------------------------------------------------------------------------ kernel
-
-
-@triton.jit
-def _column(tile, slots, j):
-    """Column ``j`` of an int [BLOCK_T, BLOCK_K] tile."""
-    return tl.sum(tl.where(slots[None, :] == j, tile, 0), axis=1)
-
-
-@triton.jit
-def _flags(hit, rows):
-    """[BLOCK_E] int32: experts hit on any of ``rows`` (hit [BLOCK_T, BLOCK_E] bool, rows [BLOCK_T] bool)."""
-    return tl.max(tl.where(hit & rows[:, None], 1, 0), axis=0)
-
-
-@triton.jit
-def _sigmoid_key(x, e, e_ok, bias_ptr, GSIZE: tl.constexpr, NG: tl.constexpr, TG: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """DeepSeek-V3's rule on a tile of logits ``x``: (scores s = sigmoid(x), rank key c = s + bias with the
-    experts of all but the ``TG`` best of ``NG`` groups at -inf; a group's score is the sum of its two best c,
-    ties to the lower id / group)."""
-    s = 1.0 / (1.0 + tl.exp(-x))
-    c = s
-    if HAS_BIAS:
-        c = c + tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]
-    c = tl.where(e_ok[None, :], c, float("-inf"))
-    if NG > 1:
-        grp = e // GSIZE
-        g_ids = tl.arange(0, NG)
-        g_score = tl.zeros([BLOCK_T, NG], dtype=tl.float32)
-        for g in tl.static_range(NG):
-            in_g = (grp == g) & e_ok
-            m1 = tl.max(tl.where(in_g[None, :], c, float("-inf")), axis=1)
-            i1 = tl.min(tl.where(in_g[None, :] & (c == m1[:, None]), e[None, :], BLOCK_E), axis=1)
-            m2 = tl.max(tl.where(in_g[None, :] & (e[None, :] != i1[:, None]), c, float("-inf")), axis=1)
-            g_score = tl.where(g_ids[None, :] == g, (m1 + m2)[:, None], g_score)
-        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-        for r in tl.static_range(TG):
-            best = tl.max(g_score, axis=1)
-            gi = tl.min(tl.where(g_score == best[:, None], g_ids[None, :], NG), axis=1)
-            keep = tl.where(grp[None, :] == gi[:, None], 1, keep)
-            g_score = tl.where(g_ids[None, :] == gi[:, None], float("-inf"), g_score)
-        c = tl.where(keep > 0, c, float("-inf"))
-    return s, c
-
-
-@triton.jit
-def _topk_tile(logits_ptr, dec_ptr, real_ptr, w_ptr, bias_ptr, t0, T, E, scale, s_lt, s_le, s_wt, s_wk,
-               TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-               RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
-               HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-               NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr):
-    """Pass 1 on rows [t0, t0 + BLOCK_T): ids [BLOCK_T, BLOCK_K] int32 (returned), weights stored, and the
-    [BLOCK_E] flag vectors the counters and pass 2 need. ``SIGMOID``: DeepSeek-V3's rule (:func:`_sigmoid_key`;
-    weights = s, renormalised with + 1e-20, times ``scale``, kept float32), else the softmax rule."""
-    rows = t0 + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    slots = tl.arange(0, BLOCK_K)
-    if HAS_DEC:
-        dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
-    else:
-        dec = rows < 0
-    if HAS_REAL:
-        real = row_ok & (tl.load(real_ptr + rows, mask=row_ok, other=0) != 0)
-    else:
-        real = row_ok
-    if TRUNC_ALL:
-        tr = row_ok
-    else:
-        tr = dec
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + e[None, :] * s_le,
-                mask=row_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
-    if SIGMOID:
-        p, key = _sigmoid_key(x, e, e_ok, bias_ptr, GSIZE, NG, TG, HAS_BIAS, BLOCK_T, BLOCK_E)
-        rem = key
-        gone = float("-inf")
-    else:
-        x = tl.where(e_ok[None, :], x, float("-inf"))
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = p / tl.sum(p, axis=1)[:, None]
-        rem = tl.where(e_ok[None, :], p, -1.0)
-        gone = -1.0
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    rank = tl.full([BLOCK_T, BLOCK_E], BLOCK_K, dtype=tl.int32)   # slot an expert was selected in (BLOCK_K: none)
-    counted = real & tr
-    for j in tl.static_range(TOPK):
-        best = tl.max(rem, axis=1)
-        if SIGMOID:  # ranked on c (which -inf fills: never pick a taken or padding expert), weighed by s
-            free = (rank == BLOCK_K) & e_ok[None, :]
-            idx = tl.min(tl.where((rem == best[:, None]) & free, e[None, :], BLOCK_E), axis=1)
-            hit = e[None, :] == idx[:, None]
-            best = tl.sum(tl.where(hit, p, 0.0), axis=1)
-        else:
-            idx = tl.min(tl.where(rem == best[:, None], e[None, :], BLOCK_E), axis=1)
-            hit = e[None, :] == idx[:, None]
-        ids = tl.where(slots[None, :] == j, idx[:, None], ids)
-        vals = tl.where(slots[None, :] == j, best[:, None], vals)
-        rem = tl.where(hit, gone, rem)
-        rank = tl.where(hit, j, rank)
-    # the expert sets, one cross-row reduction each (not one per slot: those cost ~0.3 µs apiece)
-    prim = _flags(rank < KP, dec)            # P: first KP slots of decode rows
-    s_before = _flags(rank < WIDTH, dec)     # SERE: the re-routed columns of decode rows
-    k_before = _flags(rank < TOPK, counted)  # top-K: all slots of the counted truncated rows
-    k_after = _flags(rank < KT, counted)     # top-K: its first KT slots (= after and primary)
-    need = _flags((rank >= KP) & (rank < WIDTH), dec)   # experts some decode row has in a secondary slot
-    k_ok = slots < TOPK
-    eps = 1e-20 if SIGMOID else 0.0
-    if RENORM:
-        w = vals / (tl.sum(tl.where(k_ok[None, :], vals, 0.0), axis=1)[:, None] + eps)
-    else:
-        w = vals
-    if TRUNC:
-        head = slots < KT
-        hv = tl.where(head[None, :], vals, 0.0)
-        if RENORM:
-            tw = hv / (tl.sum(hv, axis=1)[:, None] + eps)
-        else:
-            tw = hv
-        w = tl.where(tr[:, None], tw, w)
-        first = _column(ids, slots, 0)
-        ids = tl.where(tr[:, None] & (slots[None, :] >= KT), first[:, None], ids)
-    if SIGMOID:
-        w = w * scale
-    else:
-        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(w_ptr + rows[:, None].to(tl.int64) * s_wt + slots[None, :] * s_wk, w,
-             mask=row_ok[:, None] & k_ok[None, :])
-    n_dec = tl.sum(dec.to(tl.int64), axis=0)
-    n_tr = tl.sum(counted.to(tl.int64), axis=0)
-    return ids, dec, prim, s_before, k_before, k_after, need, n_dec, n_tr
-
-
-@triton.jit
-def _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E: tl.constexpr):
-    """SERE's decision for source experts ``src`` [N] (``ok``: eligible): the lowest-id expert of P (``cand``)
-    with the highest similarity (NaN never attracts), and whether the slot moves (finite and >= rho). Shared by
-    the per-slot gather and the per-expert table, so both decide exactly alike."""
-    e = tl.arange(0, BLOCK_E)
-    sim = tl.load(sim_ptr + src[:, None].to(tl.int64) * s_se + e[None, :] * s_sp,
-                  mask=ok[:, None] & cand[None, :], other=float("-inf")).to(tl.float32)
-    sim = tl.where(sim == sim, sim, float("-inf"))
-    best = tl.max(sim, axis=1)
-    target = tl.min(tl.where(sim == best[:, None], e[None, :], BLOCK_E), axis=1)
-    return target, ok & (best > float("-inf")) & (best >= rho)
 
 
 @triton.jit
@@ -238,86 +93,6 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
         moved += move.to(tl.int64)
         kept_rows = tl.where(hit & (move == 0)[:, None], 1, kept_rows)
     return ids, tl.sum(moved, axis=0), _flags(kept_rows > 0, dec)
-
-
-@triton.jit
-def _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
-                   KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_K: tl.constexpr, HAS_PROT: tl.constexpr):
-    """Pass 2 of a small one-tile step, every secondary slot at once: :func:`_reroute_tile`'s decisions with
-    the [rows x slots] grid flattened, so the similarity-row gathers of all slots are one masked load.
-
-    Why: in :func:`_reroute_tile` slot j+1's source is read from the ids slot j may have rewritten, so its
-    gathers form a dependent chain of WIDTH - KP global loads (H200, T=1: 7.4 µs per layer against 3.4 for the
-    stock routing alone). P is fixed for the step, so no slot's decision depends on another's: loading them
-    together gives the same ids. Chosen while the [rows x slots x experts] grid stays small (registers)."""
-    e = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    cand = prim > 0
-    sec_rows = dec[:, None] & (slots[None, :] >= KP) & (slots[None, :] < WIDTH)
-    src = tl.reshape(ids, (BLOCK_T * BLOCK_K,))
-    sec = tl.reshape(tl.broadcast_to(sec_rows, (BLOCK_T, BLOCK_K)), (BLOCK_T * BLOCK_K,))
-    hit = src[:, None] == e[None, :]
-    in_p = tl.max(tl.where(hit & cand[None, :], 1, 0), axis=1) > 0
-    ok = sec & (in_p == 0)
-    if HAS_PROT:
-        ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
-    target, move = _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E)
-    new = tl.reshape(tl.where(move, target, src), (BLOCK_T, BLOCK_K))
-    moved = tl.sum(move.to(tl.int64), axis=0)
-    kept = tl.max(tl.where(hit & (sec & (move == 0))[:, None], 1, 0), axis=0)
-    return new, moved, kept
-
-
-@triton.jit
-def _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E: tl.constexpr, HAS_PROT: tl.constexpr):
-    """Where each expert's secondary slots go, once per step: ``[BLOCK_E]`` int32, the target for a source
-    expert that moves (not in P, not protected, some decode row names it as secondary, best similarity over P
-    finite and >= rho; target = lowest id attaining it), -1 for one that stays. A row's slot outcome depends
-    only on its source expert (P is the step's), so one [E, E] masked load replaces a similarity-row gather
-    per slot and row; masked lanes fetch nothing, so a B=1 step reads only its few sources' P-columns."""
-    src = tl.arange(0, BLOCK_E)
-    cand = prim > 0
-    ok = (need > 0) & (cand == 0) & (src < E)
-    if HAS_PROT:
-        ok = ok & (tl.load(prot_ptr + src, mask=ok, other=0) == 0)
-    target, move = _nearest_in_p(sim_ptr, src, ok, cand, rho, s_se, s_sp, BLOCK_E)
-    return tl.where(move, target, -1)
-
-
-@triton.jit
-def _apply_tile(ids, dec, table, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pass 2 on one tile: the secondary slots [KP, WIDTH) of the decode rows ``dec`` take their source's
-    entry of :func:`_route_table`. Returns the new ids, the moved-slot count and the flags of the unmoved
-    sources (for ``after``)."""
-    e = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    moved = tl.zeros([BLOCK_T], dtype=tl.int64)
-    kept_rows = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(KP, WIDTH):
-        src = _column(ids, slots, j)
-        hit = e[None, :] == src[:, None]
-        target = tl.max(tl.where(hit, table[None, :], -1), axis=1)
-        move = dec & (target >= 0)
-        ids = tl.where((slots[None, :] == j) & move[:, None], target[:, None], ids)
-        moved += move.to(tl.int64)
-        kept_rows = tl.where(hit & (move == 0)[:, None], 1, kept_rows)
-    return ids, tl.sum(moved, axis=0), _flags(kept_rows > 0, dec)
-
-
-@triton.jit
-def _add_counters(ptr, rows, before, after, primary, moved, secondary_per_row):
-    o = tl.arange(0, 8)
-    vals = tl.where(o == 0, (rows > 0).to(tl.int64), 0)
-    vals = tl.where(o == 1, rows, vals)
-    vals = tl.where(o == 2, tl.sum(before.to(tl.int64), axis=0), vals)
-    vals = tl.where(o == 3, tl.sum(after.to(tl.int64), axis=0), vals)
-    vals = tl.where(o == 4, tl.sum(primary.to(tl.int64), axis=0), vals)
-    vals = tl.where(o == 5, moved, vals)
-    vals = tl.where(o == 6, rows * secondary_per_row, vals)
-    old = tl.load(ptr + o, mask=o < 7, other=0)
-    tl.store(ptr + o, old + vals, mask=o < 7)
 
 
 @triton.jit(do_not_specialize=["T", "n_tiles"])  # one compilation per tile size, not per step length
@@ -408,11 +183,12 @@ def _tile_rows(num_tokens: int, block_e: int) -> int:
 def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
-                         num_warps: int | None = None, vec_cells: int | None = None
+                         num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-launch kernel (module doc); arguments as :func:`fused_routing_reference`. ``block_t`` /
-    ``num_warps`` override the tiling and ``vec_cells`` the all-slots-at-once re-route's limit (0: never;
-    the benchmark and the tests compare both re-routes)."""
+    """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
+    (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
+    :data:`MULTI_MIN_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
+    all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes)."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -423,8 +199,6 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     ids = torch.empty((t, spec.top_k), dtype=torch.int32, device=dev)
     if t == 0:
         return weights, ids
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    block_t = block_t or _tile_rows(t, block_e)
     sere = spec.k_primary is not None
     trunc = spec.trunc_k is not None
     sim = spec.similarity if sere else None
@@ -440,6 +214,13 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                             or spec.top_k > spec.topk_groups * (num_experts // spec.groups)):
         raise ValueError(f"routing: top-{spec.top_k} of {num_experts} experts in {spec.topk_groups} of "
                          f"{spec.groups} groups (the kernel needs equal groups, a power-of-two count, enough experts)")
+    if multi if multi is not None else t >= MULTI_MIN_TOKENS:
+        fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
+                            weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
+                            block_t=block_t, num_warps=num_warps)
+        return weights, ids
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_t = block_t or _tile_rows(t, block_e)
     dummy = ids
     n_tiles = triton.cdiv(t, block_t)
     _fused_routing_kernel[(1,)](
@@ -490,7 +271,7 @@ def _routing_fake(logits, top_k, renormalize, trunc_k, trunc_all, k_primary, rho
 
 
 def _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters):
-    if logits.shape[0] <= FUSED_MAX_TOKENS and triton_runs(logits.device, _fused_routing_kernel):
+    if triton_runs(logits.device, _fused_routing_kernel):
         return fused_routing_triton(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
     return fused_routing_reference(logits, spec, decode_rows, real_rows, sere_counters, topk_counters)
 
@@ -498,9 +279,9 @@ def _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters):
 def fused_routing(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                   real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                   topk_counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the custom op under ``torch.compile``; the one-launch kernel where Triton runs and the step
-    is decode-sized; the torch reference otherwise (CPU engines, long prefill steps — eager, never in a graph
-    at vLLM's default capture sizes)."""
+    """Dispatch: the custom op under ``torch.compile``; where Triton runs, the one-program kernel below
+    :data:`MULTI_MIN_TOKENS` rows and the multi-program plan from there, at any step length; the torch
+    reference where Triton does not run (CPU engines)."""
     if torch.compiler.is_compiling():
         return torch.ops.harness.fused_moe_routing(
             logits, spec.top_k, spec.renormalize, spec.trunc_k or 0, spec.trunc_all, spec.k_primary or 0,

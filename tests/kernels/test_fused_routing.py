@@ -1,14 +1,16 @@
-"""The one-launch routing op (harness.kernels.fused_routing): the kernel equals its torch reference (Triton's
-interpreter on CPU), and the reference equals the composition of the algorithms it fuses — the stock top-k,
-``moe.top_k``'s truncation + padding and SERE's re-route — with the counters of the engines' statistics."""
+"""The routing op (harness.kernels.fused_routing): both launch plans — the one-program kernel and the
+multi-program one (``fused_routing_multi``) — equal the torch reference (Triton's interpreter on CPU), and the
+reference equals the composition of the algorithms it fuses — the stock top-k, ``moe.top_k``'s truncation +
+padding and SERE's re-route — with the counters of the engines' statistics."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
-                                           fused_routing_triton)
+import harness.kernels.fused_routing as fused_routing_module
+from harness.kernels.fused_routing import (COUNTERS, MULTI_MIN_TOKENS, RoutingSpec, fused_routing,
+                                           fused_routing_reference, fused_routing_triton)
 from harness.techniques.moe_topk import pad_routing, truncate_routing
 from harness.techniques.sere.reroute import reroute
 
@@ -79,25 +81,67 @@ def test_reference_equals_the_composed_algorithms(name, dtype):
 
 # (T, E): one tile (B=1, small batches), several tiles (the store/reload path), E not a power of two
 SHAPES = [(1, 16), (5, 32), (16, 128), (70, 64), (9, 60)]
+# the launch plans: the one-program kernel (several tiles beyond 16 rows: pass 2 reloads what pass 1 stored)
+# and the multi-program one (T=1: one program; T=9: 5 programs of 2 rows; T=70: 5 of 16 rows, few enough for
+# the interpreter; its default tiling at 70 rows is the next tests')
+PLANS = {"one": lambda t: {"multi": False, "block_t": 16 if t > 16 else None},
+         "multi": lambda t: {"multi": True, "block_t": 16 if t > 16 else None}}
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}".format(*s))
-def test_kernel_matches_reference(shape, name):
-    t, e = shape
-    logits, sim, protected, decode, real = make_case(t, e, seed=t * 131 + e)
-    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
+def check_against_reference(logits, spec, decode, real, **kwargs):
+    """The Triton op with ``kwargs`` gives the reference's ids exactly, its weights and both counters."""
     want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
     want_k = torch.zeros_like(want_s)
     got_s, got_k = torch.zeros_like(want_s), torch.zeros_like(want_s)
     ww, wid = fused_routing_reference(logits, spec, decode, real, want_s, want_k)
-    kwargs = {"block_t": 16} if t > 16 else {}  # several tiles: pass 2 reloads what pass 1 stored
     gw, gid = fused_routing_triton(logits, spec, decode, real, got_s, got_k, **kwargs)
     assert gid.dtype == torch.int32 and gw.dtype == torch.float32
-    assert torch.equal(gid, wid), f"\n{gid}\n{wid}"
+    assert torch.equal(gid, wid), f"{kwargs}\n{gid}\n{wid}"
     torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
-    assert got_s.tolist() == want_s.tolist()
-    assert got_k.tolist() == want_k.tolist()
+    assert got_s.tolist() == want_s.tolist(), kwargs
+    assert got_k.tolist() == want_k.tolist(), kwargs
+    return want_s
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}".format(*s))
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_kernel_matches_reference(plan, shape, name):
+    t, e = shape
+    logits, sim, protected, decode, real = make_case(t, e, seed=t * 131 + e)
+    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
+    check_against_reference(logits, spec, decode, real, **PLANS[plan](t))
+
+
+def test_multi_program_plan_over_many_tiles():
+    """Launch 2 reduces the step's words in chunks of 16 tiles at 128 experts: 19 tiles of 2 rows take two
+    chunks, and P must hold the primary experts of the decode rows of every tile (one tile's P alone would
+    move slots the reference keeps)."""
+    logits, sim, protected, decode, real = make_case(37, 128, seed=17)
+    spec = spec_of("top4-sere-k2", sim, protected)
+    want_s = check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
+    assert want_s[COUNTERS.index("moved")] > 0
+
+
+def test_multi_program_plan_takes_any_step_length(monkeypatch):
+    """Steps beyond the one-program kernel's old 256-row limit (vLLM captures up to 512 tokens) run the
+    Triton op, not the torch reference, and give the reference's routing; a step of many prefill rows and a
+    few decode rows (a serving step) re-routes the decode rows only."""
+    logits, sim, protected, decode, real = make_case(600, 16, seed=23)
+    decode[:] = False
+    decode[:5] = True
+    spec = RoutingSpec(4, True, trunc_k=3, k_primary=1, rho=0.0, similarity=sim, protected=protected)
+    want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    want_w, want_id = fused_routing_reference(logits, spec, decode, real, want_s)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton-sized step went to the torch reference")
+    monkeypatch.setattr(fused_routing_module, "fused_routing_reference", refuse)
+    got_s = torch.zeros_like(want_s)
+    got_w, got_id = fused_routing(logits, spec, decode, real, got_s)
+    assert torch.equal(got_id, want_id)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
+    assert got_s.tolist() == want_s.tolist() and got_s[COUNTERS.index("rows")] == 5
 
 
 @pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
@@ -174,9 +218,9 @@ def test_custom_op_under_compile():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 def test_reference_is_capturable_in_a_cuda_graph():
-    """vLLM captures decode steps the one-launch kernel does not take (more rows than FUSED_MAX_TOKENS) with the
-    torch reference inside the graph: it must not copy from the host (H200, vLLM 0.26: the SERE server died in
-    capture), and replays must follow new logits."""
+    """The torch reference stays capturable (engines without Triton use it; before the multi-program plan,
+    vLLM captured it for steps of more than 256 rows): it must not copy from the host (H200, vLLM 0.26: the
+    SERE server died in capture), and replays must follow new logits."""
     logits, sim, protected, decode, real = make_case(300, 128, seed=5)
     spec = spec_of("top4-sere-k2", sim, protected)
     counters = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
@@ -194,6 +238,32 @@ def test_reference_is_capturable_in_a_cuda_graph():
     want_w, want_id = fused_routing_reference(fresh, spec, decode, real)
     assert torch.equal(gid, want_id)
     torch.testing.assert_close(gw, want_w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("t", [MULTI_MIN_TOKENS, 70, 512])
+def test_multi_program_plan_is_capturable_in_a_cuda_graph(t):
+    """vLLM replays the op inside its CUDA graphs: the two launches and their scratch (``torch.empty`` in the
+    op) are captured, replays follow new logits, and each replay adds one call to the counters."""
+    logits, sim, protected, decode, real = make_case(t, 128, seed=t)
+    spec = spec_of("top4-sere-k2", sim, protected)
+    counters = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    static = logits.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_routing(static, spec, decode, real, counters.clone())   # warm-up (compilation) off the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gid = fused_routing(static, spec, decode, real, counters)
+    want_s = torch.zeros_like(counters)
+    for fresh in (logits.flip(0).contiguous(), logits.roll(1, dims=1).contiguous()):
+        static.copy_(fresh)
+        graph.replay()
+        want_w, want_id = fused_routing_reference(fresh, spec, decode, real, want_s)
+        assert torch.equal(gid, want_id)
+        torch.testing.assert_close(gw, want_w, rtol=1e-6, atol=1e-6)
+    assert counters.tolist() == want_s.tolist() and counters[0] == 2
 
 
 # --- DeepSeek-V3's rule (sigmoid + selection bias + group-limited top-k + scaling, float32 weights) -----------

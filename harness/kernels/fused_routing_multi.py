@@ -1,0 +1,203 @@
+"""The routing op (``harness.kernels.fused_routing``) for steps of many rows: one program per row tile, two
+launches.
+
+Why (issue 23). The one-program kernel walks every tile of a step in one program, so its cost grows with the
+rows: on the H200 SERE K=2 cost 9.9 µs per layer at T=16, 23 µs at 64 and 79 µs at 256, against 3.7–3.9 µs for
+vLLM's ``topk_softmax`` at every T. Under serving load vLLM's steps mix a prefill chunk with the running
+decodes (~70 rows), where that cost ate SERE's gain (QPS 16: 0.94×, results/benchmarks/vllm_serve_h200.json).
+SERE's set P (the primary experts of the decode rows) is a reduction over the whole step, and the re-route
+needs all of it; a second launch is the grid-wide barrier:
+
+    launch 1, one program per tile of BLOCK_T rows: pass 1 (``fused_routing_tiles._topk_tile``: softmax or
+             DeepSeek-V3 top-k, renormalisation, truncation, weights stored), ids stored, and one int32 word
+             per (tile, expert) into a scratch: bit 0 in P, bit 1 in SERE's before-set, bit 2 in top-K's
+             before-set, bit 3 in its after-set, bits 8.. how many decode rows of the tile name the expert in
+             a secondary slot; plus the tile's decode-row and counted-row counts
+    launch 2, one program per tile (SERE only): a tile with no decode secondary slot stops at once; the others
+             OR the step's P from the scratch, decide once per source expert of their own tile
+             (``_route_table``: the same decision as the one-program kernel's) and rewrite their ids in place
+    launch 2, one more program (statistics only): reduces the scratch alone — the union sets, P, the global
+             per-expert decision times the per-expert slot counts = moved slots — and adds the counters in
+             place (one program: no atomics)
+
+Plain stores into a scratch made by ``torch.empty`` inside the op (no atomics, so no zeroed buffer and no
+memset): the op stays one or two kernel nodes in a CUDA graph, with no host synchronisation, and its scratch
+comes from the graph's pool under capture like the outputs. Any number of rows (no ≤ 256 limit); launch 2's
+programs each read the scratch of the whole step (T/BLOCK_T words per expert), which the tile size keeps small
+(:func:`multi_tile`). Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
+ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from harness.kernels.fused_routing_reference import RoutingSpec
+from harness.kernels.fused_routing_tiles import _add_counters, _apply_tile, _reroute_slots, _route_table, _topk_tile
+
+__all__ = ["fused_routing_multi", "multi_tile"]
+
+@triton.jit(do_not_specialize=["T"])  # one compilation per tiling, not per step length
+def _multi_topk_kernel(
+    logits_ptr, dec_ptr, real_ptr, w_ptr, ids_ptr, bias_ptr, words_ptr, sums_ptr,
+    T, E, scale, s_lt, s_le, s_wt, s_wk, s_it, s_ik,
+    TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
+    HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr, WRITE_WORDS: tl.constexpr,
+):
+    """Launch 1: pass 1 on tile ``program_id``; ids and weights stored, the tile's word per expert too."""
+    tile = tl.program_id(0)
+    t0 = tile * BLOCK_T
+    ids, dec, prim, s_before, k_before, k_after, need, n_dec, n_tr = _topk_tile(
+        logits_ptr, dec_ptr, real_ptr, w_ptr, bias_ptr, t0, T, E, scale, s_lt, s_le, s_wt, s_wk,
+        TOPK, KT, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, RENORM, TRUNC, TRUNC_ALL, SERE, HAS_DEC, HAS_REAL,
+        SIGMOID, HAS_BIAS, NG, GSIZE, TG)
+    rows = t0 + tl.arange(0, BLOCK_T)
+    slots = tl.arange(0, BLOCK_K)
+    tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
+             mask=(rows[:, None] < T) & (slots[None, :] < TOPK))
+    if WRITE_WORDS:
+        e = tl.arange(0, BLOCK_E)
+        word = prim | (s_before << 1) | (k_before << 2) | (k_after << 3) | (need << 8)
+        tl.store(words_ptr + tile.to(tl.int64) * BLOCK_E + e, word)
+        two = tl.arange(0, 2)
+        tl.store(sums_ptr + tile * 2 + two, tl.where(two == 0, n_dec, n_tr).to(tl.int32))
+
+
+@triton.jit
+def _step_words(words_ptr, n_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole step's sets from launch 1's words: (OR of the words' flag bits, sum of the secondary-slot
+    counts), each [BLOCK_E] int32, reading CHUNK tiles per load."""
+    e = tl.arange(0, BLOCK_E)
+    flags = tl.zeros([BLOCK_E], dtype=tl.int32)
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, n_tiles, CHUNK):
+        tt = c0 + tl.arange(0, CHUNK)
+        w = tl.load(words_ptr + tt[:, None].to(tl.int64) * BLOCK_E + e[None, :], mask=tt[:, None] < n_tiles,
+                    other=0)
+        for b in tl.static_range(4):
+            flags = flags | (tl.max((w >> b) & 1, axis=0) << b)
+        count += tl.sum(w >> 8, axis=0)
+    return flags, count
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles"])
+def _multi_reroute_kernel(
+    dec_ptr, sim_ptr, prot_ptr, ids_ptr, words_ptr, sums_ptr, sere_cnt_ptr, topk_cnt_ptr,
+    T, n_tiles, E, rho, s_se, s_sp, s_it, s_ik,
+    TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    VEC_CELLS: tl.constexpr, SERE: tl.constexpr, HAS_DEC: tl.constexpr, HAS_PROT: tl.constexpr,
+    SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+):
+    """Launch 2: programs [0, n_tiles) re-route their tile (SERE), program n_tiles (or 0 without SERE) adds
+    the counters (module doc)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    if SERE:
+        stats_pid = n_tiles
+    else:
+        stats_pid = 0
+    if SERE:
+        if pid < n_tiles:
+            own = tl.load(words_ptr + pid.to(tl.int64) * BLOCK_E + e) >> 8
+            if tl.max(own, axis=0) > 0:   # some decode row of this tile has a secondary slot to decide
+                flags, _ = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
+                rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+                row_ok = rows < T
+                slots = tl.arange(0, BLOCK_K)
+                ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
+                ok = row_ok[:, None] & (slots[None, :] < TOPK)
+                ids = tl.load(ptrs, mask=ok, other=0)
+                dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
+                if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
+                    ids, _, _ = _reroute_slots(ids, dec, flags & 1, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                               KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+                else:                                          # else once per source expert of the tile
+                    table = _route_table(flags & 1, own, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+                    ids, _, _ = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+                tl.store(ptrs, ids, mask=ok)
+    if SERE_STATS or TOPK_STATS:
+        if pid == stats_pid:
+            flags, count = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
+            n_dec = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+            n_tr = n_dec
+            for c0 in range(0, n_tiles, CHUNK):
+                tt = c0 + tl.arange(0, CHUNK)
+                n_dec += tl.sum(tl.load(sums_ptr + tt * 2, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
+                n_tr += tl.sum(tl.load(sums_ptr + tt * 2 + 1, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
+            if SERE_STATS:
+                prim = flags & 1
+                table = _route_table(prim, count, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+                moved = tl.sum(tl.where(table >= 0, count, 0).to(tl.int64), axis=0)
+                kept = (count > 0) & (table < 0)     # sources some decode row keeps (in P, protected, no match)
+                after = tl.where(kept, 1, prim)
+                _add_counters(sere_cnt_ptr, n_dec, (flags >> 1) & 1, after, prim, moved, WIDTH - KP)
+            if TOPK_STATS:
+                k_after = (flags >> 3) & 1
+                _add_counters(topk_cnt_ptr, n_tr, (flags >> 2) & 1, k_after, k_after, n_tr * (TOPK - KT), TOPK - KT)
+
+
+def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
+    """(rows per program, warps) of the multi-program plan. Small tiles spread a step over many programs, but
+    launch 2 reads every tile's words per program, so tiles grow with the step: ~32 programs, 2–16 rows."""
+    block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 32))))
+    return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
+
+
+def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None,
+                        real_rows: torch.Tensor | None, sere_counters: torch.Tensor | None,
+                        topk_counters: torch.Tensor | None, sim: torch.Tensor | None, prot: torch.Tensor | None,
+                        bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
+                        block_t: int | None = None, num_warps: int | None = None) -> None:
+    """Launch the two kernels (module doc) into ``weights`` / ``ids``; the arguments are those
+    ``fused_routing.fused_routing_triton`` has checked and moved to the device. ``vec_cells``: up to this many
+    rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
+    decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
+    registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows)."""
+    t, num_experts = logits.shape
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    auto_t, auto_w = multi_tile(t, block_e)
+    block_t = block_t or auto_t
+    num_warps = num_warps or auto_w
+    n_tiles = triton.cdiv(t, block_t)
+    sere = spec.k_primary is not None
+    sere_stats = sere and sere_counters is not None
+    topk_stats = spec.trunc_k is not None and topk_counters is not None
+    second = sere or sere_stats or topk_stats
+    # the scratch: one word per (tile, expert), then (decode rows, counted rows) per tile; empty is enough,
+    # launch 1 writes every word launch 2 reads
+    scratch = torch.empty(n_tiles * (block_e + 2) if second else 1, dtype=torch.int32, device=logits.device)
+    words, sums = (scratch[:n_tiles * block_e], scratch[n_tiles * block_e:]) if second else (scratch, scratch)
+    dummy = ids
+    meta = dict(TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
+                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(spec.top_k))
+    _multi_topk_kernel[(n_tiles,)](
+        logits, decode_rows if decode_rows is not None else dummy, real_rows if real_rows is not None else dummy,
+        weights, ids, bias if bias is not None else weights, words, sums,
+        t, num_experts, float(spec.scaling), logits.stride(0), logits.stride(1), weights.stride(0),
+        weights.stride(1), ids.stride(0), ids.stride(1),
+        RENORM=spec.renormalize, TRUNC=spec.trunc_k is not None, TRUNC_ALL=spec.trunc_all, SERE=sere,
+        HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None, SIGMOID=spec.sigmoid,
+        HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups, TG=spec.topk_groups,
+        WRITE_WORDS=second, num_warps=num_warps, **meta)
+    if not second:
+        return
+    sere_run = sere and decode_rows is not None     # no decode row: nothing moves, only counters to add
+    grid = (n_tiles if sere_run else 0) + (1 if sere_stats or topk_stats else 0)
+    if grid == 0:
+        return
+    _multi_reroute_kernel[(grid,)](
+        decode_rows if decode_rows is not None else dummy, sim if sim is not None else dummy,
+        prot if prot is not None else dummy, ids, words, sums,
+        sere_counters if sere_counters is not None else dummy, topk_counters if topk_counters is not None else dummy,
+        t, n_tiles, num_experts, float(spec.rho), sim.stride(0) if sim is not None else 0,
+        sim.stride(1) if sim is not None else 0, ids.stride(0), ids.stride(1),
+        CHUNK=max(1, 2048 // block_e), VEC_CELLS=vec_cells, SERE=sere_run, HAS_DEC=decode_rows is not None,
+        HAS_PROT=prot is not None, SERE_STATS=sere_stats, TOPK_STATS=topk_stats,
+        num_warps=num_warps if block_t * meta["BLOCK_K"] * block_e <= vec_cells and not sere_stats
+        else max(num_warps, 4), **meta)
