@@ -2,7 +2,7 @@
 (``harness.kernels.fused_routing``) against vLLM's own ``topk_softmax`` and against the chain of torch ops the
 plugin ran before (stock top-k, re-route kernel, ~15 counter ops), at Qwen3-30B-A3B router shapes.
 
-    python benchmarks/bench_routing_op.py [--tokens 1,4,16,64,256 --layers 48 --rounds 9]
+    python benchmarks/bench_routing_op.py [--tokens 1,4,16,64,70,256,512 --layers 48 --rounds 9 --variants ...]
     TRITON_INTERPRET=1 python benchmarks/bench_routing_op.py --smoke   # CPU: correctness only, no timing
 
 What a decode step does, 48 times (one MoE layer each): logits [T, 128] bf16 → weights/ids [T, 8]. Every
@@ -13,11 +13,15 @@ the table gives the median over rounds and a 95 % bootstrap interval of it. Befo
 variant is checked id-for-id against its torch reference on the same inputs.
 
 Variants: ``vllm_topk_softmax`` (stock vLLM: ``vllm._custom_ops.topk_softmax``; torch softmax+topk when vLLM
-is absent, named ``torch_topk``), ``old_sere2`` (the plugin's previous SERE path), ``fused_stock``,
-``fused_sere2``, ``fused_sere2_nostats``, ``fused_sere1``, ``fused_top2``; tiling rows ``fused_sere2_w4``,
-``fused_sere2_loop`` (slot-by-slot re-route) and ``fused_sere2_vec`` (all slots in one gather at every size).
-Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports torch, triton, the harness's kernel
-and technique modules (and vLLM's op when installed).
+is absent, named ``torch_topk``), ``old_sere2`` (the plugin's previous SERE path), ``reference_sere2`` (the
+torch reference, which steps of more than 256 rows ran before the multi-program plan); through the op's
+dispatch ``fused_stock``, ``fused_sere2``, ``fused_sere2_nostats``, ``fused_sere1``, ``fused_top2``; the two
+launch plans forced, side by side: ``one_*`` / ``multi_*`` for stock, SERE K=2 and top-2, and for SERE K=2 on
+a serving-like step of ``MIXED_DECODES`` decode rows and the rest prefill (``*_sere2_mixed``); tiling rows of
+the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-by-slot re-route, ``fused_sere2_vec``
+= all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>``).
+``--variants`` times a subset. Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports
+torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 E, K = 128, 8
+#: (rows per program, warps) of the multi-program plan's tiling sweep
+MULTI_TILINGS = [(2, 1), (4, 1), (4, 2), (8, 2), (16, 4)]
+#: decode rows of the ``*_mixed`` variants (the rest of the step: prefill rows, which SERE leaves alone)
+MIXED_DECODES = 6
 
 
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -95,25 +103,34 @@ def build_variants(tokens: int, layers: int, device: str):
         (w, new.to(torch.int32))
     variants["old_sere2"] = (old, None)
 
-    def fused(spec, stats: bool, topk_stats: bool = False, **tiling):
+    # a serving step under load: a prefill chunk beside a few running decodes (vLLM puts the decodes first)
+    mixed = torch.zeros(max(tokens, 1), dtype=torch.bool, device=device)
+    mixed[:MIXED_DECODES] = True
+
+    def fused(spec, stats: bool, topk_stats: bool = False, dec=dec, **tiling):
         sc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if stats else None for _ in range(layers)]
         tc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if topk_stats else None
               for _ in range(layers)]
 
         def fn(i):
-            if tiling:   # a tiling other than the default (the sweep rows)
+            if tiling:   # a plan or tiling other than the dispatch's (the sweep rows)
                 fused_routing_triton(logits[i], spec, dec[:tokens], None, sc[i], tc[i], **tiling)
             else:
                 fused_routing(logits[i], spec, dec[:tokens], None, sc[i], tc[i])
 
         def check():
             # float32 logits: bf16 logits tie often, and torch.topk on CUDA breaks ties in no stated order
-            # (the op: lowest expert id; vLLM's topk_softmax: its own order)
+            # (the op: lowest expert id; vLLM's topk_softmax: its own order); the variant's own plan and tiling
             x = torch.randn(tokens, E, generator=torch.Generator().manual_seed(7)).to(device) * 2
-            w, ids = fused_routing(x, spec, dec[:tokens])
-            rw, rids = fused_routing_reference(x, spec, dec[:tokens])
+            got_s, got_k, want_s, want_k = torch.zeros(4, len(COUNTERS), dtype=torch.long, device=device)
+            if tiling:
+                w, ids = fused_routing_triton(x, spec, dec[:tokens], None, got_s, got_k, **tiling)
+            else:
+                w, ids = fused_routing(x, spec, dec[:tokens], None, got_s, got_k)
+            rw, rids = fused_routing_reference(x, spec, dec[:tokens], None, want_s, want_k)
             assert torch.equal(ids, rids), "fused ids differ from the reference"
             torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+            assert got_s.tolist() == want_s.tolist() and got_k.tolist() == want_k.tolist(), "counters differ"
         return fn, check
 
     variants["fused_stock"] = fused(RoutingSpec(K, True), False)
@@ -122,12 +139,28 @@ def build_variants(tokens: int, layers: int, device: str):
     variants["fused_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True)
     variants["fused_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True)
     sere2 = RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim)
-    variants["fused_sere2_w4"] = fused(sere2, True, num_warps=4)      # tiling sweep (default: 4 warps up to 8 rows)
-    variants["fused_sere2_loop"] = fused(sere2, True, vec_cells=0)    # the slot-by-slot re-route (before)
-    variants["fused_sere2_vec"] = fused(sere2, True, vec_cells=1 << 16)  # all slots at once at every size
+    variants["fused_sere2_w4"] = fused(sere2, True, multi=False, num_warps=4)  # one-program sweep (default: 4 warps
+    variants["fused_sere2_loop"] = fused(sere2, True, multi=False, vec_cells=0)  # up to 8 rows); slot-by-slot
+    variants["fused_sere2_vec"] = fused(sere2, True, multi=False, vec_cells=1 << 16)  # all slots at every size
     if tokens >= 64:
-        variants["fused_sere2_t64"] = fused(sere2, True, block_t=64, num_warps=8)
-        variants["fused_stock_t64"] = fused(RoutingSpec(K, True), False, block_t=64, num_warps=8)
+        variants["fused_sere2_t64"] = fused(sere2, True, multi=False, block_t=64, num_warps=8)
+        variants["fused_stock_t64"] = fused(RoutingSpec(K, True), False, multi=False, block_t=64, num_warps=8)
+    # the two launch plans side by side at every T (the dispatch's MULTI_MIN_TOKENS is read off these rows)
+    variants["one_sere2"] = fused(sere2, True, multi=False)
+    variants["multi_sere2"] = fused(sere2, True, multi=True)
+    variants["one_stock"] = fused(RoutingSpec(K, True), False, multi=False)
+    variants["multi_stock"] = fused(RoutingSpec(K, True), False, multi=True)
+    variants["one_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True, multi=False)
+    variants["multi_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True, multi=True)
+    variants["one_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=False)
+    variants["multi_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True)
+    for tile_rows, warps in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
+        variants[f"multi_sere2_t{tile_rows}w{warps}"] = fused(sere2, True, multi=True, block_t=tile_rows,
+                                                              num_warps=warps)
+    ref_counters = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) for _ in range(layers)]
+    # the torch reference: what steps of more than 256 rows ran before the multi-program plan
+    variants["reference_sere2"] = (lambda i: fused_routing_reference(logits[i], sere2, dec[:tokens], None,
+                                                                     ref_counters[i]), None)
     return variants
 
 
@@ -158,13 +191,32 @@ def time_graphs(variants, layers: int, rounds: int, replays: int) -> dict[str, l
     return per_layer_us
 
 
+def markdown(doc: dict) -> str:
+    """The JSON's rows as one table: a row per T, a column per variant (median µs per layer)."""
+    rows = doc["rows"]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    tokens = list(dict.fromkeys(r["tokens"] for r in rows))
+    cell = {(r["tokens"], r["variant"]): r["us_per_layer"] for r in rows}
+    lines = [f"# Routing op, µs per layer ({doc['env'].get('device')}, {doc['protocol']})", "",
+             f"env: {json.dumps(doc['env'])}; dispatch: {json.dumps(doc['dispatch'])}", "",
+             "| variant | " + " | ".join(f"T={t}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+    for n in names:
+        vals = (f"{cell[(t, n)]:.2f}" if (t, n) in cell else "–" for t in tokens)
+        lines.append(f"| {n} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--tokens", default="1,4,16,64,70,256,512")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--variants", default="", help="comma-separated variant names to time (default: all); "
+                    "the stock baseline (vllm_topk_softmax / torch_topk) is always kept")
     ap.add_argument("--smoke", action="store_true", help="CPU: correctness of every variant, no timing")
+    ap.add_argument("--warm-only", action="store_true", help="check and run every variant once, time nothing: "
+                    "fills Triton's cache, e.g. one process per T in parallel before the timed run")
     ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "routing_op_h200.json"))
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -177,34 +229,61 @@ def main() -> None:
                 fn(0)
             print(f"smoke T={t}: every variant ran, fused == reference")
         return
+    keep = {v for v in args.variants.split(",") if v} | {"vllm_topk_softmax", "torch_topk"}
     rows = []
+
+    def save() -> None:
+        """Write the JSON and its table (after every T: a run stopped early keeps what it measured)."""
+        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            import triton
+            env["triton"] = triton.__version__
+            import vllm
+            env["vllm"] = vllm.__version__
+        except Exception:  # noqa: BLE001
+            pass
+        from harness.kernels.fused_routing import MULTI_MIN_TOKENS, VEC_CELLS
+
+        doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
+               "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
+               f"CUDA graph of {args.layers} calls; {args.rounds} interleaved rounds x {args.replays} replays "
+               "after a warm-up round; median over rounds, 95% bootstrap CI",
+               # what the fused_* rows dispatched with (one_* / multi_* force a plan)
+               "dispatch": {"multi_min_tokens": MULTI_MIN_TOKENS, "vec_cells": VEC_CELLS,
+                            "mixed_decodes": MIXED_DECODES},
+               "rows": rows}
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        md = os.path.splitext(args.out)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(markdown(doc))
+        print("wrote", args.out, "and", md)
+
     for t in tokens:
         variants = build_variants(t, args.layers, device)
-        for name, (_, check) in variants.items():
+        if args.variants:
+            unknown = keep - set(variants) - {"vllm_topk_softmax", "torch_topk"}
+            if unknown:
+                raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
+            variants = {k: v for k, v in variants.items() if k in keep}
+        for name, (fn, check) in variants.items():
             if check is not None:
                 check()
+            if args.warm_only:
+                fn(0)
+        if args.warm_only:
+            torch.cuda.synchronize()
+            print(f"warm T={t}: {len(variants)} variants checked against the reference and compiled", flush=True)
+            continue
         times = time_graphs(variants, args.layers, args.rounds, args.replays)
         for name, vals in times.items():
             med = float(torch.tensor(vals).median())
             lo, hi = bootstrap_ci(vals)
             rows.append({"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals})
             print(f"T={t:4d} {name:22s} {med:7.2f} µs/layer  [{lo:.2f}, {hi:.2f}]", flush=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-        import vllm
-        env["vllm"] = vllm.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
-                   "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
-                   f"CUDA graph of {args.layers} calls; {args.rounds} interleaved rounds x {args.replays} replays "
-                   "after a warm-up round; median over rounds, 95% bootstrap CI", "rows": rows}, f, indent=1)
-    print("wrote", args.out)
+        save()
 
 
 if __name__ == "__main__":
