@@ -61,7 +61,7 @@ __all__ = ["COUNTERS", "MULTI_MIN_TOKENS", "RoutingSpec", "fused_routing", "fuse
 #: steps of at least this many rows run the multi-program plan (``fused_routing_multi``), shorter ones the
 #: one-program kernel. Chosen by rows only, never by technique, so SERE on and off give identical weights.
 #: PROVISIONAL until measured (results/benchmarks/routing_op_h200.json)
-MULTI_MIN_TOKENS = 8
+MULTI_MIN_TOKENS = 24
 #: rows x slots x experts up to which a tile re-routes SERE's secondary slots all at once (``_reroute_slots``):
 #: 4 rows at top-8 of 128 experts; beyond, the per-slot loop (one program) or the per-expert table (one program
 #: per tile) keeps registers in bounds
