@@ -69,44 +69,20 @@ def _multi_topk_kernel(
 
 
 @triton.jit
-def _step_p(words_ptr, n_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """The step's P ([BLOCK_E] int32 0/1): bit 0 of launch 1's words, ORed over every tile. Chunks of CHUNK
-    tiles are combined elementwise and reduced across tiles once at the end: a cross-tile reduction per chunk
-    cost ~2 µs each on the H200 (results/benchmarks/routing_op_h200_multi_v1.json: 2-row tiles at T=512)."""
+def _step_words(words_ptr, n_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole step's sets from launch 1's words: (OR of the words' flag bits, sum of the secondary-slot
+    counts), each [BLOCK_E] int32, reading CHUNK tiles per load."""
     e = tl.arange(0, BLOCK_E)
-    acc = tl.zeros([CHUNK, BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, n_tiles, CHUNK):
-        tt = c0 + tl.arange(0, CHUNK)
-        w = tl.load(words_ptr + tt[:, None].to(tl.int64) * BLOCK_E + e[None, :], mask=tt[:, None] < n_tiles,
-                    other=0)
-        acc = acc | (w & 1)
-    return tl.max(acc, axis=0)
-
-
-@triton.jit
-def _step_sets(words_ptr, sums_ptr, n_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """Everything the counters need from launch 1, over every tile (combined elementwise, reduced once):
-    (the OR of the words' four flag bits [BLOCK_E], the summed secondary-slot counts [BLOCK_E], decode rows,
-    counted rows)."""
-    e = tl.arange(0, BLOCK_E)
-    two = tl.arange(0, 2)
-    acc = tl.zeros([CHUNK, BLOCK_E], dtype=tl.int32)
-    cnt = tl.zeros([CHUNK, BLOCK_E], dtype=tl.int32)
-    rows = tl.zeros([CHUNK, 2], dtype=tl.int32)
-    for c0 in range(0, n_tiles, CHUNK):
-        tt = c0 + tl.arange(0, CHUNK)
-        w = tl.load(words_ptr + tt[:, None].to(tl.int64) * BLOCK_E + e[None, :], mask=tt[:, None] < n_tiles,
-                    other=0)
-        acc = acc | (w & 15)
-        cnt += w >> 8
-        rows += tl.load(sums_ptr + tt[:, None] * 2 + two[None, :], mask=tt[:, None] < n_tiles, other=0)
     flags = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for b in tl.static_range(4):
-        flags = flags | (tl.max((acc >> b) & 1, axis=0) << b)
-    n = tl.sum(rows.to(tl.int64), axis=0)
-    n_dec = tl.sum(tl.where(two == 0, n, 0), axis=0)
-    n_tr = tl.sum(tl.where(two == 1, n, 0), axis=0)
-    return flags, tl.sum(cnt, axis=0), n_dec, n_tr
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, n_tiles, CHUNK):
+        tt = c0 + tl.arange(0, CHUNK)
+        w = tl.load(words_ptr + tt[:, None].to(tl.int64) * BLOCK_E + e[None, :], mask=tt[:, None] < n_tiles,
+                    other=0)
+        for b in tl.static_range(4):
+            flags = flags | (tl.max((w >> b) & 1, axis=0) << b)
+        count += tl.sum(w >> 8, axis=0)
+    return flags, count
 
 
 @triton.jit(do_not_specialize=["T", "n_tiles"])
@@ -128,27 +104,32 @@ def _multi_reroute_kernel(
         stats_pid = 0
     if SERE:
         if pid < n_tiles:
-            # the tile's own loads first, side by side (not behind the branch: each dependent load is a trip)
             own = tl.load(words_ptr + pid.to(tl.int64) * BLOCK_E + e) >> 8
-            rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-            row_ok = rows < T
-            slots = tl.arange(0, BLOCK_K)
-            ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
-            ok = row_ok[:, None] & (slots[None, :] < TOPK)
-            ids = tl.load(ptrs, mask=ok, other=0)
-            dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
             if tl.max(own, axis=0) > 0:   # some decode row of this tile has a secondary slot to decide
-                prim = _step_p(words_ptr, n_tiles, BLOCK_E, CHUNK)
+                flags, _ = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
+                rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+                row_ok = rows < T
+                slots = tl.arange(0, BLOCK_K)
+                ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
+                ok = row_ok[:, None] & (slots[None, :] < TOPK)
+                ids = tl.load(ptrs, mask=ok, other=0)
+                dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
                 if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
-                    ids, _, _ = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                    ids, _, _ = _reroute_slots(ids, dec, flags & 1, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
                                                KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
                 else:                                          # else once per source expert of the tile
-                    table = _route_table(prim, own, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+                    table = _route_table(flags & 1, own, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
                     ids, _, _ = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
                 tl.store(ptrs, ids, mask=ok)
     if SERE_STATS or TOPK_STATS:
         if pid == stats_pid:
-            flags, count, n_dec, n_tr = _step_sets(words_ptr, sums_ptr, n_tiles, BLOCK_E, CHUNK)
+            flags, count = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
+            n_dec = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+            n_tr = n_dec
+            for c0 in range(0, n_tiles, CHUNK):
+                tt = c0 + tl.arange(0, CHUNK)
+                n_dec += tl.sum(tl.load(sums_ptr + tt * 2, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
+                n_tr += tl.sum(tl.load(sums_ptr + tt * 2 + 1, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
             if SERE_STATS:
                 prim = flags & 1
                 table = _route_table(prim, count, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
@@ -163,12 +144,9 @@ def _multi_reroute_kernel(
 
 def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
     """(rows per program, warps) of the multi-program plan. Small tiles spread a step over many programs, but
-    every program of launch 2 reads every tile's words, so tiles grow with the step: ~16 programs of 2–16 rows
-    (one chunk of words at 128 experts up to 256 rows), 1 warp per 2 rows x 128 experts, 2 up to 8 rows, 4
-    beyond. H200 sweep of SERE K=2 (results/benchmarks/routing_op_h200_multi_v1.json, µs per layer): 2 rows 13.6
-    at T=16; 4 rows, 2 warps 14.2 at T=64; 8 rows, 2 warps 15.0 at T=70; 16 rows, 4 warps 15.2 at T=256."""
-    block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 16))))
-    return block_t, (1 if block_t * block_e <= 256 else 2 if block_t * block_e <= 1024 else 4)
+    launch 2 reads every tile's words per program, so tiles grow with the step: ~32 programs, 2–16 rows."""
+    block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 32))))
+    return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
 
 
 def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None,
