@@ -145,7 +145,7 @@ def build_variants(tokens: int, layers: int, device: str):
     if tokens >= 64:
         variants["fused_sere2_t64"] = fused(sere2, True, multi=False, block_t=64, num_warps=8)
         variants["fused_stock_t64"] = fused(RoutingSpec(K, True), False, multi=False, block_t=64, num_warps=8)
-    # the two launch plans side by side at every T (the dispatch's MULTI_MIN_TOKENS is read off these rows)
+    # the two launch plans side by side at every T (the dispatch's ONE_PROGRAM_MAX_TOKENS is read off these)
     variants["one_sere2"] = fused(sere2, True, multi=False)
     variants["multi_sere2"] = fused(sere2, True, multi=True)
     variants["one_stock"] = fused(RoutingSpec(K, True), False, multi=False)
@@ -243,14 +243,14 @@ def main() -> None:
             env["vllm"] = vllm.__version__
         except Exception:  # noqa: BLE001
             pass
-        from harness.kernels.fused_routing import MULTI_MIN_TOKENS, VEC_CELLS
+        from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
                "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
                f"CUDA graph of {args.layers} calls; {args.rounds} interleaved rounds x {args.replays} replays "
                "after a warm-up round; median over rounds, 95% bootstrap CI",
                # what the fused_* rows dispatched with (one_* / multi_* force a plan)
-               "dispatch": {"multi_min_tokens": MULTI_MIN_TOKENS, "vec_cells": VEC_CELLS,
+               "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
                             "mixed_decodes": MIXED_DECODES},
                "rows": rows}
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -1,14 +1,14 @@
-"""MoE routing for an engine's ``custom_routing_function`` in one launch: softmax (or DeepSeek-V3's sigmoid +
-selection bias + group-limited top-k + scaling), top-k, renormalisation, ``moe.top_k`` truncation, SERE's
-re-route and the statistics counters.
+"""MoE routing for an engine's ``custom_routing_function`` in one or two launches: softmax (or DeepSeek-V3's
+sigmoid + selection bias + group-limited top-k + scaling), top-k, renormalisation, ``moe.top_k`` truncation,
+SERE's re-route and the statistics counters.
 
 Why (issue 23). Inside vLLM the harness's routing function ran a chain of ~25 small torch ops per MoE layer
 (the stock top-k, the truncation, the decode-row mask, the re-route kernel, ~15 counter ops, a concat, a
 cast). Under vLLM's CUDA graphs no Python runs, but every one of those kernels still runs: ~70 µs per layer,
 ~3.5 ms per step on Qwen3-30B-A3B shapes — SERE made single-request decode 1.86× slower and plain top-2 was
 slower than stock top-8. vLLM's own softmax top-k is one kernel. This op is one kernel too on small steps
-(T < :data:`MULTI_MIN_TOKENS`), and two on larger ones (``harness.kernels.fused_routing_multi``: one program
-per row tile, the second launch as the grid barrier SERE's step-wide set P needs). The one-program kernel:
+(T <= :data:`ONE_PROGRAM_MAX_TOKENS`), and two on larger ones (``harness.kernels.fused_routing_multi``: one
+program per row tile, the second launch as the grid barrier SERE's step-wide set P needs). One program:
 
     one program (grid 1), row tiles of BLOCK_T tokens × BLOCK_E experts
     pass 1, per tile: logits → fp32 softmax → top-k by k rounds of "largest, lowest id on ties" →
@@ -25,9 +25,10 @@ per row tile, the second launch as the grid barrier SERE's step-wide set P needs
 
 P is a reduction over the whole step and pass 2 needs all of it: one program sees all of it, and a step that
 fits one tile keeps everything in registers (no store/reload between the passes, one launch). Its cost grows
-with T (SERE K=2 on the H200: 5.1 µs per layer at T=4, 23 at 64, 79 at 256), so from
-:data:`MULTI_MIN_TOKENS` rows on the multi-program plan takes the step; the tile functions both plans run are
-in ``harness.kernels.fused_routing_tiles``. The torch reference runs only where Triton does not.
+with T (SERE K=2 on the H200: 5.2 µs per layer at T=4, 23 at 64, 80 at 256), so beyond
+:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (15–17 µs from 64 to 512 rows).
+The tile functions both plans run are in ``harness.kernels.fused_routing_tiles``. The torch reference runs
+only where Triton does not.
 
 Semantics: :func:`fused_routing_reference` (plain torch, beside the kernel), which equals the composition of
 the engine's stock top-k, ``harness.techniques.moe_topk.truncate_routing`` + ``pad_routing`` and
@@ -55,13 +56,16 @@ from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _nearest_in_p,
                                                  _reroute_slots, _route_table, _topk_tile)
 
-__all__ = ["COUNTERS", "MULTI_MIN_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
+__all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
            "fused_routing_triton"]
 
-#: steps of at least this many rows run the multi-program plan (``fused_routing_multi``), shorter ones the
-#: one-program kernel. Chosen by rows only, never by technique, so SERE on and off give identical weights.
-#: PROVISIONAL until measured (results/benchmarks/routing_op_h200.json)
-MULTI_MIN_TOKENS = 24
+#: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
+#: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
+#: H200, µs per layer, SERE K=2 (results/benchmarks/routing_op_h200.json): at 16 rows one program 10.0 against
+#: 13.5 for two launches; at 64 rows 23.4 against 15.5 (stock 8.2 / 2.7, top-2 14.4 / 6.5). From 17 to 32 rows
+#: the one program runs one 32-row tile, not measured: its cost grew ~0.4 µs per row from 4 to 16 rows (5.2 →
+#: 10.0), which puts it above the two launches' ~13.5 there; stock and top-2 are already faster in two at 16
+ONE_PROGRAM_MAX_TOKENS = 16
 #: rows x slots x experts up to which a tile re-routes SERE's secondary slots all at once (``_reroute_slots``):
 #: 4 rows at top-8 of 128 experts; beyond, the per-slot loop (one program) or the per-expert table (one program
 #: per tile) keeps registers in bounds
@@ -75,7 +79,8 @@ def _reroute_tile(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
     """Pass 2 of a one-tile step: SERE's re-route of the secondary slots [KP, WIDTH) of the decode rows
     ``dec``, one similarity-row gather per slot (masked to P). Returns the new ids, the moved-slot count and
     the flags of the unmoved sources (for ``after``). At <= 32 rows this beats :func:`_route_table`'s
-    [E, E] pass (H200: 7.4 vs 10.4 µs per layer at T=1, results/benchmarks/routing_op_h200.json)."""
+    [E, E] pass (H200: 7.4 vs 10.4 µs per layer at T=1, results/benchmarks/routing_op_h200_vllm026.json and
+    routing_op_h200_table_everywhere.json)."""
     e = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     cand = prim > 0
@@ -187,7 +192,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
     (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
-    :data:`MULTI_MIN_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
+    :data:`ONE_PROGRAM_MAX_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
     all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes)."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
@@ -214,7 +219,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                             or spec.top_k > spec.topk_groups * (num_experts // spec.groups)):
         raise ValueError(f"routing: top-{spec.top_k} of {num_experts} experts in {spec.topk_groups} of "
                          f"{spec.groups} groups (the kernel needs equal groups, a power-of-two count, enough experts)")
-    if multi if multi is not None else t >= MULTI_MIN_TOKENS:
+    if multi if multi is not None else t > ONE_PROGRAM_MAX_TOKENS:
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
                             block_t=block_t, num_warps=num_warps)
@@ -279,8 +284,8 @@ def _eager(logits, spec, decode_rows, real_rows, sere_counters, topk_counters):
 def fused_routing(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                   real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                   topk_counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the custom op under ``torch.compile``; where Triton runs, the one-program kernel below
-    :data:`MULTI_MIN_TOKENS` rows and the multi-program plan from there, at any step length; the torch
+    """Dispatch: the custom op under ``torch.compile``; where Triton runs, the one-program kernel up to
+    :data:`ONE_PROGRAM_MAX_TOKENS` rows and the multi-program plan beyond, at any step length; the torch
     reference where Triton does not run (CPU engines)."""
     if torch.compiler.is_compiling():
         return torch.ops.harness.fused_moe_routing(

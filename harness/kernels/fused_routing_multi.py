@@ -14,8 +14,9 @@ needs all of it; a second launch is the grid-wide barrier:
              before-set, bit 3 in its after-set, bits 8.. how many decode rows of the tile name the expert in
              a secondary slot; plus the tile's decode-row and counted-row counts
     launch 2, one program per tile (SERE only): a tile with no decode secondary slot stops at once; the others
-             OR the step's P from the scratch, decide once per source expert of their own tile
-             (``_route_table``: the same decision as the one-program kernel's) and rewrite their ids in place
+             OR the step's P from the scratch and make the one-program kernel's decision (``_nearest_in_p``):
+             every secondary slot in one gather on small tiles (``_reroute_slots``), else once per source
+             expert of the tile (``_route_table``); then rewrite their ids in place
     launch 2, one more program (statistics only): reduces the scratch alone — the union sets, P, the global
              per-expert decision times the per-expert slot counts = moved slots — and adds the counters in
              place (one program: no atomics)
@@ -24,7 +25,13 @@ Plain stores into a scratch made by ``torch.empty`` inside the op (no atomics, s
 memset): the op stays one or two kernel nodes in a CUDA graph, with no host synchronisation, and its scratch
 comes from the graph's pool under capture like the outputs. Any number of rows (no ≤ 256 limit); launch 2's
 programs each read the scratch of the whole step (T/BLOCK_T words per expert), which the tile size keeps small
-(:func:`multi_tile`). Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
+(:func:`multi_tile`). Where the time goes (H200, read off the benchmark, not profiled): launch 1 alone is
+the stock routing, 2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters
+(~6.5–11 without them) at 16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's
+counters: 5.2 against 2.7 at T=1); the rest is a chain of dependent loads (own words → the step's words,
+reduced per chunk of 16 tiles → the tile's ids → similarity rows → store), untried: loading the tile before
+the branch and reducing the chunks once at the end (commit 5b6a895, not measured on CUDA).
+Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
 ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
 """
 
@@ -144,7 +151,11 @@ def _multi_reroute_kernel(
 
 def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
     """(rows per program, warps) of the multi-program plan. Small tiles spread a step over many programs, but
-    launch 2 reads every tile's words per program, so tiles grow with the step: ~32 programs, 2–16 rows."""
+    launch 2 reads every tile's words per program, so tiles grow with the step: ~32 programs, 2–16 rows.
+    Measured on the H200 with every variant (results/benchmarks/routing_op_h200.json). The SERE K=2 tiling
+    sweep there found 1–2 µs per layer more at 64–256 rows with ~16 programs (4 rows / 2 warps at T=64: 14.2
+    vs 15.5; 8 / 2 at T=70: 15.0 vs 17.1; 16 / 4 at T=256: 15.2 vs 16.2), but the stock and top-2 routing were
+    not measured at those tilings, so the rule stays the one measured for all of them."""
     block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 32))))
     return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import harness.kernels.fused_routing as fused_routing_module
-from harness.kernels.fused_routing import (COUNTERS, MULTI_MIN_TOKENS, RoutingSpec, fused_routing,
+from harness.kernels.fused_routing import (COUNTERS, ONE_PROGRAM_MAX_TOKENS, RoutingSpec, fused_routing,
                                            fused_routing_reference, fused_routing_triton)
 from harness.techniques.moe_topk import pad_routing, truncate_routing
 from harness.techniques.sere.reroute import reroute
@@ -241,7 +241,7 @@ def test_reference_is_capturable_in_a_cuda_graph():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
-@pytest.mark.parametrize("t", [MULTI_MIN_TOKENS, 70, 512])
+@pytest.mark.parametrize("t", [ONE_PROGRAM_MAX_TOKENS + 1, 70, 512])
 def test_multi_program_plan_is_capturable_in_a_cuda_graph(t):
     """vLLM replays the op inside its CUDA graphs: the two launches and their scratch (``torch.empty`` in the
     op) are captured, replays follow new logits, and each replay adds one call to the counters."""
