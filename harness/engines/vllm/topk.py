@@ -5,7 +5,7 @@ Same mechanism as SERE in :mod:`harness.engines.vllm.sere` (read its module doc)
 process :func:`harness.engines.vllm.plugin.register` wraps ``qwen3_moe``'s MoE constructor so each MoE layer
 gets :func:`make_topk_routing_function`, and publishes the step's decode rows (the runner wrapper).
 
-The routing function is one launch of ``harness.kernels.fused_routing``: the stock top-k exactly as
+The routing function is one launch (two beyond 16 rows) of ``harness.kernels.fused_routing``: the stock top-k exactly as
 transformers computes it, then, for the rows it applies to (``scope=decode``: the step's decode rows, prefill rows of a mixed chunked-prefill batch
 untouched; ``scope=all``: every row), the truncation of :func:`harness.techniques.moe_topk.truncate_routing`
 — the router's K highest experts, weights recomputed from the logits and renormalised when vLLM says the
