@@ -14,6 +14,13 @@ W&B. Writes into ``--out`` (default: ``<first path>/report``):
 - ``frontier.md`` (also a section of ``report.md``) and ``frontier.png`` (+ ``.svg``): each technique against the
   baseline and against its trivial baselines at equal budget, with the verdict "beats it: yes / no / n.s."
   (harness/report/frontier.py, issue 31);
+- in ``report.md``, ``## OpenCompass per dataset`` for OpenCompass runs (``python -m harness.opencompass``): per
+  run the macro average and each dataset's accuracy, the baseline's, the delta with its paired 95 % interval over
+  the items both runs scored (``samples.jsonl``) and the verdict "better than baseline: yes / no / n.s." (n/a
+  without both runs' items: the unpaired difference of the summaries). The average ``opencompass_average`` is a
+  mean over datasets, so its interval (the runs table's Δ quality) is a stratified paired bootstrap — items
+  resampled within each dataset, the per-dataset deltas averaged — not one over pooled items
+  (harness/report/opencompass_rows.py, harness/metrics/paired.py);
 - ``quality_vs_ttft.png``, ``quality_vs_tpot.png`` (+ ``.svg``): quality against latency (the mean with the run's
   interval of the mean as error bars when every run has one, else the p50), one panel per (dataset, quality
   metric), the Pareto front drawn and the baseline (VisionZip off and SERE off) highlighted;
@@ -116,7 +123,7 @@ class ReportResult:
 
 
 CSV_SKIP = {"vz_by_source", "_setup", "_samples", "random_scorer_metrics", "comparisons", "quality_metrics",
-            "_comparisons_all"}
+            "_comparisons_all", "opencompass_accuracy", "opencompass_average_over", "opencompass_deltas"}
 
 
 def default_title(rows: Sequence[dict[str, Any]]) -> str:
@@ -169,6 +176,11 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
     (out / "frontier.md").write_text(frontier + "\n", encoding="utf-8")
     if "|" in frontier:
         md += "\n\n" + frontier.replace("# Frontier", "## Frontier", 1)
+    from harness.report.opencompass_rows import opencompass_markdown
+
+    per_dataset = opencompass_markdown(rows)  # OpenCompass runs: each dataset's accuracy delta, paired
+    if per_dataset:
+        md += "\n\n" + per_dataset
     (out / "report.md").write_text(md + "\n", encoding="utf-8")
     keys = [k for k in rows[0] if k not in CSV_SKIP]
     sources = sorted({s for r in rows for s in r["vz_by_source"]})

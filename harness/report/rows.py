@@ -4,8 +4,8 @@ latency axes per benchmark, baseline deltas, panels and their Pareto fronts (``s
 ``report_plots``, ``report_wandb``) share lives here, below them, so none of them imports another to get it;
 ``harness.report.build`` re-exports every name.
 
-Reads result files only: the standard library and the results schema (harness/results/schema.py) are all it
-imports.
+Reads result files only: the standard library, the results schema (harness/results/schema.py) and the
+OpenCompass rows (harness/report/opencompass_rows.py) are all it imports.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.report.opencompass_rows import opencompass_columns, paired_opencompass
 from harness.results.schema import MalformedSummary, read_summary  # noqa: F401 (MalformedSummary: re-exported)
 
 log = logging.getLogger("harness.report")  # the report's logger
@@ -210,6 +211,7 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     for key in QUALITY:
         row[key] = _num(metrics.get(key))
     row["opencompass_average"] = _num(_get(metrics, "opencompass", "average"))  # docs/opencompass.md
+    row.update(opencompass_columns(metrics))  # per dataset (harness/report/opencompass_rows.py)
     if "opencompass" in metrics:  # the Hydra dataset group is not what an OpenCompass run evaluated
         row["dataset"] = f"opencompass:{_get(run, 'opencompass', 'suite', default='?')}"
     for short, _, _ in LATENCY_AXES:
@@ -339,7 +341,7 @@ def quality_metrics_for(rows: Sequence[Mapping[str, Any]], requested: Sequence[s
     ``requested`` (``--metric``, repeatable): those of them the runs have, in the order given. Else the default:
     RAG-IGBench's first of ``RAG_METRICS`` whose scorers are meaningful for every run that has it (a metric a
     random-init scorer feeds — CLIP score, alignment, their ``comprehensive`` mean — is never the default), plus
-    ``ocrbench_score`` and ``mcq_accuracy`` when present."""
+    ``ocrbench_score``, ``mcq_accuracy`` and ``opencompass_average`` when present."""
     if requested:
         return [m for m in requested if any(r.get(m) is not None for r in rows)]
     out = []
@@ -347,7 +349,8 @@ def quality_metrics_for(rows: Sequence[Mapping[str, Any]], requested: Sequence[s
                 and not any(m in r.get("random_scorer_metrics", ()) for r in rows)), None)
     if rag:
         out.append(rag)
-    out += [m for m in ("ocrbench_score", "mcq_accuracy") if any(r.get(m) is not None for r in rows)]
+    out += [m for m in ("ocrbench_score", "mcq_accuracy", "opencompass_average")
+            if any(r.get(m) is not None for r in rows)]
     return out
 
 
@@ -490,6 +493,7 @@ def _add_baseline_deltas(rows: list[dict[str, Any]], requested: Sequence[str] | 
                 r[f"{short}_comparison"] = c["kind"]
                 r[f"{short}_significant"] = c["significant"]
             paired_quality(r, base, metrics)
+            paired_opencompass(r, base, metrics)  # stratified over datasets; per-dataset deltas
             for m in metrics:
                 q = compare_quality(r, base, m)
                 r[f"{m}_delta"] = q["delta"]
