@@ -69,10 +69,15 @@ def quality_against(row: Mapping[str, Any], other: Mapping[str, Any], metric: st
     if not a.is_file() or not b.is_file():
         return None
     try:
-        from harness.metrics.paired import read_samples
+        from harness.metrics.paired import read_samples, stratified_paired_metrics
         from harness.report.rows import paired_on
 
-        res = paired_on(read_samples(a), read_samples(b), [metric])
+        records_a, records_b = read_samples(a), read_samples(b)
+        if metric == "opencompass_average":  # a macro average over datasets: items resampled within each dataset
+            res = stratified_paired_metrics(records_a, records_b, "correct", scale=100.0)
+            res = {**res, "metrics": {metric: {k: res.get(k) for k in ("n", "delta", "low", "high", "confidence")}}}
+        else:
+            res = paired_on(records_a, records_b, [metric])
     except Exception as e:  # noqa: BLE001 - a cell without an interval, never a report without a table
         log.warning("%s vs %s: no paired quality interval (%s: %s)", row["run_dir"], other["run_dir"],
                     type(e).__name__, e)

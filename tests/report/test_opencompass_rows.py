@@ -121,3 +121,17 @@ def test_an_average_over_a_dataset_without_items_stays_unpaired(tmp_path):
     r = rows["better"]
     assert r["opencompass_average_delta_ci"] is None and r["opencompass_average_delta"] == pytest.approx(50 / 3)
     assert r["opencompass_deltas"]["big"]["kind"] == "paired" and r["opencompass_deltas"]["qa"]["kind"] == "across runs"
+
+
+def test_frontier_cell_of_an_opencompass_run_is_the_stratified_macro_delta(tmp_path):
+    """The frontier's "against a trivial baseline" cell (harness/report/frontier.py ``quality_against``) on
+    ``opencompass_average``: the mean of per-dataset deltas with its stratified interval, not the pooled items'."""
+    from harness.report.frontier import quality_against
+
+    a, b = _oc_run(tmp_path, "a", BETTER, sere_k=1), _oc_run(tmp_path, "b", BASE, top_k=1)
+    row = {"_samples": str(a / "samples.jsonl"), "run_dir": str(a)}
+    other = {"_samples": str(b / "samples.jsonl"), "run_dir": str(b)}
+    q = quality_against(row, other, "opencompass_average")
+    assert q["delta"] == pytest.approx(25.0)  # (50 + 0) / 2; pooling the 48 items would give 41.7
+    assert q["low"] > 0 and q["n"] == 48
+    assert q["invalid_a"] == 0 and q["invalid_b"] == 0
