@@ -85,6 +85,17 @@ VARIANTS["v7-noprior"] = {**VARIANTS["v7"], "route_prior": 0.0}
 # run with --no-pack, the pool has no image)
 VARIANTS["v7-text"] = {**VARIANTS["v7"], "task_weights": {"text_arith": 0.3, "text_list": 0.3, "text_lookup": 0.2,
                                                           "text_choice": 0.2}, "lr": 2.5e-3}
+# v7b (session 9, docs/embedded_model_v7.md §7): v7 gave each text task ~150 steps and none was learnt. v7b gives the
+# text tasks 0.7 of the steps, and a text step trains all four at once (``text_mix``: the batch draws BATCH/2 rows
+# from each text task's pool, 1024 rows in all), so each task sees every text step; a text pool 4 × the others'
+# scale (``text_pool``; at train_tiny_v2's --pool 0.5 the 2-digit sums cover ~86 % of the train pairs instead of
+# ~40 %, and a list / lookup item recurs about a dozen times in ~2,500 text steps); a weaker routing prior (v7's
+# 0.05 cost the K=1 margins)
+V7B_TASK_WEIGHTS = {**{t: round(w * 0.30 / 0.54, 4) for t, w in V7_TASK_WEIGHTS.items() if not t.startswith("text_")},
+                    "text_arith": 0.175, "text_list": 0.175, "text_lookup": 0.175, "text_choice": 0.175}
+VARIANTS["v7b"] = {**VARIANTS["v7"], "task_weights": V7B_TASK_WEIGHTS, "route_prior": 0.02, "text_mix": True,
+                   "text_pool": 4.0}
+VARIANTS["v7b-p01"] = {**VARIANTS["v7b"], "route_prior": 0.01}
 # the v4 checkpoint v7 starts from (``--init v4``: the committed checkpoint while it is v4; after v7's adoption, the
 # v4 files from git: ``git show 8fa1f54:harness/models/checkpoints/tiny-trained-synthetic/model.safetensors``)
 V4_SHA256 = "eb57d509e9defebdb1d08a86a9a8329167ec0bcba3e19fe156e6ee81ecca8441"

@@ -146,6 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--route-prior", type=float, default=None,
                     help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
                          "tokens pulled onto its own group of expert copies, so experts specialise by task")
+    ap.add_argument("--text-mix", dest="text_mix", action="store_true", default=None,
+                    help="a step that draws a text task trains all the recipe's text tasks at once (BATCH/2 rows of "
+                         "each; before v7b: off)")
+    ap.add_argument("--no-text-mix", dest="text_mix", action="store_false")
+    ap.add_argument("--text-pool", type=float, default=None,
+                    help="the text tasks' training pool is --pool times this (default: the recipe's, else 1)")
     ap.add_argument("--eval-n", type=int, default=256, help="held-out examples per task for the final eval")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early (recorded) past this wall time")
     ap.add_argument("--train-minutes", type=float, default=None,
@@ -164,6 +170,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, recipe.get(key, 0.0))
     if args.lr is None:
         args.lr = recipe.get("lr", 2.5e-3)
+    if args.text_mix is None:
+        args.text_mix = bool(recipe.get("text_mix", False))
+    if args.text_pool is None:
+        args.text_pool = recipe.get("text_pool", 1.0)
     if args.init is None:
         args.init = recipe.get("init")
     if args.init == "v4":  # the committed checkpoint, which must still be v4 (train_recipes.V4_SHA256)
@@ -181,7 +191,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def pool_counts(args: argparse.Namespace) -> dict[str, int]:
     """Training pool size per task the recipe samples (v1's five tasks; ``attr`` only where a recipe uses it, so
     the v1/v2 pools, held-out draws and checkpoints stay exactly as they were)."""
-    return {t: max(8, int(n * args.pool)) for t, n in POOL.items() if t in args.task_weights}
+    text_pool = getattr(args, "text_pool", None) or 1.0
+
+    def scale(task: str) -> float:
+        return args.pool * (text_pool if task.startswith("text_") else 1.0)
+
+    return {t: max(8, int(n * scale(t))) for t, n in POOL.items() if t in args.task_weights}
+
+
+def draw_batch(pool: dict[str, list[dict]], task: str, args: argparse.Namespace, rng) -> tuple[str, list[dict]]:
+    """(label, examples) of one training step that drew ``task``. With ``text_mix`` a text task's step draws
+    ``BATCH/2`` rows from every text task the recipe trains (label ``text_mix``: the routing prior sends them all to
+    the text group), so each text task learns on every text step instead of a quarter of them."""
+    if args.text_mix and task.startswith("text_"):
+        texts = [t for t in args.task_weights if t.startswith("text_")]
+        rows = []
+        for t in texts:
+            bs = max(2, int(BATCH[t] * args.batch_scale) // 2)
+            idx = rng.choice(len(pool[t]), size=min(bs, len(pool[t])), replace=False)
+            rows += [pool[t][i] for i in idx]
+        return "text_mix", rows
+    bs = max(2, int(BATCH[task] * args.batch_scale))
+    idx = rng.choice(len(pool[task]), size=min(bs, len(pool[task])), replace=False)
+    return task, [pool[task][i] for i in idx]
+
+
+def per_task_ce(logits, labels, examples: list[dict]) -> dict[str, float]:
+    """Answer-token cross-entropy of each task in a mixed batch (logging only)."""
+    import torch
+
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                                           reduction="none")
+    n = (labels[:, 1:] != -100).sum(1).clamp(min=1)
+    row = (ce.sum(1) / n).tolist()
+    out: dict[str, list[float]] = {}
+    for e, v in zip(examples, row):
+        out.setdefault(e["task"], []).append(v)
+    return {t: sum(v) / len(v) for t, v in out.items()}
 
 
 def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, dict]:
@@ -303,9 +349,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
         weights = task_weights_at(vars(args), step, total["steps"])
         probs = np.asarray([weights[t] for t in tasks])
         task = tasks[rng.choice(len(tasks), p=probs / probs.sum())]
-        bs = max(2, int(BATCH[task] * args.batch_scale))
-        idx = rng.choice(len(pool[task]), size=min(bs, len(pool[task])), replace=False)
-        batch = collate([pool[task][i] for i in idx], tokenizer.pad_token_id, device)
+        task, rows = draw_batch(pool, task, args, rng)
+        batch = collate(rows, tokenizer.pad_token_id, device)
         extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else mm_kwargs(model, batch)
         pointed = pointer_before is not None and train_pointer.arm(batch)
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
@@ -343,6 +388,9 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             logged += [("focus", float(focus)), ("mass", float(mass))]
         if routed is not None:
             logged.append((f"group_mass_{task}", routed))
+        if task == "text_mix" and step % 50 == 0:
+            with torch.no_grad():
+                logged += [(f"ce_{t}", v) for t, v in per_task_ce(out.logits, batch["labels"], rows).items()]
         if cells_acc is not None and cells_acc == cells_acc:  # not NaN: the batch had labelled cells
             logged.append(("cells_acc", cells_acc))
         if opt_acc is not None and opt_acc == opt_acc:

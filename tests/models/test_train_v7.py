@@ -115,3 +115,59 @@ def test_v7_recipe_flags():
     assert set(tt.TEXT_TASKS) <= set(v7["task_weights"]) and v7["init"] == "v4" and len(V4_SHA256) == 64
     args = parse_args(["--variant", "v7-noprior", "--out", "x", "--init", "some/dir"])
     assert args.route_prior == 0.0 and args.init == "some/dir" and args.lr == 1e-3 and args.cells == 0.5
+
+
+def test_v7b_recipe_flags_and_text_pool():
+    from harness.models.train_tiny import parse_args, pool_counts
+
+    v7b = parse_args(["--variant", "v7b", "--out", "x", "--pool", "0.5"])
+    assert v7b.text_mix is True and v7b.text_pool == 4.0 and v7b.route_prior == 0.02 and v7b.init
+    assert parse_args(["--variant", "v7b-p01", "--out", "x"]).route_prior == 0.01
+    assert abs(sum(v7b.task_weights.values()) - 1.0) < 1e-3
+    text = sum(w for t, w in v7b.task_weights.items() if t.startswith("text_"))
+    assert abs(text - 0.7) < 1e-9
+    assert parse_args(["--variant", "v7b", "--out", "x", "--no-text-mix"]).text_mix is False
+    v7 = parse_args(["--variant", "v7", "--out", "x", "--pool", "0.5"])
+    assert v7.text_mix is False and v7.text_pool == 1.0
+    c7, c7b = pool_counts(v7), pool_counts(v7b)
+    assert c7["text_arith"] == 3500 and c7["ocr"] == 24000  # v7's pool as it ran
+    assert c7b["text_arith"] == 4 * c7["text_arith"] and c7b["text_lookup"] == 4 * c7["text_lookup"]
+    assert all(c7b[t] == c7[t] for t in c7 if not t.startswith("text_"))
+
+
+def _fake_pool(tasks, n=600):
+    return {t: [{"task": t, "i": i} for i in range(n)] for t in tasks}
+
+
+def test_text_mix_draws_every_text_task_and_leaves_other_steps_alone():
+    import numpy as np
+
+    from harness.models.train_tiny import BATCH, draw_batch, parse_args
+
+    args = parse_args(["--variant", "v7b", "--out", "x", "--batch-scale", "0.5"])
+    pool = _fake_pool(args.task_weights)
+    label, rows = draw_batch(pool, "text_lookup", args, np.random.default_rng(0))
+    counts = {t: sum(r["task"] == t for r in rows) for t in tt.TEXT_TASKS}
+    assert label == "text_mix" and counts == {t: int(BATCH[t] * 0.5) // 2 for t in tt.TEXT_TASKS}
+    assert all(len({r["i"] for r in rows if r["task"] == t}) == counts[t] for t in tt.TEXT_TASKS)  # no repeats
+    # an image task's step, and a text step without text_mix, draw as before (same rows from the same rng)
+    for task, mix in (("ocr", True), ("text_arith", False)):
+        args.text_mix = mix
+        label, rows = draw_batch(pool, task, args, np.random.default_rng(1))
+        want = np.random.default_rng(1).choice(len(pool[task]), size=int(BATCH[task] * 0.5), replace=False)
+        assert label == task and [r["i"] for r in rows] == want.tolist() and {r["task"] for r in rows} == {task}
+
+
+def test_per_task_ce_separates_the_tasks_of_a_mixed_batch():
+    import math
+
+    import torch
+
+    from harness.models.train_tiny import per_task_ce
+
+    vocab = 7
+    labels = torch.tensor([[-100, -100, 3, 4], [-100, 5, 1, -100]])
+    logits = torch.zeros(2, 4, vocab)  # row 1: uniform
+    logits[0, 1, 3] = logits[0, 2, 4] = 50.0  # row 0: the next label predicted with certainty
+    got = per_task_ce(logits, labels, [{"task": "text_arith"}, {"task": "text_list"}])
+    assert got["text_arith"] < 1e-6 and abs(got["text_list"] - math.log(vocab)) < 1e-5
