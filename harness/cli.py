@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
     from harness.engines.base import TechniqueNotAvailable
     from harness.run.experiment import run_experiment
     from harness.run.state import RunDirLocked
-    from harness.techniques.sere.graphs import SereNotEngaged
+    from harness.techniques.sere.errors import SereNotEngaged
     from harness.run.validate import ConfigError
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -41,15 +41,13 @@ from typing import Any, Callable
 
 import torch
 
+from harness.techniques.sere.errors import SereNotEngaged  # noqa: F401 (importable from here too)
+
 __all__ = ["COUNTERS", "RoutingCounters", "SereNotEngaged", "StepRows", "capture_mode", "capturing",
            "check_engagement", "decode_tokens", "engagement", "route"]
 
 COUNTERS = ("calls", "rows", "before", "after", "primary", "moved", "secondary")
 _FORCED_CAPTURE = [0]
-
-
-class SereNotEngaged(RuntimeError):
-    """A run with SERE on whose routing statistics show that SERE did not act on its decode tokens."""
 
 
 class capture_mode:
