@@ -75,11 +75,28 @@ _Layer = RoutedLayer  # the old private name, still importable from here
 
 
 def _default_op() -> Callable:
+    """The re-route the hooks call: the fused Triton op on CUDA, the torch reference on CPU (same ids).
+
+    On CPU the Triton interpreter is used only when ``routing.INTERPRETER_AUTO`` asks for it, the rule the
+    statistics follow too: the test suite sets ``TRITON_INTERPRET=1`` for its kernel tests, and one interpreted
+    launch per layer and decode step made every CPU run with SERE 5-6x slower than the same run without it (CI's
+    sensitivity runs: ~400 s against ~70); the kernel is checked against the reference in
+    tests/kernels/test_reroute.py, and in the engine by tests/engines/hf/test_hf_sere.py with the flag up."""
+    from harness.engines.hf import routing
+    from harness.kernels._triton import interpreting
+    from harness.techniques.sere.reroute import reroute as reference
+
     try:
         from harness.kernels.reroute import reroute_op
     except ImportError:  # no Triton on this platform: the reference has the same semantics
-        from harness.techniques.sere.reroute import reroute as reroute_op
-    return reroute_op
+        return reference
+
+    def op(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if ids.is_cuda or (routing.INTERPRETER_AUTO and interpreting()):
+            return reroute_op(ids, *args, **kwargs)
+        return reference(ids, *args, **kwargs)
+
+    return op
 
 
 class SereHandle(RoutingHandle):

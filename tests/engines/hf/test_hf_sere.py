@@ -11,6 +11,8 @@ import json
 
 import pytest
 import torch
+
+from harness.kernels._triton import interpreting
 from routing_capture import capture
 
 from harness.engines.hf.sere import install_sere
@@ -98,8 +100,17 @@ def test_prefill_routing_unchanged(tiny, baseline):
 
 # ---- (c) decode routing is exactly the reference re-routing -------------------------------------------
 @pytest.mark.parametrize("k_primary,rho,protect,op", [(1, 0.0, False, reroute), (2, 0.05, True, None)])
-def test_decode_routing_equals_reference(tiny, k_primary, rho, protect, op):
-    """op None = the default ``reroute_op``: the Triton kernel (its interpreter on CPU in tests)."""
+def test_decode_routing_equals_reference(tiny, k_primary, rho, protect, op, monkeypatch):
+    """op None = the engine's default: the Triton kernel (its interpreter on CPU in tests, asked for with
+    ``INTERPRETER_AUTO``; without it a CPU run takes the torch reference)."""
+    from harness.engines.hf import routing as hf_routing
+    from harness.kernels import reroute as kernel_reroute
+
+    if op is None:
+        monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", True)
+        launches = []
+        real = kernel_reroute.reroute_triton
+        monkeypatch.setattr(kernel_reroute, "reroute_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
     prot = protected_mask() if protect else None
     with capture(tiny["model"]) as log:
         handle = install_sere(tiny["model"], tiny["sims"], k_primary, rho, prot, op=op)
@@ -117,6 +128,25 @@ def test_decode_routing_equals_reference(tiny, k_primary, rho, protect, op):
             diff = (e["used"] != e["orig"])[:, k_primary:]
             moved, kept = moved + int(diff.sum()), kept + int((~diff).sum())
     assert moved > 0 and (rho == 0.0 or kept > 0)                         # the case is not trivial
+    if op is None and interpreting():
+        assert launches                                                   # the kernel itself ran, not the reference
+
+
+def test_cpu_default_reroute_is_the_reference_without_the_interpreter_flag(monkeypatch):
+    """On CPU the engine's default re-route is the torch reference unless ``INTERPRETER_AUTO`` asks for the
+    interpreter (which made CI's SERE runs 5-6x slower); on the same ids both give the same result."""
+    from harness.engines.hf import routing as hf_routing
+    from harness.engines.hf.sere import _default_op
+    from harness.kernels import reroute as kernel_reroute
+
+    launches = []
+    monkeypatch.setattr(kernel_reroute, "reroute_triton", lambda *a, **k: launches.append(1))
+    monkeypatch.setattr(hf_routing, "INTERPRETER_AUTO", False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(5)])
+    sim = torch.rand(8, 8, generator=g)
+    got = _default_op()(ids, sim, 1, 0.0)
+    assert torch.equal(got, reroute(ids, sim, 1, 0.0)) and not launches
 
 
 # ---- (d) K=1, rho=0: the union per step collapses ------------------------------------------------------
