@@ -34,10 +34,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # them at the end (alphabetically, test_sensitivity.py would start last). Seconds per module in a run on two
 # loaded cores (pytest --durations, 2026-12-02; all the other modules together: ~900 s).
 LONGEST_FIRST = (
-    "tests/run/test_sensitivity.py",                  # 2,620 s: the trained model, ~10 runs of 12 requests
-    "tests/engines/hf/test_hf_decode_forward.py",    # 1,000 s with 7 interpreted decode steps, ~450 s with 3
-    "tests/test_wheel.py",                        # 360 s
-    "tests/config/test_config.py",                       # 355 s
+    "tests/engines/hf/test_hf_decode_forward.py",    # ~250 s: interpreted decode steps
+    "tests/run/test_sensitivity.py",                  # 224 s alone (1,500 s while SERE runs used the interpreter)
+    "tests/config/test_config.py",                       # 355 s loaded: 287 Hydra compositions
     "tests/run/test_crash.py",                        # 220 s
     "tests/kernels/test_sere_stats.py",           # 220 s
     "tests/engines/test_real_shapes.py",          # 210 s
@@ -47,6 +46,12 @@ LONGEST_FIRST = (
     "tests/run/test_experiment.py",                          # 185 s
     "tests/run/test_sweeps.py",                       # 180 s
     "tests/techniques/offload/test_cli_offload.py",          # 175 s
+    "tests/latency/test_paired_timing.py",             # session 8's end-to-end tests, not yet timed alone
+    "tests/run/test_baselines.py",
+    "tests/metrics/test_trained_scorers.py",
+    "tests/engines/hf/test_hf_families.py",
+    "tests/test_wheel.py",                        # 74 s (one harness process fewer)
+    "tests/kernels/test_fused_routing.py",        # 66 s: both launch plans in the interpreter
 )
 
 
