@@ -19,29 +19,22 @@ one record per item, ``uid`` ``<dataset>/<item>``, ``scores.correct`` 0/1.
   ``samples.jsonl``, several baseline runs) the difference of the summary accuracies, ``across runs``, verdict
   ``n/a``.
 
-Reads result files only; imports the standard library and (lazily) :mod:`harness.metrics.paired`.
+Reads result files only; imports the standard library, harness.report.values and (lazily) :mod:`harness.metrics.paired`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.report.values import finite as _num
 
 log = logging.getLogger("harness.report")
 
 METRIC = "opencompass_average"
 METHOD = "stratified paired bootstrap over items within each dataset (harness/metrics/paired.py)"
-
-
-def _num(x: Any) -> float | None:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def opencompass_columns(metrics: Mapping[str, Any]) -> dict[str, Any]:

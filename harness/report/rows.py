@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.opencompass_rows import opencompass_columns, paired_opencompass
+from harness.report.values import finite as _num
 from harness.results.schema import MalformedSummary, read_summary  # noqa: F401 (MalformedSummary: re-exported)
 
 log = logging.getLogger("harness.report")  # the report's logger
@@ -60,14 +60,6 @@ def _get(d: Any, *path: str, default: Any = None) -> Any:
             return default
         d = d[key]
     return d
-
-
-def _num(x: Any) -> float | None:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def find_summaries(paths: Iterable[str | os.PathLike]) -> list[Path]:
