@@ -21,7 +21,7 @@ import torch
 from harness.kernels._triton import interpreting
 
 __all__ = ["COUNTERS", "INTERPRETER_AUTO", "MODES", "RoutedLayer", "RoutingHandle", "attach", "block_device",
-           "model_eos_ids", "refuse_if_installed"]
+           "model_eos_ids", "refuse_if_installed", "triton_wanted"]
 
 MODES = ("decode", "all", "off")
 
@@ -46,8 +46,17 @@ def _union_counts(old: torch.Tensor, new: torch.Tensor, kp: int, num_experts: in
     return seen.view(3, num_experts + 1)[:, :num_experts].sum(1)
 
 
-#: ``stats_impl="auto"`` also takes the statistics kernel under Triton's interpreter on CPU (tests only)
+#: ``stats_impl="auto"`` and the default re-route also take their Triton kernels under the interpreter on CPU
+#: (tests only)
 INTERPRETER_AUTO = False
+
+
+def triton_wanted(t: torch.Tensor) -> bool:
+    """Whether a hook's op on ``t`` takes its Triton kernel: on CUDA always, on CPU only under the interpreter and
+    only when :data:`INTERPRETER_AUTO` asks for it. One interpreted launch per layer and decode step made every CPU
+    run with SERE 5-6x slower than the same run without it (CI's sensitivity runs: ~400 s against ~70); the
+    kernels are checked against their torch references in tests/kernels. Read at call time (tests flip the flag)."""
+    return t.is_cuda or (INTERPRETER_AUTO and interpreting())
 
 
 @dataclass
@@ -217,10 +226,8 @@ class RoutingHandle:
             return False
         if self.stats_impl == "fused":
             return True
-        # On CPU only when INTERPRETER_AUTO asks for it: an interpreted launch per layer and step made CPU runs (the
-        # CI's SERE runs) minutes slower; tests/kernels/test_sere_stats.py checks the kernel against the torch ops.
         # Decided before importing the kernel module: a CPU venv may lack triton.
-        if not (old.is_cuda or (INTERPRETER_AUTO and interpreting())):
+        if not triton_wanted(old):
             return False
         from harness.kernels.sere_stats import FUSED_MAX_TOKENS
 

@@ -77,13 +77,10 @@ _Layer = RoutedLayer  # the old private name, still importable from here
 def _default_op() -> Callable:
     """The re-route the hooks call: the fused Triton op on CUDA, the torch reference on CPU (same ids).
 
-    On CPU the Triton interpreter is used only when ``routing.INTERPRETER_AUTO`` asks for it, the rule the
-    statistics follow too: the test suite sets ``TRITON_INTERPRET=1`` for its kernel tests, and one interpreted
-    launch per layer and decode step made every CPU run with SERE 5-6x slower than the same run without it (CI's
-    sensitivity runs: ~400 s against ~70); the kernel is checked against the reference in
-    tests/kernels/test_reroute.py, and in the engine by tests/engines/hf/test_hf_sere.py with the flag up."""
-    from harness.engines.hf import routing
-    from harness.kernels._triton import interpreting
+    Which one runs is ``routing.triton_wanted`` (the rule the statistics follow too); the kernel is checked
+    against the reference in tests/kernels/test_reroute.py, and in the engine by tests/engines/hf/test_hf_sere.py
+    with ``INTERPRETER_AUTO`` up."""
+    from harness.engines.hf.routing import triton_wanted
     from harness.techniques.sere.reroute import reroute as reference
 
     try:
@@ -92,7 +89,7 @@ def _default_op() -> Callable:
         return reference
 
     def op(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if ids.is_cuda or (routing.INTERPRETER_AUTO and interpreting()):
+        if triton_wanted(ids):
             return reroute_op(ids, *args, **kwargs)
         return reference(ids, *args, **kwargs)
 
