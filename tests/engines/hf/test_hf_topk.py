@@ -197,3 +197,32 @@ def test_run_records_moe(tmp_path):
     summary = json.loads((tmp_path / "both" / "summary.json").read_text())
     assert summary["moe"]["top_k"] == 3 and summary["sere"]["k_primary"] == 1
     assert summary["sere"]["expert_union_before"] == pytest.approx(summary["moe"]["expert_union_after"])
+
+
+
+def test_random_p_draws_restart_from_the_seed_after_reset_stats(tiny):
+    """``moe.routing=random_p``: the engine calls ``reset_stats`` after its warm-up, which re-seeds the draws, so
+    a measured run's routing depends on ``moe.seed`` alone, not on whether (or how long) a warm-up ran before it.
+    A second pass without the reset draws on from where the first stopped (what the warm-up did before)."""
+    from harness.engines.hf.routing_baselines import install_routing_baseline
+    from harness.techniques.moe_routing import RoutingSettings
+
+    def decode_ids(log):  # the ids the experts received on every decode step, layer by layer
+        return [e["used"].tolist() for layer in sorted(log) for e in log[layer] if e["seq"] == 1]
+
+    passes = []
+    with capture(tiny["model"]) as log:
+        handle = install_routing_baseline(tiny["model"], RoutingSettings("random_p", 1, 0.5, 3))
+        try:
+            for reset in (False, False, True):
+                if reset:
+                    handle.reset_stats()
+                for entries in log.values():
+                    entries.clear()
+                generate(tiny)
+                passes.append(decode_ids(log))
+        finally:
+            handle.remove()
+    first, drawn_on, after_reset = passes
+    assert first and after_reset == first
+    assert drawn_on != first
