@@ -155,6 +155,7 @@ class RoutingHandle:
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
                 for buf in self._finished.values():  # a prefill: a new batch starts, every row is live
                     buf.zero_()
+                self._on_prefill(ids if isinstance(ids, torch.Tensor) else None)
                 return
             if self._eos is None:
                 return
@@ -186,6 +187,9 @@ class RoutingHandle:
         return live if live is not None and live.shape[0] == rows else None
 
     # -- hooks ------------------------------------------------------------------------------------
+    def _on_prefill(self, input_ids: torch.Tensor | None) -> None:
+        """Called when a batch's prefill starts (a new generation); ``random_p`` re-seeds its draws here."""
+
     def _rewrite(self, st: RoutedLayer, output: Any, live: torch.Tensor | None) -> Any:
         """The router output ``(logits, weights, ids, ...)`` this handle returns instead, or None to keep it
         (``live``: the live rows of the pass, None = all). Each technique defines it."""

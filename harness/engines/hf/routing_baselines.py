@@ -50,13 +50,17 @@ class RoutingBaselineHandle(RoutingHandle):
         return (logits, new_weights, new_ids, *rest) if isinstance(output, tuple) else type(output)(
             [logits, new_weights, new_ids, *rest])
 
-    def reset_stats(self) -> None:
-        """Zero the counters and re-seed ``random_p``'s generator: the engine calls this after its warm-up, so a
-        measured run draws from ``moe.seed`` whatever ran before it (with the generator seeded once, the warm-up's
-        draws shifted every later one: the same ``moe.seed`` gave edit 0.028 with ``engine.warmup=1`` and 0.278
-        with ``engine.warmup=0`` on the 12 bundled requests)."""
-        super().reset_stats()
-        self.generator.manual_seed(int(self.settings.seed))
+    def _on_prefill(self, input_ids: torch.Tensor | None) -> None:
+        """Re-seed ``random_p``'s draws from ``moe.seed`` and the batch's prompt ids at every prefill, so a batch
+        gets the same draws whatever ran before it: the latency protocol's warm-ups and re-timings (which depend
+        on ``engine.warmup``, ``latency.warmup`` and which shapes compiled) generate extra batches, and with one
+        seeding at install they shifted every later draw (the same ``moe.seed`` gave edit 0.278 with
+        ``engine.warmup=0`` and 0.028 with the CLI's defaults on the 12 bundled requests). One host read of the
+        prompt ids per batch: ``random_p`` runs eager (its draws cannot be graphed)."""
+        if self.settings.routing != "random_p":
+            return
+        mix = 0 if input_ids is None else hash(tuple(input_ids.reshape(-1).tolist())) & 0xFFFFFFFF
+        self.generator.manual_seed((int(self.settings.seed) * 0x9E3779B1 + mix) & 0x7FFFFFFFFFFFFFFF)
 
     def stats(self) -> dict[str, Any]:
         """``summary.json`` ``moe``: the settings (``routing``, ``k_primary``, ``p``, ``seed``) and the union

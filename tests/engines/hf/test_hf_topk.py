@@ -200,29 +200,35 @@ def test_run_records_moe(tmp_path):
 
 
 
-def test_random_p_draws_restart_from_the_seed_after_reset_stats(tiny):
-    """``moe.routing=random_p``: the engine calls ``reset_stats`` after its warm-up, which re-seeds the draws, so
-    a measured run's routing depends on ``moe.seed`` alone, not on whether (or how long) a warm-up ran before it.
-    A second pass without the reset draws on from where the first stopped (what the warm-up did before)."""
+
+def test_random_p_draws_depend_on_the_seed_and_the_batch_only(tiny):
+    """``moe.routing=random_p`` re-seeds its draws at every prefill from ``moe.seed`` and the prompt ids, so a batch
+    is routed the same whatever ran before it (the latency protocol's warm-ups and re-timings run extra batches):
+    the same batch twice, with another batch between, gives the same ids; another seed gives other ids."""
     from harness.engines.hf.routing_baselines import install_routing_baseline
     from harness.techniques.moe_routing import RoutingSettings
 
     def decode_ids(log):  # the ids the experts received on every decode step, layer by layer
         return [e["used"].tolist() for layer in sorted(log) for e in log[layer] if e["seq"] == 1]
 
-    passes = []
-    with capture(tiny["model"]) as log:
-        handle = install_routing_baseline(tiny["model"], RoutingSettings("random_p", 1, 0.5, 3))
-        try:
-            for reset in (False, False, True):
-                if reset:
-                    handle.reset_stats()
-                for entries in log.values():
-                    entries.clear()
-                generate(tiny)
-                passes.append(decode_ids(log))
-        finally:
-            handle.remove()
-    first, drawn_on, after_reset = passes
-    assert first and after_reset == first
-    assert drawn_on != first
+    other = {k: v[:2] for k, v in tiny["batch"].items() if k in ("input_ids", "attention_mask")}
+
+    def routed(seed):
+        passes = []
+        with capture(tiny["model"]) as log:
+            handle = install_routing_baseline(tiny["model"], RoutingSettings("random_p", 1, 0.5, seed))
+            try:
+                for batch in (tiny["batch"], other, tiny["batch"]):
+                    for entries in log.values():
+                        entries.clear()
+                    with torch.inference_mode():
+                        tiny["model"].generate(**batch, max_new_tokens=MAX_NEW, do_sample=False,
+                                               pad_token_id=tiny["proc"].tokenizer.pad_token_id)
+                    passes.append(decode_ids(log))
+            finally:
+                handle.remove()
+        return passes
+
+    first, _, again = routed(3)
+    assert first and again == first
+    assert routed(4)[0] != first
