@@ -19,14 +19,12 @@ Implementations, on the same inputs:
 Each is checked against the float32 reference (relative error), then timed with ``triton.testing.do_bench``
 (median, L2 flushed per call) as a CUDA-graph replay. Floor = visible K/V bytes / 4.27 TB/s (the measured device
 copy). Writes ``results/benchmarks/decode_attention.json`` / ``.md``. Imports torch, triton, transformers and
-harness only.
+harness only; timer, graph capture and writer: ``benchmarks/_common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 import traceback
@@ -34,11 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_cli import add_device_args, use_cuda  # noqa: E402
+from _common import RESULTS_DIR, Timer, add_device_args, capture_graph, rel_err, short_error, use_cuda, write_result
 
 COPY_TBS = 4.27
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -83,8 +77,6 @@ def implementations(q, k, v, mask, n, scale):
 
 
 def bench_case(b, length, n, args, cuda, timer) -> dict:
-    from bench_fused_moe import capture_graph, rel_err, short_error
-
     from harness.kernels.decode_attention import decode_attention_reference, num_splits
 
     device = "cuda" if cuda else "cpu"
@@ -123,7 +115,6 @@ def bench_case(b, length, n, args, cuda, timer) -> dict:
 
 def bench_cache_write(b, cuda, timer) -> dict:
     """One token into a static cache: transformers' ``StaticLayer.update`` against ``static_cache_write``."""
-    from bench_fused_moe import capture_graph, short_error
     from transformers.cache_utils import StaticLayer
 
     from harness.kernels.decode_attention import static_cache_write
@@ -182,12 +173,9 @@ def main() -> int:
     cuda = use_cuda(args)
     if cuda is None:
         return 0
-    from bench_fused_moe import Timer
-
     from harness.results.envinfo import collect_environment
 
-    out = args.out or (ROOT / "results" / "benchmarks" if cuda else Path(tempfile.mkdtemp()))
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out or (RESULTS_DIR if cuda else Path(tempfile.mkdtemp()))
     timer = Timer(cuda)
     result = {"benchmark": "decode_attention", "environment": collect_environment(),
               "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
@@ -198,8 +186,7 @@ def main() -> int:
         result["rows"].append(row)
         print({k: (round(v["p50_us"], 1) if isinstance(v, dict) and "p50_us" in v else v) for k, v in row.items()},
               flush=True)
-        (out / "decode_attention.json").write_text(json.dumps(result, indent=1))
-        (out / "decode_attention.md").write_text(markdown(result))
+        write_result(result, out / "decode_attention.json", markdown, indent=1)
     result["cache_write"] = []
     for b in ((1, 16, 64) if cuda else (1, 3)):
         try:
@@ -207,8 +194,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             result["cache_write"].append({"B": b, "error": str(exc)[:200]})
     result["total_s"] = round(time.time() - t0, 1)
-    (out / "decode_attention.json").write_text(json.dumps(result, indent=1))
-    (out / "decode_attention.md").write_text(markdown(result))
+    write_result(result, out / "decode_attention.json", markdown, indent=1)
     print(markdown(result))
     return 0
 

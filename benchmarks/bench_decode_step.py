@@ -8,8 +8,10 @@
 
 Model: ``transformers.Qwen3MoeForCausalLM`` with Qwen3-30B-A3B's shapes (hidden 2048, 48 layers, 32 q /
 4 kv heads, head_dim 128, 128 experts, top-8, moe_intermediate 768, norm_topk_prob, vocab 151936;
-30.5 B parameters, 57 GiB bf16), **random-initialised** directly on the GPU (built under
-``torch.device("cuda")``, transformers' own normal init; no checkpoint). Random routers route near-uniformly,
+30.5 B parameters, 57 GiB bf16), **random-initialised** directly on the GPU: ``harness.models.real_shapes``
+(``shapes_config("qwen3_30b_a3b")`` — the checkpoint's rope theta and special ids too — and
+``build_shapes_model``: N(0, 0.02) weights drawn from ``--seed``, norms 1, the distribution of transformers' own
+init; no checkpoint), through ``_common.build_qwen3_moe``. Random routers route near-uniformly,
 unlike a trained model: the expert unions here are larger than a real model's, state it with the numbers.
 
 Per batch size B: a 64-token random prompt is prefilled once into a ``StaticCache`` (max 128 positions);
@@ -46,117 +48,33 @@ Robustness: every variant runs in its own try/except (an error or OOM is recorde
 Markdown are rewritten after every variant (``results/benchmarks/decode_step_<modes>.json`` / ``.md``, e.g.
 ``decode_step_graph.json``, so separate runs per mode do not overwrite each other); a time
 budget (``--budget-s``, default 480 s) skips what is left, marked as skipped, so a 10-minute device command
-always returns its file. Imports torch, triton, transformers and harness (envinfo, SERE, the kernel).
+always returns its file. Imports torch, triton, transformers and harness (envinfo, SERE, the kernel, real_shapes);
+the model, decoder, timers and writer are ``benchmarks/_common.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 import traceback
-from pathlib import Path
-from typing import Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import (MAX_CACHE, PROMPT, Decoder, add_device_args, build_qwen3_moe, free_memory, qwen3_moe_config,
+                     random_similarities, results_path, run_graph, sere_op, set_impl, short_error, sync, text_shape,
+                     time_steps, use_cuda, write_result)
 
-QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                     decoder_sparse_step=1, mlp_only_layers=[])
-SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48,
-             norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             decoder_sparse_step=1, mlp_only_layers=[])
 BATCHES = [1, 16, 64]
 IMPLS = ["grouped_mm", "harness_fused_moe"]
 SERE = {"off": None, "k2": 2, "k1": 1}
 MODES = ["graph", "compile"]
-PROMPT = 64
-MAX_CACHE = 128
 COPY_BYTES_PER_S = 4.27e12
 STOCK_COMPILED_MS = {1: 7.8, 16: 22.3, 64: 32.9}   # environment.md, grouped_mm, reduce-overhead
 
 
-# -------------------------------------------------------------------------------------------- the model
-
-
-def build_model(shape: dict, device: str, dtype: torch.dtype):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(**shape)
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "grouped_mm"
-    t0 = time.perf_counter()
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype)
-    model.eval().requires_grad_(False)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    misplaced = [n for n, p in model.named_parameters()
-                 if p.device.type != torch.device(device).type or p.dtype != dtype]
-    if misplaced:
-        raise RuntimeError(f"{len(misplaced)} parameters not {dtype} on {device}, e.g. {misplaced[:3]}")
-    experts = model.model.layers[0].mlp.experts.gate_up_proj
-    if not (torch.isfinite(experts).all() and experts.float().std() > 0):
-        raise RuntimeError("expert weights were not initialised (NaN/inf or constant)")
-    return model, time.perf_counter() - t0
-
-
-def set_impl(model, impl: str) -> None:
-    model.set_experts_implementation(impl)
-    got = {m.config._experts_implementation for m in model.modules() if hasattr(m, "gate_up_proj")}
-    if got != {impl}:
-        raise RuntimeError(f"set_experts_implementation({impl!r}) left {got}")
-
-
-def cache_layers(cache):
-    return [layer for layer in cache.layers if hasattr(layer, "cumulative_length")]
-
-
-def reset_position(cache, position: int) -> None:
-    """Rewind every static layer's write position (in place: the tensors keep their static addresses)."""
-    for layer in cache_layers(cache):
-        if isinstance(layer.cumulative_length, torch.Tensor):
-            layer.cumulative_length.fill_(position)
-        else:
-            layer.cumulative_length = position
-
-
 # ------------------------------------------------------------------------------------------------- SERE
-
-
-_SERE_OP = None
-
-
-def sere_op():
-    """``harness_bench::sere_reroute``: ``reroute_op`` behind a custom op (one opaque node for dynamo)."""
-    global _SERE_OP
-    if _SERE_OP is None:
-        from harness.kernels.reroute import reroute_op
-
-        @torch.library.custom_op("harness_bench::sere_reroute", mutates_args=())
-        def _op(ids: torch.Tensor, similarity: torch.Tensor, k_primary: int, rho: float,
-                protected: Optional[torch.Tensor] = None, row_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-            return reroute_op(ids, similarity, k_primary, rho, protected, row_mask)     # always a new tensor
-
-        @_op.register_fake
-        def _(ids, similarity, k_primary, rho, protected=None, row_mask=None):
-            return torch.empty_like(ids)
-
-        _SERE_OP = _op
-    # hf_sere calls op(ids, similarity, k_primary, rho, protected, live_rows)
-    return lambda ids, sim, kp, rho, protected=None, row_mask=None: _SERE_OP(ids, sim, kp, float(rho), protected,
-                                                                             row_mask)
 
 
 class GateHookSere:
@@ -220,123 +138,18 @@ def install(model, sims, k_primary, rho, collect_stats, which: str):
     return GateHookSere(model, sims, k_primary, rho, collect_stats)
 
 
-def random_similarities(layers: int, num_experts: int, device: str, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(layers):
-        vecs = torch.randn(num_experts, 64, generator=g)
-        dist = torch.cdist(vecs, vecs)
-        out.append((1.0 - dist / dist.max()).fill_diagonal_(1.0).to(device))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- a step
+# (graph mode: ``_common.run_graph``, the manual CUDA graph of ``_common.Decoder.step``, shared with run_path_gaps)
 
 
-class Decoder:
-    """One batch: its static cache (prefilled once), input buffer and step function."""
-
-    def __init__(self, model, batch: int, vocab: int, device: str, seed: int):
-        from transformers import StaticCache
-
-        self.model, self.batch, self.device = model, batch, device
-        self.cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE)
-        g = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(0, vocab, (batch, PROMPT), generator=g).to(device)
-        with torch.inference_mode():
-            out = model(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.prefill_finite = bool(torch.isfinite(out.logits).all())
-        self.first_ids = out.logits[:, -1].argmax(-1, keepdim=True).clone()
-        self.ids = self.first_ids.clone()
-        del out
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
-        return out.logits[:, -1]
-
-    def step(self) -> None:
-        """Eager step with greedy feed-back (what the manual CUDA graph captures)."""
-        logits = self.forward(self.ids)
-        self.ids.copy_(logits.argmax(-1, keepdim=True))
-
-    def rewind(self) -> None:
-        reset_position(self.cache, PROMPT)
-        self.ids.copy_(self.first_ids)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(run_step, steps: int, device: str) -> dict:
-    """Per-step CUDA-event times (ms) and the wall-clock mean; CPU: host times."""
-    if device == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(steps)]
-        sync(device)
-        t0 = time.perf_counter()
-        for start, end in events:
-            start.record()
-            run_step()
-            end.record()
-        sync(device)
-        wall = (time.perf_counter() - t0) * 1e3 / steps
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
-        times = []
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t = time.perf_counter()
-            run_step()
-            times.append((time.perf_counter() - t) * 1e3)
-        wall = (time.perf_counter() - t0) * 1e3 / steps
-    times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return {"tpot_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "wall_mean_ms": wall,
-            "steps": steps}
-
-
-def run_graph(dec: Decoder, steps: int, warmup: int, device: str) -> dict:
-    """Manual CUDA graph of the eager step (CPU smoke: the eager step itself)."""
-    res = {}
-    with torch.inference_mode():
-        if device != "cuda":
-            dec.rewind()
-            dec.step()
-            dec.rewind()
-            res.update(time_steps(dec.step, steps, device))
-            return res
-        dec.rewind()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                dec.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        dec.rewind()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        t0 = time.perf_counter()
-        with torch.cuda.graph(graph):
-            dec.step()
-        res["capture_s"] = time.perf_counter() - t0
-        dec.rewind()
-        for _ in range(warmup):
-            graph.replay()
-        res.update(time_steps(graph.replay, steps, device))
-        del graph
-    return res
-
-
-def run_compile(dec: Decoder, steps: int, warmup: int, device: str) -> dict:
+def run_compile(dec: Decoder, steps: int, warmup: int, cuda: bool) -> dict:
     """torch.compile(mode="reduce-overhead") of the forward; argmax feed-back outside (two small kernels)."""
     import torch._dynamo as dynamo
     import torch._dynamo.utils
 
     dynamo.reset()
     dynamo.utils.counters.clear()
-    backend = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager", "fullgraph": True}
+    backend = {"mode": "reduce-overhead"} if cuda else {"backend": "aot_eager", "fullgraph": True}
     compiled = torch.compile(dec.forward, dynamic=False, **backend)
     mark = getattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
 
@@ -350,12 +163,12 @@ def run_compile(dec: Decoder, steps: int, warmup: int, device: str) -> dict:
         dec.rewind()
         t0 = time.perf_counter()
         step()
-        sync(device)
+        sync(cuda)
         res["compile_s"] = time.perf_counter() - t0
         for _ in range(max(2, warmup)):
             step()
         dec.rewind()
-        res.update(time_steps(step, steps, device))
+        res.update(time_steps(step, steps, cuda))
     counters = dynamo.utils.counters
     res["graph_breaks"] = sum(counters["graph_break"].values())
     res["unique_graphs"] = counters["stats"].get("unique_graphs")
@@ -461,17 +274,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    out.with_suffix(".md").write_text(markdown(result))
-
-
-def short_error(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -486,14 +288,12 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
     parser.add_argument("--sere-hook", choices=["auto", "hf_sere", "own"], default="auto")
     parser.add_argument("--quick", action="store_true", help="B=1,16; graph mode; SERE off,k1")
-    parser.add_argument("--smoke", action="store_true", help="CPU run of the code path on a tiny model")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
+    add_device_args(parser, "CPU run of the code path on a tiny model")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("No CUDA device: nothing to time. Use --smoke for a CPU run of the code path on a tiny model.")
+    cuda = use_cuda(args)
+    if cuda is None:
         return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -512,17 +312,18 @@ def main() -> int:
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"
-    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    config = qwen3_moe_config(args.smoke)
+    shape = text_shape(config)
     dtype = torch.bfloat16 if cuda else torch.float32
-    default_dir = Path(tempfile.gettempdir()) if args.smoke else ROOT / "results" / "benchmarks"
-    out_path = args.out or default_dir / f"decode_step{'_smoke' if args.smoke else ''}_{'+'.join(modes)}.json"
+    out_path = args.out or results_path(f"decode_step{'_smoke' if args.smoke else ''}_{'+'.join(modes)}.json",
+                                        args.smoke)
     t_start = time.perf_counter()
     if cuda:
         import torch._dynamo as dynamo
 
         dynamo.config.cache_size_limit = max(64, dynamo.config.cache_size_limit)
 
-    model, build_s = build_model(shape, device, dtype)
+    model, build_s = build_qwen3_moe(config, device, dtype, "grouped_mm", seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"built {n_params / 1e9:.2f} B-parameter model on {device} in {build_s:.1f} s", flush=True)
     sims = random_similarities(shape["num_hidden_layers"], shape["num_experts"], device, args.seed + 1)
@@ -530,7 +331,7 @@ def main() -> int:
         "benchmark": "decode_step",
         "environment": collect_environment(device),
         "config": {"shape": shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
-                   "weights": "random-init (transformers init, on device)", "prompt": PROMPT,
+                   "weights": "random-init (harness.models.real_shapes: N(0, 0.02) from --seed, norms 1, on device)", "prompt": PROMPT,
                    "max_cache_len": MAX_CACHE, "steps": args.steps, "warmup": args.warmup, "batches": batches,
                    "impls": impls, "sere": seres, "modes": modes, "rho": 0.0, "seed": args.seed,
                    "similarity": "per layer 1 - d/max d over random 64-d expert vectors",
@@ -589,13 +390,11 @@ def main() -> int:
                         if kp is not None:
                             handle = install(model, sims, kp, 0.0, False, args.sere_hook)
                         runner = run_graph if mode == "graph" else run_compile
-                        row.update(runner(dec, args.steps, args.warmup, device))
+                        row.update(runner(dec, args.steps, args.warmup, cuda))
                     except Exception as exc:  # noqa: BLE001 - one variant must not lose the others
                         row["error"] = short_error(exc)
                         row["traceback"] = traceback.format_exc(limit=6)
-                        if cuda:
-                            torch.cuda.synchronize()
-                            torch.cuda.empty_cache()
+                        free_memory(cuda)
                     finally:
                         if handle is not None:
                             handle.remove()
@@ -605,12 +404,12 @@ def main() -> int:
                         if "compile_s" in row else ""
                     print(f"{mode:<8} B={batch:<3} sere={sere:<3} {impl:<18} {msg}{extra}", flush=True)
                     result["elapsed_s"] = time.perf_counter() - t_start
-                    write(result, out_path)
+                    write_result(result, out_path, markdown)
     result["elapsed_s"] = time.perf_counter() - t_start
     result["sere_hook_fallback_reason"] = _FALLBACK_WARNED[0] if _FALLBACK_WARNED else None
     if cuda:
         result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    write(result, out_path)
+    write_result(result, out_path, markdown)
     print(markdown(result))
     print(f"wrote {out_path} and {out_path.with_suffix('.md')} in {result['elapsed_s']:.0f} s")
     return 0

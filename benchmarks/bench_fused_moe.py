@@ -46,28 +46,24 @@ configurations of the small path at B = 1 and 4 (top8, graph replay).
 Writes ``results/benchmarks/fused_moe.json`` and ``fused_moe.md`` (tables: ``fused_moe_bench_report.py``; small-path
 sweep: ``fused_moe_small_sweep.py``) after every batch (a crash keeps the
 finished rows); every row carries its error instead of aborting the run. Imports torch, triton,
-transformers and harness (envinfo, the kernel, SERE) only.
+transformers and harness (envinfo, the kernel, SERE) only; the timer, graph capture, error and writer helpers are
+``benchmarks/_common.py``'s (shared with ``bench_decode_attention`` and ``bench_router``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.fused_moe_bench_report import markdown, print_row  # noqa: E402
-from benchmarks.fused_moe_small_sweep import best_small_config, small_sweep  # noqa: E402
+from _common import (Timer, add_device_args, capture_graph, free_memory, random_similarity, rel_err, results_path,
+                     short_error, use_cuda, write_result)
+from fused_moe_bench_report import markdown, print_row
+from fused_moe_small_sweep import best_small_config, small_sweep
 
 SHAPES = {"num_experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 SMOKE_SHAPES = {"num_experts": 16, "hidden": 64, "inter": 48, "top_k": 4}
@@ -78,7 +74,6 @@ SMALL_BENCH_MAX_PAIRS = 128   # the small path is timed up to here (4x the dispa
 ZIPF_S = 1.5
 COPY_BYTES_PER_S = 4.27e12
 BF16_TOL = 2e-2
-QUANTILES = [0.5, 0.1, 0.9]
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -94,13 +89,6 @@ def zipf_routing(batch: int, num_experts: int, k: int, seed: int):
     scores = log_p - torch.log(-torch.log(u))
     top, ids = scores.topk(k, dim=-1)
     return ids, torch.softmax(top, dim=-1)
-
-
-def random_similarity(num_experts: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    vecs = torch.randn(num_experts, 64, generator=g)
-    dist = torch.cdist(vecs, vecs)
-    return (1.0 - dist / dist.max()).fill_diagonal_(1.0)
 
 
 def make_experts(shapes: dict, device: str, dtype: torch.dtype):
@@ -123,62 +111,6 @@ def make_experts(shapes: dict, device: str, dtype: torch.dtype):
         experts.gate_up_proj.normal_(0.0, shapes["hidden"] ** -0.5)
         experts.down_proj.normal_(0.0, shapes["inter"] ** -0.5)
     return experts.requires_grad_(False).eval()
-
-
-# ------------------------------------------------------------------------------------------------ timing
-
-
-def capture_graph(fn):
-    """A CUDA graph of one ``fn()`` call, warmed up on a side stream first."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-class Timer:
-    """do_bench medians on CUDA; on CPU (smoke) a few host-timed calls (meaningless, only exercises code)."""
-
-    def __init__(self, cuda: bool, warmup_ms: int = 25, rep_ms: int = 100):
-        self.cuda, self.warmup_ms, self.rep_ms = cuda, warmup_ms, rep_ms
-
-    def __call__(self, fn, rep_ms: int | None = None) -> dict:
-        if self.cuda:
-            from triton.testing import do_bench
-
-            p50, p10, p90 = do_bench(fn, warmup=self.warmup_ms, rep=rep_ms or self.rep_ms, quantiles=QUANTILES,
-                                     return_mode="median")
-            return {"p50_us": p50 * 1e3, "p10_us": p10 * 1e3, "p90_us": p90 * 1e3}
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return {"p50_us": sorted(times)[len(times) // 2], "p10_us": min(times), "p90_us": max(times)}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got = got.double()
-    if torch.isnan(got).any():
-        return float("nan")
-    return float((got - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-
-
-def short_error(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
-def free_memory(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------- one layer
@@ -314,15 +246,6 @@ def sweep(experts, shapes, batches, timer: Timer, seed: int) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- report
-
-
-def write(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    out.with_suffix(".md").write_text(markdown(result))
-
-
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -339,16 +262,14 @@ def main() -> int:
     parser.add_argument("--no-small-sweep", dest="small_sweep", action="store_false")
     parser.add_argument("--small-sweep-batches", default="1")
     parser.add_argument("--quick", action="store_true", help="B=1,16,128; top8,sere_k1; fused,grouped_mm; no sweep")
-    parser.add_argument("--smoke", action="store_true", help="CPU/interpreter run at tiny shapes (tests the script)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
+    add_device_args(parser, "CPU/interpreter run at tiny shapes (tests the script)")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() and not args.smoke
+    cuda = use_cuda(args)
+    if cuda is None:
+        return 0
     if not cuda:
-        if not args.smoke:
-            print("No CUDA device: nothing to time. Use --smoke for a CPU run of the code path at tiny shapes.")
-            return 0
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
     if args.quick:
         args.batches, args.variants, args.impls = "1,16,128", "top8,sere_k1", "fused,small,grouped_mm"
@@ -370,8 +291,7 @@ def main() -> int:
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16
-    default_dir = Path(tempfile.gettempdir()) if args.smoke else ROOT / "results" / "benchmarks"
-    out_path = args.out or default_dir / ("fused_moe_smoke.json" if args.smoke else "fused_moe.json")
+    out_path = args.out or results_path("fused_moe_smoke.json" if args.smoke else "fused_moe.json", args.smoke)
     timer = Timer(cuda)
     t_start = time.perf_counter()
 
@@ -421,7 +341,7 @@ def main() -> int:
             print_row(row)
             free_memory(cuda)             # graph pools of this case (batched_mm holds GBs)
         result["elapsed_s"] = time.perf_counter() - t_start
-        write(result, out_path)
+        write_result(result, out_path, markdown)
     if args.sweep and cuda:
         print("tile sweep (fused, graph replay, top8):", flush=True)
         try:
@@ -429,7 +349,7 @@ def main() -> int:
                                     timer, args.seed)
         except Exception as exc:  # noqa: BLE001
             result["sweep_error"] = short_error(exc)
-        write(result, out_path)
+        write_result(result, out_path, markdown)
     if args.small_sweep:
         small_batches = [int(b) for b in args.small_sweep_batches.split(",") if b]
         print("tile sweep (small path, top8):", flush=True)
@@ -442,7 +362,7 @@ def main() -> int:
             result["small_sweep_error"] = short_error(exc)
             result["small_sweep_traceback"] = traceback.format_exc(limit=4)
     result["elapsed_s"] = time.perf_counter() - t_start
-    write(result, out_path)
+    write_result(result, out_path, markdown)
     print(markdown(result))
     print(f"wrote {out_path} and {out_path.with_suffix('.md')} in {result['elapsed_s']:.0f} s")
     bad = [1 for r in result["rows"] for v in r["impls"].values() if v.get("correct") is False]

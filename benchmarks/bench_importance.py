@@ -35,24 +35,23 @@ is checked before any timing.
 
 On CPU there is nothing worth timing: the script runs a tiny correctness pass through Triton's interpreter
 (it sets ``TRITON_INTERPRET=1`` itself when triton was not imported yet), prints it, and writes no file.
-Imports only torch, triton and ``harness`` (envinfo, the kernel, its reference).
+Imports only torch, triton and ``harness`` (envinfo, the kernel, its reference); ``do_bench``, the relative
+error and the writer are ``benchmarks/_common.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from harness.results.envinfo import collect_environment  # noqa: E402
+import _common
+from _common import RESULTS_DIR, do_bench_ms, write_result
+from harness.results.envinfo import collect_environment
 
 HEADS, HEAD_DIM = 16, 72  # Qwen3-VL vision tower
 IMAGE_PX, PATCH = 448, 16
@@ -73,10 +72,8 @@ def make_inputs(n_images: int, dtype: torch.dtype, device: str, seed: int = 0, p
     return q, k, v, cu
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+#: ``_common.rel_err`` with a NaN output recorded as infinity (what this script's results have always said)
+rel_err = functools.partial(_common.rel_err, nan=float("inf"))
 
 
 def check(q, k, cu, config=None) -> float:
@@ -92,11 +89,11 @@ def check(q, k, cu, config=None) -> float:
 
 
 def measure(fn, n_flops: float, n_bytes: float) -> dict:
-    import triton.testing
-
+    """``do_bench`` quantiles (ms, rep 200 ms) with achieved FLOP/s and bandwidth against the measured peaks, and
+    the peak memory one call allocates above its inputs (what ``_common.Timer`` does not report)."""
     fn()  # compile / warm the allocator outside the timed region
     torch.cuda.synchronize()
-    p50, p10, p90 = triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.1, 0.9])
+    p50, p10, p90 = do_bench_ms(fn, warmup_ms=25, rep_ms=200)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -370,15 +367,14 @@ def run_lse_section(images: list[int], device: str, smoke: bool, out: Path) -> N
                   "triton.testing.do_bench median (p10/p90), warmup 25 ms, rep 200 ms",
         "results": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    write_result(result, out)
     print(f"wrote {out}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "benchmarks" / "importance.json")
-    parser.add_argument("--lse-out", type=Path, default=ROOT / "results" / "benchmarks" / "importance_lse.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "importance.json")
+    parser.add_argument("--lse-out", type=Path, default=RESULTS_DIR / "importance_lse.json")
     parser.add_argument("--images", type=int, nargs="+", default=list(IMAGE_COUNTS))
     parser.add_argument("--sections", nargs="+", choices=("main", "lse"), default=["main", "lse"])
     parser.add_argument("--smoke", action="store_true",
@@ -417,8 +413,7 @@ def main() -> int:
                 "timing": "triton.testing.do_bench median (p10/p90), warmup 25 ms, rep 200 ms, L2 flushed per rep",
                 "results": rows,
             }
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2, default=str))
+            write_result(result, args.out)
             print(f"wrote {args.out}")
         except Exception as exc:  # noqa: BLE001 - the LSE section still runs
             print(f"main section failed: {type(exc).__name__}: {exc}")

@@ -14,7 +14,8 @@ three rows, all from the same captured graph (fused MoE kernel, sdpa, 64-token p
 
 Then an early-stop check: EOS = the token each row produced at step 24 (so rows stop at or before it), lookahead on
 vs off: tokens and step counts must be identical (``same``); ``e2e_ms`` includes the dropped extra step's wait.
-Writes ``results/benchmarks/bench_lookahead.json`` (or ``--out``) after every row; torch/transformers/harness only.
+Writes ``results/benchmarks/bench_lookahead.json`` (or ``--out``) after every row; torch/transformers/harness only
+(the model builder and the writer: ``benchmarks/_common.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import RESULTS_DIR, build_qwen3_moe, qwen3_moe_config, set_impl, write_result
 
 
 def tpot_ms(res) -> float:
@@ -49,10 +48,8 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.smoke
-    out = args.out or ROOT / "results" / "benchmarks" / "bench_lookahead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS_DIR / "bench_lookahead.json"
 
-    from bench_decode_step import QWEN3_30B_A3B, SMOKE, build_model, set_impl
     import transformers
 
     from harness.engines.hf import experts as hf_experts
@@ -60,9 +57,8 @@ def main() -> int:
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"
-    shape = QWEN3_30B_A3B if cuda else SMOKE
     dtype = torch.bfloat16 if cuda else torch.float32
-    model, build_s = build_model(shape, device, dtype)
+    model, build_s = build_qwen3_moe(qwen3_moe_config(smoke=not cuda), device, dtype, "grouped_mm")
     set_impl(model, "harness_fused_moe" if cuda else "grouped_mm")
     use_graphs = None if cuda else "emulate"
     new, prompt = (64, 64) if cuda else (8, 16)
@@ -74,7 +70,7 @@ def main() -> int:
               "prompt_tokens": prompt, "new_tokens": new, "repeats": args.repeats, "rows": [], "early_stop": []}
 
     def save() -> None:
-        out.write_text(json.dumps(result, indent=1))
+        write_result(result, out, indent=1)
 
     def over_budget() -> bool:
         return time.perf_counter() - t_start > args.budget_s

@@ -25,69 +25,37 @@ Prints a table and writes ``results/benchmarks/reroute_primary.json`` (environme
 each T is measured in its own guarded section, so one failure keeps the rest). ~1-2 min on one H200.
 Random routing and similarity say nothing about quality; only times and the correctness check count.
 
-Imports only torch, triton and the harness modules of this op, so it runs on a bare GPU machine.
+Imports only torch, triton and the harness modules of this op, so it runs on a bare GPU machine (``_common``
+puts the repository on ``sys.path`` and holds the timer, the graph capture and the similarity).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS_DIR, Timer, capture_graph, short_error, similarity_of, write_result
+
 TOKENS = [2**i for i in range(15)]   # 1 .. 16384
 SMOKE_TOKENS = [1, 5, 150]
 GRAPH_CALLS = 16
-QUANTILES = [0.5, 0.1, 0.9]
 VARIANTS = {"old": "fused", "new": "separate", "auto": "auto"}
 
 
 def make_inputs(num_tokens, num_experts, k, num_protected, ids_dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randn(num_tokens, num_experts, generator=g).topk(k).indices.to(ids_dtype)
-    outputs = torch.randn(num_experts, 64, generator=g)          # stand-in for calibrated expert outputs
-    dist = torch.cdist(outputs, outputs)
-    sim = (1.0 - dist / dist.max()).fill_diagonal_(1.0)
+    sim = similarity_of(torch.randn(num_experts, 64, generator=g))   # stand-in for calibrated expert outputs
     protected = torch.zeros(num_experts, dtype=torch.bool)
     protected[torch.randperm(num_experts, generator=g)[:num_protected]] = True
     rows = torch.ones(num_tokens, dtype=torch.bool)
     return ids.to(device), sim.to(device), protected.to(device), rows.to(device)
-
-
-def capture(fn, calls):
-    """A CUDA graph of ``calls`` invocations of ``fn`` (warmed up on a side stream first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def make_timer(cuda: bool):
-    if cuda:
-        from triton.testing import do_bench
-
-        def timer(fn):
-            p50, p10, p90 = do_bench(fn, warmup=25, rep=100, quantiles=QUANTILES, return_mode="median")
-            return {"p50_us": p50 * 1e3, "p10_us": p10 * 1e3, "p90_us": p90 * 1e3}
-    else:                                   # smoke: exercises the code path; interpreter times mean nothing
-        def timer(fn):
-            t0 = time.perf_counter()
-            fn()
-            us = (time.perf_counter() - t0) * 1e6
-            return {"p50_us": us, "p10_us": us, "p90_us": us}
-    return timer
 
 
 def guarded(row, key, fn):
@@ -95,7 +63,7 @@ def guarded(row, key, fn):
     try:
         row[key] = fn()
     except Exception as exc:  # noqa: BLE001 - recorded, printed, never hidden
-        row[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        row[key] = {"error": short_error(exc)}
         traceback.print_exc()
 
 
@@ -135,7 +103,8 @@ def measure(num_tokens, args, device, timer, failures):
 
     for name in ("old", "new"):
         def graphs(name=name):
-            one, many = capture(calls[name], 1), capture(calls[name], GRAPH_CALLS)
+            one = capture_graph(calls[name], 1, warmup=3)
+            many = capture_graph(calls[name], GRAPH_CALLS, warmup=3)
             outs[name].fill_(-7777)
             one.replay()
             torch.cuda.synchronize()
@@ -148,8 +117,8 @@ def measure(num_tokens, args, device, timer, failures):
 
     def prefill_graph():
         out = torch.full_like(ids, -7777)
-        graph = capture(lambda: reroute_triton(ids, sim, kp, rho, protected, no_rows, out=out,
-                                               primary="separate"), 1)
+        graph = capture_graph(lambda: reroute_triton(ids, sim, kp, rho, protected, no_rows, out=out,
+                                                     primary="separate"), warmup=3)
         graph.replay()
         torch.cuda.synchronize()
         if not torch.equal(out, ids):
@@ -182,7 +151,7 @@ def run(args) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     tokens = SMOKE_TOKENS if args.smoke else TOKENS
-    timer = make_timer(cuda)
+    timer = Timer(cuda, cpu_calls=1)   # smoke: one call (the interpreter is slow, its times mean nothing)
     rows, failures = [], []
     for num_tokens in tokens:
         try:
@@ -217,12 +186,8 @@ def run(args) -> int:
         "failures": failures,
         "rows": rows,
     }
-    default = os.path.join(REPO, "results", "benchmarks",
-                           "reroute_primary_smoke.json" if args.smoke else "reroute_primary.json")
-    path = args.out or default
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    path = args.out or RESULTS_DIR / ("reroute_primary_smoke.json" if args.smoke else "reroute_primary.json")
+    write_result(result, Path(path))
     print(f"wrote {path}")
     if failures:
         print("CORRECTNESS FAILURES (timings recorded but not to be trusted):\n  " + "\n  ".join(failures),
@@ -243,7 +208,6 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default results/benchmarks/reroute_primary.json)")
     args = parser.parse_args()
 
-    sys.path.insert(0, REPO)                     # the package need not be installed on the GPU machine
     if args.smoke or not torch.cuda.is_available():
         args.smoke = True
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported

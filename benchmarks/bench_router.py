@@ -8,24 +8,19 @@ tokens. ``torch`` = ``Qwen3MoeTopKRouter.forward`` (F.linear, softmax, torch.top
 the same forward through ``torch.compile`` (what ``hf_compile`` made of it before the kernel); ``kernel`` =
 ``harness.kernels.router.router_triton``. Checked first (ids equal to the reference's share, weights' relative
 error), then timed with ``triton.testing.do_bench`` as CUDA-graph replays (median µs, L2 flushed per call). Floor =
-router weight bytes / 4.27 TB/s. Writes ``results/benchmarks/router.json`` / ``.md``.
+router weight bytes / 4.27 TB/s. Writes ``results/benchmarks/router.json`` / ``.md``. Timer, graph capture and
+writer: ``benchmarks/_common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_cli import add_device_args, use_cuda  # noqa: E402
+from _common import RESULTS_DIR, Timer, add_device_args, capture_graph, short_error, use_cuda, write_result
 
 COPY_TBS = 4.27
 
@@ -37,7 +32,6 @@ def main() -> int:
     cuda = use_cuda(args)
     if cuda is None:
         return 0
-    from bench_fused_moe import Timer, capture_graph, short_error
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -52,8 +46,7 @@ def main() -> int:
     torch.nn.init.normal_(router.weight, std=hidden ** -0.5)
     compiled = torch.compile(router.forward, dynamic=False) if cuda else router.forward
     timer = Timer(cuda)
-    out = args.out or (ROOT / "results" / "benchmarks" if cuda else Path(tempfile.mkdtemp()))
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out or (RESULTS_DIR if cuda else Path(tempfile.mkdtemp()))
     result = {"benchmark": "router", "environment": collect_environment(),
               "config": {"experts": experts, "hidden": hidden, "top_k": k, "dtype": "bfloat16"}, "rows": []}
     floor = experts * hidden * 2 / (COPY_TBS * 1e12) * 1e6
@@ -86,8 +79,7 @@ def main() -> int:
         x48 = lambda n: f"{r[n]['p50_us'] * 48 / 1e3:.2f}" if "p50_us" in r[n] else "–"  # noqa: E731
         lines.append(f"| {r['T']} | {r['floor_us']:.2f} | {us('torch')} | {us('torch_compiled')} | {us('kernel')} | "
                      f"{x48('kernel')} | {x48('torch_compiled')} | {r['kernel'].get('ids_equal_share', '–')} |")
-    (out / "router.json").write_text(json.dumps(result, indent=1))
-    (out / "router.md").write_text("\n".join(lines) + "\n")
+    write_result(result, out / "router.json", "\n".join(lines) + "\n", indent=1)
     print("\n".join(lines))
     return 0
 

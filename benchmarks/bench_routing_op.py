@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
+from pathlib import Path
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from _common import RESULTS_DIR, capture_graph, random_similarity, write_result
 
 E, K = 128, 8
 #: (rows per program, warps) of the multi-program plan's tiling sweep
@@ -53,13 +51,6 @@ def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[flo
     return float(med[int(0.025 * n)]), float(med[int(0.975 * n) - 1])
 
 
-def similarity(num_experts: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    out = torch.randn(num_experts, 64, generator=g)
-    d = torch.cdist(out, out)
-    return (1.0 - d / d.max()).fill_diagonal_(1.0)
-
-
 def build_variants(tokens: int, layers: int, device: str):
     """name -> (fn(layer) -> None, check) with per-layer inputs / counters; check() asserts correctness."""
     from harness.engines.vllm.routing import stock_topk
@@ -72,7 +63,7 @@ def build_variants(tokens: int, layers: int, device: str):
     logits = [(torch.randn(tokens, E, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
               for _ in range(layers)]
     dec = torch.ones(max(tokens, 1), dtype=torch.bool, device=device)
-    sim = similarity(E).to(device)
+    sim = random_similarity(E, seed=0).to(device)
     variants = {}
 
     try:
@@ -165,16 +156,16 @@ def build_variants(tokens: int, layers: int, device: str):
 
 
 def time_graphs(variants, layers: int, rounds: int, replays: int) -> dict[str, list[float]]:
+    """Per-layer µs of each variant's graph of ``layers`` calls, one value per round. Not ``_common``'s timers: the
+    variants are interleaved round-robin and each round times ``replays`` replays between two events (one value
+    per round, for the bootstrap interval), after a warm-up round. The eager warm-up before each capture stays
+    this script's own (every layer once, on the current stream, where the persistent state is allocated)."""
     graphs = {}
     for name, (fn, _) in variants.items():
         for i in range(layers):          # eager warm-up: compiles, allocates persistent state
             fn(i)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(layers):
-                fn(i)
-        graphs[name] = graph
+        graphs[name] = capture_graph(lambda fn=fn: [fn(i) for i in range(layers)], warmup=0)
     per_layer_us: dict[str, list[float]] = {name: [] for name in graphs}
     for r in range(rounds + 1):
         for name, graph in graphs.items():
@@ -217,7 +208,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU: correctness of every variant, no timing")
     ap.add_argument("--warm-only", action="store_true", help="check and run every variant once, time nothing: "
                     "fills Triton's cache, e.g. one process per T in parallel before the timed run")
-    ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "routing_op_h200.json"))
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_op_h200.json")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -253,13 +244,8 @@ def main() -> None:
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
                             "mixed_decodes": MIXED_DECODES},
                "rows": rows}
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        md = os.path.splitext(args.out)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(markdown(doc))
-        print("wrote", args.out, "and", md)
+        write_result(doc, args.out, markdown, indent=1)
+        print("wrote", args.out, "and", args.out.with_suffix(".md"))
 
     for t in tokens:
         variants = build_variants(t, args.layers, device)

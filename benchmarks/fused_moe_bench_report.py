@@ -5,7 +5,7 @@ Kept apart so the bench script stays one job (inputs, timing, the run loop). Imp
 
 from __future__ import annotations
 
-from benchmarks.fused_moe_small_sweep import small_sweep_markdown
+from fused_moe_small_sweep import small_sweep_markdown
 
 
 def markdown(result: dict) -> str:

@@ -4,7 +4,8 @@
 Times, per tile configuration, gate_up alone, down alone and the whole small-path call at decode batch sizes
 (top-8 routing), so the best tiles of each kernel can be read off separately, and reports them combined
 (copy that into ``SMALL_GPU_CONFIG`` if it beats the default, the first row). The bench passes its timer,
-routing and error functions in, so this module needs nothing from it. Imports torch and harness only.
+routing and error functions in, so this module needs nothing from it. Imports torch, harness and
+``_common`` only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from _common import short_error
 
 SMALL_SWEEP = [  # up n/k, down n/k, up/down warps, stages, unroll, down all slots; first = SMALL_GPU_CONFIG
     (16, 256, 8, 128, 4, 4, 3, 2, True),
@@ -74,7 +77,7 @@ def small_sweep(experts, shapes: dict, batches: list[int], *, seed: int, cuda: b
                 for part, call in calls.items():
                     row[part] = time_call(call)
             except Exception as exc:  # noqa: BLE001 - one failing config must not lose the others
-                row["error"] = (f"{type(exc).__name__}: {exc}".strip().splitlines() or ["?"])[0][:300]
+                row["error"] = short_error(exc)
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()

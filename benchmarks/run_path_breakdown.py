@@ -12,17 +12,16 @@ both stubbed (embedding, norms, residual adds, lm_head, argmax). The parts need 
 (kernels overlap and caches warm differently); the sum is printed beside it.
 
 Model: ``harness.models.real_shapes`` (``model=qwen3_30b_a3b_shapes``: random-init, built on the GPU), fused MoE
-kernel, sdpa, bf16, prompt 64 tokens in a StaticCache of 128 (``bench_decode_step.Decoder``). Writes
+kernel, sdpa, bf16, prompt 64 tokens in a StaticCache of 128 (``_common.Decoder``, ``bench_decode_step``'s). Writes
 ``results/benchmarks/run_path_breakdown.json`` after every variant; a time budget skips what is left.
-Imports torch, triton, transformers and harness modules only (no Hydra).
+Imports torch, triton, transformers and harness modules only (no Hydra); model, decoder and graph timer:
+``benchmarks/_common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -30,11 +29,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_cli import add_device_args, use_cuda  # noqa: E402
+from _common import (RESULTS_DIR, Decoder, add_device_args, build_qwen3_moe, qwen3_moe_config, replay_times, use_cuda,
+                     write_result)
 
 ABLATIONS = ("full", "no_moe", "no_attn", "none")
 
@@ -63,37 +59,13 @@ def unstub(undo: list) -> None:
 
 
 def timed_graph(step, steps: int, cuda: bool) -> dict:
-    """Capture ``step`` in a CUDA graph (after 2 eager warm-up steps on a side stream) and time its replays."""
+    """Capture ``step`` in a CUDA graph (after 2 eager warm-up steps on a side stream) and time its replays
+    (``_common.replay_times``; no rewind: the cache position moves on, as it always did here). CPU: the median of
+    eager steps only."""
+    times, _ = replay_times(step, steps, cuda)
     if not cuda:
-        step()
-        t = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            t.append((time.perf_counter() - t0) * 1e3)
-        return {"ms": statistics.median(t), "steps": steps}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(3):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    del g
-    return {"ms": statistics.median(t), "p10_ms": t[len(t) // 10], "p90_ms": t[min(len(t) - 1, 9 * len(t) // 10)],
-            "steps": steps}
+        return {"ms": times.median, "steps": steps}
+    return {"ms": times.median, "p10_ms": times.quantile(0.1), "p90_ms": times.quantile(0.9), "steps": steps}
 
 
 KERNEL_SETS = ("stock", "attn", "all")
@@ -203,23 +175,16 @@ def main() -> int:
     cuda = use_cuda(args)
     if cuda is None:
         return 0
-    from bench_decode_step import Decoder
     from harness.engines.hf import experts as hf_experts
     from harness.engines.hf.compiled import compile_regions, decoding, dynamo_counters
     from harness.results.envinfo import collect_environment
-    from harness.models.real_shapes import build_shapes_model, shapes_config
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"
-    text = None if cuda else dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48,
-                                  vocab_size=2048)
-    config = shapes_config("qwen3_30b_a3b", None if cuda else 2, text)
-    out = args.out or (ROOT / "results" / "benchmarks" / ("run_path_breakdown_smoke.json" if args.smoke
-                                                          else "run_path_breakdown.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    config = qwen3_moe_config(smoke=not cuda)
+    out = args.out or RESULTS_DIR / ("run_path_breakdown_smoke.json" if args.smoke else "run_path_breakdown.json")
     t0 = time.perf_counter()
-    model = build_shapes_model(config, device, torch.bfloat16 if cuda else torch.float32, "harness_fused_moe")
+    model, _ = build_qwen3_moe(config, device, torch.bfloat16 if cuda else torch.float32, "harness_fused_moe")
     result = {"benchmark": "run_path_breakdown", "environment": collect_environment(device),
               "config": {"shapes": "qwen3_30b_a3b" + ("" if cuda else " (tiny smoke)"), "weights": "random-init",
                          "experts_implementation": "harness_fused_moe", "dtype": "bfloat16" if cuda else "float32",
@@ -284,8 +249,8 @@ def main() -> int:
             result["elapsed_s"] = round(time.perf_counter() - t0, 1)
             if compiled:
                 result["compile"].update(dynamo_counters())
-            out.write_text(json.dumps(result, indent=2, default=str))
-    out.write_text(json.dumps(result, indent=2, default=str))
+            write_result(result, out)
+    write_result(result, out)
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
     return 0
 

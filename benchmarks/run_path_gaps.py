@@ -6,8 +6,8 @@
 
 (A) **SERE decode step.** The engine's SERE step (``install_sere`` as ``HFEngine`` installs it: statistics on, the
     engine's EOS list) against ``bench_decode_step.py``'s (statistics off, its custom-op wrapper), each captured in a
-    manual CUDA graph of ``bench_decode_step.Decoder.step`` and timed by CUDA events over ``--steps`` replays
-    (median; ``bench_decode_step.run_graph``). Variants, one piece toggled at a time:
+    manual CUDA graph of ``_common.Decoder.step`` and timed by CUDA events over ``--steps`` replays
+    (median; ``_common.run_graph``, as ``bench_decode_step`` runs it). Variants, one piece toggled at a time:
 
     - ``off``: no SERE (the reference both paths agree on);
     - ``bench``: the benchmark's SERE (statistics off, ``harness_bench::sere_reroute`` custom op);
@@ -44,7 +44,8 @@
     host_build_host_patchify − host_build`` (the fix's saving).
 
 Every section and variant is guarded (an error is recorded, the rest goes on); the JSON is rewritten after each; a
-time budget (``--budget-s``) skips what is left. Imports torch, triton, transformers and harness only (no Hydra).
+time budget (``--budget-s``) skips what is left. Imports torch, triton, transformers and harness only (no Hydra); the
+model, decoder, timers and SERE op are ``benchmarks/_common.py``'s.
 """
 
 from __future__ import annotations
@@ -62,25 +63,15 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_cli import add_device_args, use_cuda  # noqa: E402
+from _common import (ROOT, TINY_TEXT, Decoder, add_device_args, build_qwen3_moe, qwen3_moe_config, random_similarities,
+                     results_path, run_graph, sere_op, set_impl, sync, use_cuda, write_result)
 
 SERE_VARIANTS = ("off", "bench", "nostats", "stats_torch", "stats_fused", "stats_fused_eos")
-TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, vocab_size=2048)
 TINY_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, deepstack_visual_indexes=[0])
 
 
 def err(exc: BaseException) -> dict:
     return {"error": f"{type(exc).__name__}: {exc}"[:400], "traceback": traceback.format_exc(limit=5)}
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def timed(fn, cuda: bool):
@@ -108,7 +99,6 @@ def free(cuda: bool) -> None:
 
 def install_variant(model, sims, variant: str, k: int):
     """The SERE handle of one variant (None for ``off``)."""
-    from bench_decode_step import sere_op
     from harness.engines.hf.sere import install_sere
 
     if variant == "off":
@@ -123,20 +113,19 @@ def install_variant(model, sims, variant: str, k: int):
 
 
 def section_sere(args, cuda: bool, result: dict, save, over_budget) -> None:
-    from bench_decode_step import QWEN3_30B_A3B, SMOKE, Decoder, build_model, random_similarities, run_graph, set_impl
     from harness.engines.hf import experts as hf_experts
 
     hf_experts.register()
     device = "cuda" if cuda else "cpu"
-    shape = QWEN3_30B_A3B if cuda else SMOKE
-    model, build_s = build_model(shape, device, torch.bfloat16 if cuda else torch.float32)
+    config = qwen3_moe_config(smoke=not cuda)
+    model, build_s = build_qwen3_moe(config, device, torch.bfloat16 if cuda else torch.float32, "grouped_mm")
     set_impl(model, "harness_fused_moe")
-    sims = random_similarities(shape["num_hidden_layers"], shape["num_experts"], device, seed=1)
+    sims = random_similarities(config["num_hidden_layers"], config["num_experts"], device, seed=1)
     sec = result["sere"] = {"shape": "Qwen3-30B-A3B" if cuda else "tiny (smoke)", "build_s": round(build_s, 1),
                             "k_primary": args.k, "rho": 0.0, "steps": args.steps, "rows": []}
     for batch in [int(b) for b in args.batches.split(",") if b]:
         try:
-            dec = Decoder(model, batch, shape["vocab_size"], device, seed=batch)
+            dec = Decoder(model, batch, config["vocab_size"], device, seed=batch)
         except Exception as exc:  # noqa: BLE001
             sec["rows"].append({"B": batch, **err(exc)})
             continue
@@ -149,7 +138,7 @@ def section_sere(args, cuda: bool, result: dict, save, over_budget) -> None:
             handle = None
             try:
                 handle = install_variant(model, sims, variant, args.k)
-                row.update(run_graph(dec, args.steps, 3, device))
+                row.update(run_graph(dec, args.steps, 3, cuda))
                 if handle is not None and handle.collect_stats:
                     st = handle.stats()   # replays of a captured graph do not add Python-side step counts here
                     row["stats_device_rows"] = st["per_layer"][0]["tokens"]
@@ -415,9 +404,7 @@ def main() -> int:
         args.repeats = min(args.repeats, 2)
     from harness.results.envinfo import collect_environment
 
-    out = args.out or (Path("/tmp/run_path_gaps_smoke.json") if args.smoke
-                       else ROOT / "results" / "benchmarks" / "run_path_gaps.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or results_path("run_path_gaps_smoke.json" if args.smoke else "run_path_gaps.json", args.smoke)
     t0 = time.perf_counter()
     result = {"benchmark": "run_path_gaps", "environment": collect_environment("cuda" if cuda else "cpu"),
               "weights": "random-init", "dtype": "bfloat16" if cuda else "float32", "smoke": args.smoke,
@@ -425,7 +412,7 @@ def main() -> int:
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        out.write_text(json.dumps(result, indent=2, default=str))
+        write_result(result, out)
 
     def over_budget() -> bool:
         return time.perf_counter() - t0 > args.budget_s
