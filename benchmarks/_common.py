@@ -51,13 +51,17 @@ def add_device_args(ap: argparse.ArgumentParser, smoke_help: str = "CPU, tiny sh
     ap.add_argument("--out", type=Path, default=None)
 
 
-def use_cuda(args: argparse.Namespace) -> bool | None:
+def use_cuda(args: argparse.Namespace, interpret: bool = False) -> bool | None:
     """True on CUDA, False for a ``--smoke`` run, None (after saying why) when there is nothing to run: without a
-    GPU and without ``--smoke`` there is nothing meaningful to time, and the script exits 0."""
+    GPU and without ``--smoke`` there is nothing meaningful to time, and the script exits 0. ``interpret``: a smoke
+    run switches Triton's interpreter on (``TRITON_INTERPRET=1`` unless set; it counts only before triton is first
+    imported), so the script's kernels run on the CPU."""
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         print("no CUDA device: use --smoke for the CPU code path")
         return None
+    if interpret and args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     return cuda
 
 

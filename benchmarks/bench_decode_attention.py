@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from _common import RESULTS_DIR, Timer, add_device_args, capture_graph, rel_err, short_error, use_cuda, write_result
+from _common import (RESULTS_DIR, Timer, add_device_args, capture_graph, free_memory, rel_err, short_error, use_cuda,
+                     write_result)
 
 COPY_TBS = 4.27
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -105,9 +106,7 @@ def bench_case(b, length, n, args, cuda, timer) -> dict:
         except Exception as exc:                     # noqa: BLE001 — one failure must not lose the table
             row[name] = {"error": short_error(exc)}
             traceback.print_exc()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        free_memory(cuda)
     k_us, s_us = row.get("kernel", {}).get("p50_us"), row.get("hf_sdpa", {}).get("p50_us")
     row["speedup_vs_hf_sdpa"] = s_us / k_us if k_us and s_us else None
     return row

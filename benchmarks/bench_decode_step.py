@@ -55,7 +55,6 @@ the model, decoder, timers and writer are ``benchmarks/_common.py``'s.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -292,11 +291,9 @@ def main() -> int:
     add_device_args(parser, "CPU run of the code path on a tiny model")
     args = parser.parse_args()
 
-    cuda = use_cuda(args)
+    cuda = use_cuda(args, interpret=True)
     if cuda is None:
         return 0
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.quick:
         args.batches, args.modes, args.sere = "1,16", "graph", "off,k1"
     batches = [int(b) for b in args.batches.split(",") if b]

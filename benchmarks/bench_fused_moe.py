@@ -53,7 +53,6 @@ transformers and harness (envinfo, the kernel, SERE) only; the timer, graph capt
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -266,11 +265,9 @@ def main() -> int:
     add_device_args(parser, "CPU/interpreter run at tiny shapes (tests the script)")
     args = parser.parse_args()
 
-    cuda = use_cuda(args)
+    cuda = use_cuda(args, interpret=True)   # smoke: the interpreter, before triton is first imported
     if cuda is None:
         return 0
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
     if args.quick:
         args.batches, args.variants, args.impls = "1,16,128", "top8,sere_k1", "fused,small,grouped_mm"
         args.sweep = args.small_sweep = False

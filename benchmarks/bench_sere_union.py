@@ -11,21 +11,18 @@ the primary union P, so the union after re-routing is |P ∪ protected| whatever
 
 Random weights route near-uniformly, unlike a trained model (the seed's Qwen3-30B-A3B: 8 → 93 of 128 experts
 per layer from batch 1 to 128): read the "off" column as the uniform-routing bound, not as the real model.
-Writes ``results/benchmarks/sere_union.json`` and ``.md``.
+Writes ``results/benchmarks/sere_union.json`` and ``.md`` (``_common.write_result``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
+from pathlib import Path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import torch
 
-import torch  # noqa: E402
+from _common import RESULTS_DIR, write_result
 
 
 def main() -> None:
@@ -34,7 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "sere_union"))
+    ap.add_argument("--out", default=str(RESULTS_DIR / "sere_union"), help="output stem (.json and .md)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sere_union needs a CUDA GPU (a 30B-shaped model)")
@@ -85,17 +82,15 @@ def main() -> None:
         "dtype": "bfloat16", "build_s": build_s, "rows": rows,
         "note": "random weights route near-uniformly; rho=0 is the upper bound of the union reduction",
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+    out = Path(args.out + ".json")
+    write_result(result, out)             # the numbers first: a table that fails to format keeps them
     lines = ["| batch | distinct experts / layer / step, SERE off | K=2, ρ=0 | K=1, ρ=0 |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['union_before']:.1f} | {r['union_after_K=2']:.1f} | {r['union_after_K=1']:.1f} |"
               for r in rows]
     header = (f"Distinct experts per MoE layer per decode step (mean over {len(blocks)} layers × {args.steps} "
               f"steps), {result['environment']['device_name']}, random-init Qwen3-30B-A3B shapes, bf16. "
               "Random routing is near-uniform, unlike a trained model's.\n\n")
-    with open(args.out + ".md", "w") as f:
-        f.write(header + "\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text(header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 
 

@@ -18,18 +18,15 @@ random vision tower is not a trained one's. Writes ``results/benchmarks/visionzi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import torch
 
-import torch  # noqa: E402
+from _common import RESULTS_DIR, write_result
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:
@@ -46,7 +43,7 @@ def main() -> None:
     ap.add_argument("--scope", default="request")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None, help="text layers (default: 48, the real model)")
-    ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "visionzip_ttft"))
+    ap.add_argument("--out", default=str(RESULTS_DIR / "visionzip_ttft"), help="output stem (.json and .md)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_visionzip_ttft needs a CUDA GPU (a 31B-shaped model)")
@@ -133,9 +130,8 @@ def main() -> None:
         "visual_tokens": n_visual, "text_tokens": n_prompt - n_visual, "preprocess_cpu_ms": preprocess_ms,
         "vision_tower_ms": quantiles(vision), "build_s": build_s, "repeats": args.repeats, "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+    out = Path(args.out + ".json")
+    write_result(result, out)             # the numbers first: a table that fails to format keeps them
     lines = ["| keep | visual tokens kept | TTFT median ms | p10 | p90 | importance ms | TTFT / keep 1.0 |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -147,8 +143,7 @@ def main() -> None:
               f"bf16, {result['environment']['device_name']}, scope={args.scope}. Vision tower alone: "
               f"{result['vision_tower_ms']['median']:.1f} ms; CPU pre-processing {preprocess_ms:.0f} ms (not in "
               "TTFT above).\n\n")
-    with open(args.out + ".md", "w") as f:
-        f.write(header + "\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text(header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from _common import short_error
+from _common import free_memory, short_error
 
 SMALL_SWEEP = [  # up n/k, down n/k, up/down warps, stages, unroll, down all slots; first = SMALL_GPU_CONFIG
     (16, 256, 8, 128, 4, 4, 3, 2, True),
@@ -78,9 +78,7 @@ def small_sweep(experts, shapes: dict, batches: list[int], *, seed: int, cuda: b
                     row[part] = time_call(call)
             except Exception as exc:  # noqa: BLE001 - one failing config must not lose the others
                 row["error"] = short_error(exc)
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+                free_memory(cuda)
             rows.append(row)
             print(f"  small sweep B={batch:<3} {str(params):<36} " + (
                 "  ".join(f"{p}={row[p]['p50_us']:.1f}us" for p in calls if p in row) or str(row.get("error")))

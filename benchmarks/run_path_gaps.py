@@ -393,11 +393,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=150.0)
     add_device_args(ap, "CPU, tiny shapes: the code path only")
     args = ap.parse_args()
-    cuda = use_cuda(args)
+    cuda = use_cuda(args, interpret=True)
     if cuda is None:
         return 0
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         if args.batches == "1,16,64":
             args.batches = "1,4"
         args.steps = min(args.steps, 3)

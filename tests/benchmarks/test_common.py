@@ -83,6 +83,9 @@ def test_use_cuda_decides_the_device(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert c.use_cuda(ap.parse_args([])) is None and "--smoke" in capsys.readouterr().out
     assert ap.parse_args(["--out", "x.json"]).out.name == "x.json"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert c.use_cuda(ap.parse_args(["--smoke"])) is False and "TRITON_INTERPRET" not in os.environ
+    assert c.use_cuda(ap.parse_args(["--smoke"]), interpret=True) is False and os.environ["TRITON_INTERPRET"] == "1"
 
 
 def test_similarity_stand_in():
