@@ -15,8 +15,10 @@ a GPU benchmark runs with torch, triton and transformers alone (nothing here imp
 What stays in the scripts, and why: timers that differ in what they measure — ``bench_routing_op.time_graphs``
 (interleaved rounds of many replays of a graph of all layers), ``bench_importance.measure`` (FLOP/s, bandwidth
 and peak memory around the shared ``do_bench``), ``run_path_gaps.timed`` (host wall time of one call, synced on
-both sides); ``run_path_gaps.err`` (keeps 400 characters and the traceback); the offload family's formatters and
-writers (their own protocol module, ``offload_protocol``, and ``<stem>.json`` outputs).
+both sides); ``run_path_gaps.err`` (keeps 400 characters and the traceback); ``bench_routing_op.bootstrap_ci`` (its
+twin is in ``bench_vllm_decode``, which this change does not touch); the offload family's formatters and writers
+(their own protocol module, ``offload_protocol``, and ``<stem>.json`` outputs). ``Decoder`` is not the engine's
+``StaticGreedyDecoder`` on purpose (see its docstring).
 """
 
 from __future__ import annotations
