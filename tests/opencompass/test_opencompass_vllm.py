@@ -36,6 +36,10 @@ def _run(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
            f"hydra.run.dir={run_dir}", *overrides]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # unpinned, one thread: what vLLM's "auto" binding gave (OMP_NUM_THREADS=1) without putting every CI engine
+    # on core 0 (tests/vllm/conftest.py says why)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

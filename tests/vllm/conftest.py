@@ -33,6 +33,11 @@ else:
     # tests/conftest.py switches Triton's interpreter on for the kernel tests; vLLM's processes inherit
     # the environment, and neither they nor these tests need it (the plugin uses the torch reference on CPU).
     os.environ["TRITON_INTERPRET"] = "0"
+    # vLLM's CPU worker pins its OpenMP threads to one core ("auto": core 0 on two cores, the other reserved):
+    # every engine of the lane, of the OpenCompass lane's vLLM route and of a disaggregated run then shared core 0
+    # while the other core served the main suite (test_vllm_disagg: 98 s alone, 304 s inside CI). Unpinned, the OS
+    # spreads them; threads stay at the worker's share (tests/conftest.py sets OMP_NUM_THREADS under xdist).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
