@@ -50,7 +50,7 @@ def resolve_decode_path(requested: str, device: str, cuda_graphs: bool, split_re
     """(path, why it differs from the request or None). ``auto``: ``AUTO_CUDA_PATH`` on CUDA when
     ``engine.cuda_graphs`` is on, else ``eager`` (``model.generate``). A model split over devices by
     ``engine.device_map`` (``split_reason``) can only decode eagerly: a static graph cannot span accelerate's
-    device hops."""
+    device hops; so can a model a graph cannot capture (:func:`capture_reason`), passed the same way."""
     if requested not in DECODE_PATHS:
         raise ValueError(f"engine.decode_path={requested!r}: expected one of {', '.join(DECODE_PATHS)}")
     path = requested
@@ -67,6 +67,18 @@ def split_reason(model) -> str | None:
     devices = {str(d) for d in placement.values()}
     if len(devices) > 1 or devices & {"disk"}:
         return f"engine.device_map placed the model on {sorted(devices)}: decoding eagerly (model.generate)"
+    return None
+
+
+def capture_reason(model) -> str | None:
+    """Why ``model``'s decode step cannot be captured in a CUDA graph, or None. Eager attention (GPT-OSS needs it
+    for its sinks): transformers' ``eager_mask`` builds ``torch.tensor(0.0, device=...)`` from a host scalar in
+    every forward, a copy a graph capture refuses — the compiled and the graph path both failed on the H200
+    (2026-12-03, GPT-OSS-20B shapes), so such a model decodes with ``model.generate``."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl == "eager":
+        return ("eager attention: transformers builds its mask from a host scalar in every step, which a CUDA graph "
+                "cannot capture: decoding eagerly (model.generate)")
     return None
 
 
@@ -186,7 +198,7 @@ class HFEngine:
         self.decode_path_requested = str(getattr(engine_cfg, "decode_path", "auto") or "auto")
         self.decode_path, self.decode_path_reason = resolve_decode_path(
             self.decode_path_requested, self.device, bool(getattr(engine_cfg, "cuda_graphs", False)),
-            split_reason(self.model))
+            split_reason(self.model) or capture_reason(self.model))
         self.compile_info: dict[str, Any] | None = None
         self._graph_decoder = None
         self._make_decoder()

@@ -176,3 +176,17 @@ def test_triton_router_takes_the_families_whose_rule_it_computes(loaded, monkeyp
         hf_router.uninstall(model)
     assert n == (len(find_moe_blocks(model)) if family_of(model).router_kernel else 0), name
     assert torch.equal(got, want), name
+
+
+def test_a_family_with_eager_attention_decodes_eagerly_on_cuda(loaded):
+    """GPT-OSS runs eager attention (its sinks), whose mask transformers builds from a host scalar every step: a
+    CUDA graph cannot capture that (the compiled and the graph path both failed on the H200), so the engine picks
+    ``model.generate`` for it with the reason; every other family keeps the graph path."""
+    from harness.engines.hf.engine import capture_reason, resolve_decode_path
+
+    name, model, _ = loaded
+    why = capture_reason(model)
+    assert (why is not None) == (model.config._attn_implementation == "eager")
+    assert (why is not None) == (name == "gpt_oss")  # the one family whose adapter asks for eager attention
+    path, reason = resolve_decode_path("auto", "cuda", True, why)
+    assert (path, reason) == (("eager", why) if why else ("compiled", None))
