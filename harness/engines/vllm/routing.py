@@ -162,8 +162,10 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
 
     ``rule``: the model family's routing rule (``harness.models.families``; None: the Qwen3 rule with vLLM's
     ``renormalize``). A softmax family's rule only fixes ``renormalize`` (OLMoE's vLLM module hard-codes False;
-    the rule follows HF). Any other rule (DeepSeek: groups, sigmoid, ``bias`` = the live
-    ``e_score_correction_bias``, scaling) runs the op on the rule's rank key (:func:`family_routing`)."""
+    the rule follows HF). DeepSeek-V3's rule (sigmoid, ``bias`` = the live ``e_score_correction_bias``, groups
+    ranked by their two best scores, scaling) is the op's own ``scoring="sigmoid"``: one launch, as for Qwen
+    (:func:`native_rule`). Any other rule (DeepSeek-V2: softmax with groups ranked by their best score) runs the
+    op on the rule's rank key and recomputes the weights with torch ops (:func:`family_routing`)."""
     import torch
 
     from harness.techniques.sere.graphs import capturing
@@ -178,14 +180,20 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
             sim = similarity.to(device=device, dtype=torch.float32).contiguous() if k_primary else None
             prot = protected.to(device=device, dtype=torch.bool).contiguous() \
                 if (k_primary and protected is not None) else None
+            rule_args = {}
+            if native:  # the bias stays the module's own tensor when it is float32 already (live, as in HF)
+                rule_args = dict(scoring="sigmoid", groups=rule.groups, topk_groups=rule.topk_groups,
+                                 scaling=rule.scaling,
+                                 bias=None if bias is None else bias.to(device=device, dtype=torch.float32))
             spec = RoutingSpec(topk, renormalize, trunc_k=trunc_k, trunc_all=trunc_all, k_primary=k_primary,
-                               rho=rho, similarity=sim, protected=prot)
+                               rho=rho, similarity=sim, protected=prot, **rule_args)
             sc = sere_counters.counter(device) if (sere_counters is not None and spec.k_primary) else None
             tc = topk_counters.counter(device) if (topk_counters is not None and spec.trunc_k) else None
             got = per_key[key] = (spec, sc, tc)
         return got
 
-    family = rule is not None and not rule.plain_softmax
+    native = native_rule(rule)
+    family = rule is not None and not rule.plain_softmax and not native
 
     def routing(hidden_states, gating_output, topk, renormalize):
         num_rows = gating_output.shape[0]
@@ -211,6 +219,15 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
 
     routing.harness_layer = layer  # type: ignore[attr-defined]
     return routing
+
+
+def native_rule(rule: Any) -> bool:
+    """Whether the routing op computes ``rule`` itself (``RoutingSpec(scoring="sigmoid")``): DeepSeek-V3's
+    ``noaux_tc`` — sigmoid scores, a selection bias, groups ranked by the sum of their two best scores with the
+    others at -inf, float32 weights. The op's reference equals the family's rule on every test of
+    tests/engines/vllm/test_vllm_family_routing.py (stock, ``moe.top_k``, SERE)."""
+    return (rule is not None and rule.scoring == "sigmoid" and rule.has_bias and not rule.cast_weights
+            and (rule.groups <= 1 or (rule.group_score == "top2sum" and rule.group_fill == float("-inf"))))
 
 
 def family_routing(rule: Any, bias: Any, logits, spec: RoutingSpec, decode, real, sere_counters, topk_counters,

@@ -74,6 +74,30 @@ def test_sere_moves_ids_of_the_sorted_slots_and_keeps_their_weights(family, deco
     assert bool((ids.long() != ids_stock).any())
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_deepseek_v3_rule_is_one_call_of_the_op(family, decode_rows):
+    """DeepSeek-V3's rule runs inside the op (``scoring="sigmoid"`` on the raw logits, the module's own bias
+    tensor: one launch on CUDA); every other non-softmax rule (DeepSeek-V2) gives the op its rank key and
+    recomputes the weights with torch ops; the softmax families hand the op their logits as they are."""
+    from harness.engines.vllm.routing import native_rule
+
+    rule, logits, bias, k = _case(family)
+    calls = []
+
+    def op(gating, spec, *rest):
+        calls.append((gating, spec))
+        return fused_routing_reference(gating, spec, *rest)
+
+    make_fused_routing_function(0, k_primary=2, rho=0.0, similarity=torch.rand(E, E), rule=rule, bias=bias,
+                                op=op)(None, logits, k, rule.renormalize)
+    (gating, spec), = calls
+    assert native_rule(rule) == (family.name == "deepseek_v3")
+    if native_rule(rule):
+        assert spec.scoring == "sigmoid" and gating is logits and spec.bias is bias
+        assert (spec.groups, spec.topk_groups, spec.scaling) == (rule.groups, rule.topk_groups, rule.scaling)
+    else:
+        assert spec.scoring == "softmax" and (gating is logits) == rule.plain_softmax
+
 def test_family_kwargs_switch_vllm_grouped_router_off_and_keep_the_bias_live():
     from harness.models.families import get
 
