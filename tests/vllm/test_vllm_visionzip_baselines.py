@@ -1,8 +1,9 @@
 """Issue 31's VisionZip baselines in vLLM (``scope=request``, the bundle path): ``visionzip.method=random`` and
 ``pool`` give the HF engine's tokens token for token, at VisionZip's budget, and differ from VisionZip
-(attention) in what they keep. One engine, ``random`` (vLLM on the CPU lane is slow, ~2 min an engine: the
-methods share one selection path in the bundle, and ``random`` also checks that the seed reaches the workers;
-every method is tested against its reference in the main suite, tests/techniques/test_visionzip_baselines.py)."""
+(attention) in what they keep. Two engines: ``random`` (``first`` takes the same top-k-on-scores path in the
+bundle, and ``random`` also checks that the seed reaches the workers) and ``pool`` (its own branch: each image
+average-pooled to its share of the budget); every method is tested against its reference in the main suite,
+tests/techniques/test_visionzip_baselines.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _vz(method):
                            seed=3)
 
 
-@pytest.fixture(scope="module", params=["random"])
+@pytest.fixture(scope="module", params=["random", "pool"])
 def method_run(request, tiny_model_path, requests_text_images):
     from harness.engines.vllm.engine import VLLMEngine
 
