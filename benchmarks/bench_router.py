@@ -29,7 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_args(ap)
     args = ap.parse_args()
-    cuda = use_cuda(args)
+    cuda = use_cuda(args, interpret=True)   # smoke: the interpreter, before triton is first imported
     if cuda is None:
         return 0
     from transformers import Qwen3MoeConfig
