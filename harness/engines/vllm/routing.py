@@ -193,7 +193,8 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
         return got
 
     native = native_rule(rule)
-    family = rule is not None and not rule.plain_softmax and not native
+    ruled = rule is not None and not rule.plain_softmax  # the family's own stock routing (the trace's reference)
+    family = ruled and not native                        # ... computed with torch ops around the op
 
     def routing(hidden_states, gating_output, topk, renormalize):
         num_rows = gating_output.shape[0]
@@ -207,7 +208,7 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
         else:
             weights, ids = op(gating_output, spec, decode, real, sc, tc)
         if trace is not None and not capturing():
-            _, stock = rule.stock(gating_output, int(topk), bias) if family else \
+            _, stock = rule.stock(gating_output, int(topk), bias) if ruled else \
                 stock_topk(gating_output, int(topk), bool(renormalize))
             changed = ids.long() != stock
             mask = decode.bool()
