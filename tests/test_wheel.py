@@ -3,7 +3,7 @@ a sweep and ``python -m harness.report`` from a directory that is not the reposi
 
 Nothing is downloaded: the wheel is built without build isolation (setuptools of the running venv) and
 installed with ``--no-deps --no-index``; its dependencies come from the running venv through a site directory
-of links to that venv's site-packages **minus** the editable ``moe-vlm-harness`` (so ``import harness`` can only
+of links to that venv's site-packages (and the ``PYTHONPATH`` folders it runs with) **minus** the editable ``moe-vlm-harness`` (so ``import harness`` can only
 find the wheel's copy) and minus open_clip (the ``[clip]`` extra: the default run must need only the base
 install). About a minute on two CPU cores.
 """
@@ -54,6 +54,15 @@ def _clean_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+def _dependency_dirs() -> list[Path]:
+    """Where the running interpreter finds the dependencies, in its own order: the ``PYTHONPATH`` folders other
+    than this checkout (the GPU machine brings Hydra, wandb and the metric libraries there, not in its venv),
+    then the venv's site-packages. A name found twice is taken from the first, as ``import`` would."""
+    extra = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    dirs = [p for p in extra if p.is_dir() and p.resolve() != ROOT]
+    return [*dirs, Path(sysconfig.get_paths()["purelib"])]
+
+
 def _venv_with_base_deps(tmp: Path) -> Path:
     """A fresh venv whose site-packages sees the running venv's packages except :data:`EXCLUDED`."""
     venv = tmp / "venv"
@@ -63,9 +72,10 @@ def _venv_with_base_deps(tmp: Path) -> Path:
                                capture_output=True, text=True, check=True).stdout.strip())
     farm = tmp / "deps"
     farm.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not entry.name.lower().startswith(EXCLUDED):
-            (farm / entry.name).symlink_to(entry)
+    for folder in _dependency_dirs():
+        for entry in folder.iterdir():
+            if not entry.name.lower().startswith(EXCLUDED) and not (farm / entry.name).exists():
+                (farm / entry.name).symlink_to(entry)
     # addsitedir (not a plain path line) so the dependencies' own .pth files are processed as in their venv
     (site / "zz_harness_test_deps.pth").write_text(f"import site; site.addsitedir({str(farm)!r})\n")
     return python

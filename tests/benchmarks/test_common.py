@@ -83,7 +83,11 @@ def test_use_cuda_decides_the_device(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert c.use_cuda(ap.parse_args([])) is None and "--smoke" in capsys.readouterr().out
     assert ap.parse_args(["--out", "x.json"]).out.name == "x.json"
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # setenv first, so that teardown restores the variable's absence too: use_cuda sets it in os.environ itself, and
+    # on the GPU machine (no TRITON_INTERPRET) a leaked "1" sent this worker's later harness subprocesses into
+    # Triton's interpreter with CUDA tensors
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert c.use_cuda(ap.parse_args(["--smoke"])) is False and "TRITON_INTERPRET" not in os.environ
     assert c.use_cuda(ap.parse_args(["--smoke"]), interpret=True) is False and os.environ["TRITON_INTERPRET"] == "1"
 

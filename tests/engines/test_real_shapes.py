@@ -122,7 +122,7 @@ def test_embedded_run_with_sere_needs_no_triton_on_cpu(tmp_path):
     """A CPU venv without triton (the OpenCompass lane's) runs the default model with SERE: no decode kernel, router
     kernel or statistics kernel is imported where none is used."""
     summary, records = run_harness(tmp_path, "sere.k=1", "sere.rho=0.0", "generation.max_new_tokens=6",
-                                   "engine.warmup=0", block=("triton", "triton.language"))
+                                   "engine.warmup=0", "engine.device=cpu", block=("triton", "triton.language"))
     eng = summary["run"]["engine_settings"]
     assert eng["decode_attention"] == "sdpa" and eng["decode_router"] == "torch"
     assert summary["sere"]["moved_fraction"] > 0 and len(records) == 12
@@ -135,7 +135,9 @@ def test_run_path_on_the_tiny_vl_shapes_without_wandb(tmp_path):
                                    "engine.batch_size=2", "sere.k=2", "sere.calibration_tokens=256")
     assert summary["run"]["weights"] == "random-init"
     eng = summary["run"]["engine_settings"]
-    assert eng["decode_path"] == "eager" and eng["ignore_eos"] and eng["tokenizer_free"]
+    # engine.decode_path=auto: model.generate on a CPU machine, the compiled graph decoder where a GPU is visible
+    assert eng["decode_path"] == ("compiled" if torch.cuda.is_available() else "eager")
+    assert eng["ignore_eos"] and eng["tokenizer_free"]
     assert eng["shapes"]["arch"] == "qwen3_vl_30b_a3b" and eng["shapes"]["weights"] == "random-init"
     assert summary["metrics"]["quality"] is None and "no reference" in summary["metrics"]["quality_reason"]
     assert summary["latency"]["n_measured"] == 3

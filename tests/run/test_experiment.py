@@ -29,6 +29,12 @@ def harness_cmd(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.mark.slow
 def test_embedded_default_run_writes_the_three_files(tmp_path):
     run_dir = tmp_path / "run"
@@ -41,7 +47,9 @@ def test_embedded_default_run_writes_the_three_files(tmp_path):
     for key in ("harness_version", "git_commit", "engine", "engine_version", "torch_version",
                 "transformers_version", "device_name", "dtype", "weights", "seed", "start_time", "end_time"):
         assert key in run, key
-    assert run["engine"] == "hf" and run["weights"] == "trained-synthetic" and run["dtype"] == "float32"
+    # engine.dtype=auto: float32 on a CPU machine, bfloat16 where a GPU is visible (the GPU machine runs this suite too)
+    dtype = "bfloat16" if _cuda_visible() else "float32"
+    assert run["engine"] == "hf" and run["weights"] == "trained-synthetic" and run["dtype"] == dtype
     metrics = summary["metrics"]
     for key in ("rouge1", "edit_score", "kendall", "n_samples", "n_scored", "format_invalid",
                 "hallucinated_image", "errors"):

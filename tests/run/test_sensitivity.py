@@ -34,8 +34,10 @@ def run(tmp_path_factory, *overrides: str) -> dict:
         register_configs()
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(ROOT / "harness/conf"), version_base="1.3"):
+            # engine.device=cpu: the margins were measured in float32 on a CPU; where a GPU is visible (the suite runs
+            # on the GPU machine too) engine.device=auto would decode in bfloat16 and move every score
             cfg = compose(config_name="config", overrides=["wandb.mode=disabled", "cache.enabled=false",
-                                                           "engine.warmup=0", *overrides])
+                                                           "engine.warmup=0", "engine.device=cpu", *overrides])
         GlobalHydra.instance().clear()
         _RUNS[key] = run_experiment(cfg, tmp_path_factory.mktemp("run"))
     return _RUNS[key]

@@ -82,6 +82,16 @@ def capture_reason(model) -> str | None:
     return None
 
 
+def random_routing_reason(routing) -> str | None:
+    """Why ``moe.routing=random_p`` decodes eagerly: its draws come from a generator re-seeded at every prefill
+    (:mod:`harness.engines.hf.routing_baselines`), and a CUDA graph replays the offsets it captured instead of
+    drawing again (a capture refuses such a generator: "Attempt to increase offset for a CUDA generator not in
+    capture mode", H200, 2026-12-03). A quality baseline, so its decode time is not compared with SERE's."""
+    if routing is not None and routing.routing == "random_p":
+        return "moe.routing=random_p: its per-prefill seeded draws cannot be replayed by a CUDA graph: decoding eagerly"
+    return None
+
+
 class _StepClock:
     """A ``StoppingCriteria`` that only records when each generation step finished (``now``: the engine's
     clock, injectable so tests can script the timings)."""
@@ -196,9 +206,10 @@ class HFEngine:
         # the manual graph of the eager step (hf_graphs), or model.generate
         self.cuda_graphs = bool(getattr(engine_cfg, "cuda_graphs", False)) and self.device.startswith("cuda")
         self.decode_path_requested = str(getattr(engine_cfg, "decode_path", "auto") or "auto")
+        routing = routing_settings(moe_cfg)
         self.decode_path, self.decode_path_reason = resolve_decode_path(
             self.decode_path_requested, self.device, bool(getattr(engine_cfg, "cuda_graphs", False)),
-            split_reason(self.model) or capture_reason(self.model))
+            split_reason(self.model) or capture_reason(self.model) or random_routing_reason(routing))
         self.compile_info: dict[str, Any] | None = None
         self._graph_decoder = None
         self._make_decoder()
@@ -222,7 +233,6 @@ class HFEngine:
             from harness.engines.hf.topk import install_topk
 
             self.moe = install_topk(self.model, moe[0], moe[1], eos_token_ids=sorted(self.stop_ids))
-        routing = routing_settings(moe_cfg)
         if routing is not None:  # moe.routing: SERE's trivial baselines (issue 31), alone (validate refuses a mix)
             from harness.engines.hf.routing_baselines import install_routing_baseline
 
