@@ -19,28 +19,27 @@ from omegaconf import DictConfig
 
 from harness.config.schema import register_configs
 from harness.config.paths import CONF_DIR  # noqa: F401 (also importable as harness.cli.CONF_DIR)
+from harness.config.paths import PACKAGE_DIR
+from harness.datasets.base import DatasetError
+from harness.engines.base import TechniqueNotAvailable
+from harness.latency.device_lock import UnsafeLockDir
+from harness.run.experiment import run_experiment
+from harness.run.outcome import console_summary
+from harness.run.progress import JobRefused
+from harness.run.state import RunDirLocked
+from harness.run.validate import hydra_error_line, ConfigError
+from harness.techniques.sere.errors import SereNotEngaged
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.datasets.base import DatasetError
-    from harness.latency.device_lock import UnsafeLockDir
-    from harness.run.outcome import console_summary
-    from harness.engines.base import TechniqueNotAvailable
-    from harness.run.experiment import run_experiment
-    from harness.run.state import RunDirLocked
-    from harness.techniques.sere.errors import SereNotEngaged
-    from harness.run.validate import ConfigError
-
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
     except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged, UnsafeLockDir) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra records the job failed and runs the next one
-            from harness.run.progress import JobRefused
-
             raise JobRefused(str(e)) from e
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -55,14 +54,10 @@ def entry() -> None:
     Hydra catches every exception itself unless ``HYDRA_FULL_ERROR`` is set, so it is set here (unless the user
     chose a value) and the exceptions Hydra raises while composing come back to this function; any other
     exception propagates with its full traceback."""
-    from harness.run.validate import hydra_error_line
-
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
     except Exception as e:  # noqa: BLE001 - only composition errors are turned into a line; the rest re-raised
-        from harness.run.progress import JobRefused
-
         if isinstance(e, JobRefused):  # a sweep whose valid jobs all ran: each failed one was named as it ended
             print(f"error: a sweep job was refused: {e} (the other jobs ran; python -m harness.report --status "
                   "SWEEP_DIR lists every failed job and why)", file=sys.stderr)
@@ -81,7 +76,6 @@ def _run_dir_error_line(exc: BaseException) -> str | None:
 
     if not isinstance(exc, OSError) or not exc.filename:
         return None
-    from harness.config.paths import PACKAGE_DIR
 
     if any(f.filename.startswith(str(PACKAGE_DIR)) and not f.filename.endswith("cli.py")
            for f in traceback.extract_tb(exc.__traceback__)):

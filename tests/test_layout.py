@@ -301,6 +301,7 @@ class Layout:
             f"forbidden edges: {len(forb)}",
             *[f"  {s} → {t}  (line {', '.join(str(e.line) for e in w)}; {room_of(s)} → {room_of(t)}: {r.rule})"
               for s, t, r, w in forb],
+            f"function-level imports that keep nothing lazy: {len(needless_function_imports(self))}",
             f"known exceptions (issue 24): {len(KNOWN_EXCEPTIONS)}",
             *[f"  {s} → {t}: {why}" for s, t, why in KNOWN_EXCEPTIONS],
             f"upward edges (a lower floor importing a higher one): {len(up)}",
@@ -313,6 +314,92 @@ class Layout:
 def read_layout(root: Path = ROOT) -> Layout:
     mods = package_modules(root)
     return Layout(mods, import_edges(mods))
+
+
+# ---------------------------------------------------------------------------------------------- lazy imports
+# An internal import belongs at module level unless it keeps a third-party package from loading where it is not
+# needed (torch for the CLI's refusals and the report, vLLM, open_clip, wandb, Triton on CPU, Hydra for the GPU
+# benchmarks): a function-level import whose module brings nothing the importing module does not already load
+# hides the module's dependencies for no gain (issue 24: 63 % of the internal imports were inside functions).
+def _third_party(name: str) -> str | None:
+    top = name.split(".")[0]
+    return None if not top or top == PACKAGE or top in sys.stdlib_module_names or top == "__future__" else top
+
+
+def module_level_packages(mods: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """Module → the third-party packages it imports at module level."""
+    out: dict[str, set[str]] = {}
+    for name, (path, _) in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        found: set[str] = set()
+        for node, module_level in _imports(tree):
+            if not module_level:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [] if node.level else [node.module or ""])
+            found |= {t for t in map(_third_party, names) if t}
+        out[name] = found
+    return out
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_time_packages(layout: Layout, packages: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module → the third-party packages importing it loads: its own, its parent packages' and those of every
+    module it imports at module level, transitively."""
+    direct: dict[str, set[str]] = defaultdict(set)
+    for e in layout.edges:
+        if e.module_level:
+            direct[e.source].add(e.target)
+    out: dict[str, set[str]] = {}
+    for start in layout.modules:
+        seen: set[str] = set()
+        todo = [start, *_parents(start)]
+        while todo:
+            m = todo.pop()
+            if m in seen or m not in layout.modules:
+                continue
+            seen.add(m)
+            for t in direct[m]:
+                todo += [t, *_parents(t)]
+        out[start] = set().union(*(packages[m] for m in seen))
+    return out
+
+
+def _import_error_fallbacks(tree: ast.Module) -> set[int]:
+    """Lines of imports inside a ``try`` whose handler catches ImportError (a fallback chain, e.g. the Triton
+    kernel or its torch reference): those choose at run time and stay where they are."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                h.type is None or "ImportError" in ast.unparse(h.type) or "ModuleNotFoundError" in ast.unparse(h.type)
+                for h in node.handlers):
+            for part in (node.body, *(h.body for h in node.handlers)):
+                for stmt in part:
+                    for inner in ast.walk(stmt):
+                        if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                            lines.add(inner.lineno)
+    return lines
+
+
+def needless_function_imports(layout: Layout) -> list[tuple[str, str, int]]:
+    """(module, imported module, line) of every function-level internal import that keeps nothing lazy: what it
+    imports loads no third-party package the importing module does not load already."""
+    packages = module_level_packages(layout.modules)
+    loads = import_time_packages(layout, packages)
+    fallbacks = {m: _import_error_fallbacks(ast.parse(p.read_text(encoding="utf-8"))) for m, (p, _) in
+                 layout.modules.items()}
+    out = []
+    for e in layout.edges:
+        if e.module_level or e.line in fallbacks[e.source]:
+            continue
+        brings = loads[e.target].union(*(packages[p] for p in _parents(e.target) if p in packages))
+        if not brings - loads[e.source]:
+            out.append((e.source, e.target, e.line))
+    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------- the tests
@@ -390,6 +477,26 @@ def test_checker_flags_a_forbidden_edge_and_skips_a_main_guard(tmp_path):
          "kernels import no engine, no technique, no metric (a kernel's reference lives beside the kernel)")]
     assert circles(layout.graph) == [["harness.kernels.op", "harness.techniques.algo"]]
     assert "harness.kernels" not in layout.graph["harness.techniques.algo"]  # the script's import, not the module's
+
+
+def test_function_level_imports_keep_something_lazy():
+    """Every internal import inside a function keeps a third-party package from loading at import time (or picks
+    between alternatives under ``except ImportError``); the rest sit at module level, where a reader sees them."""
+    needless = needless_function_imports(read_layout())
+    assert not needless, "function-level imports that load nothing new (move them to the module's imports):\n" + \
+        "\n".join(f"  {s}:{line} → {t}" for s, t, line in needless)
+
+
+def test_lazy_import_check_sees_a_needless_and_a_needed_import(tmp_path):
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "light.py").write_text("import json\n")
+    (pkg / "heavy.py").write_text("import torch\n")
+    (pkg / "user.py").write_text("def f():\n    from harness import light\n\n\ndef g():\n    from harness import heavy\n"
+                                 "\n\ndef h():\n    try:\n        from harness import light\n    except ImportError:\n"
+                                 "        light = None\n")
+    assert needless_function_imports(read_layout(tmp_path)) == [("harness.user", "harness.light", 2)]
 
 
 if __name__ == "__main__":

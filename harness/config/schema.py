@@ -18,6 +18,7 @@ try:
     from omegaconf import MISSING
 except ImportError:  # a GPU box without omegaconf (benchmarks/train_tiny_v2.py): the dataclasses still work
     MISSING = "???"  # omegaconf's own value
+from harness.config.paths import register_resolvers
 
 
 @dataclass
@@ -378,8 +379,6 @@ GROUP_SCHEMAS: dict[str, type] = {
 def register_configs() -> None:
     """Put the schemas into Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
-
-    from harness.config.paths import register_resolvers
 
     register_resolvers()
     cs = ConfigStore.instance()

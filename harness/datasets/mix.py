@@ -37,6 +37,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from harness.datasets import get_loader
 from harness.datasets._io import cfg_get
 from harness.datasets.base import DatasetError, Sample
 
@@ -80,8 +81,6 @@ def _unit_key(sample: Sample) -> str:
 
 def load_source(tag: str, settings: Any, seed: int, root: Path) -> list[list[Sample]]:
     """The units (lists of samples sharing a question) of one source, retagged with ``tag``."""
-    from harness.datasets import get_loader
-
     cfg = source_config(tag, settings, seed)
     if cfg.name in MIX_LOADERS:
         raise DatasetError(f"dataset.sources.{tag}: a mix cannot contain a mix ({cfg.name!r})")

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from harness.datasets.rag_igbench import iter_rows, note_images, url_to_filename
+
 MAX_WIDTH = 540
 USER_AGENT = "moe-vlm-harness-prepare/1"
 _URL = ("http://", "https://", "ftp://", "file://")
@@ -104,8 +106,6 @@ def is_complete(path: Path) -> bool:
 
 def image_urls(src: Path) -> Iterator[str]:
     """Every image URL of a RAG-IGBench file, first occurrence order, without duplicates."""
-    from harness.datasets.rag_igbench import iter_rows, note_images
-
     seen: set[str] = set()
     for lineno, row in iter_rows(src):
         if not isinstance(row, dict) or "images" not in row:
@@ -125,8 +125,6 @@ def image_urls(src: Path) -> Iterator[str]:
 
 def download_one(url: str, out: Path, timeout: float, retries: int, backoff: float, max_width: int) -> bool:
     """Fetch, shrink and atomically store one image; False when a complete file was already there."""
-    from harness.datasets.rag_igbench import url_to_filename
-
     name = url_to_filename(url)
     if is_complete(out / name):
         return False
@@ -152,8 +150,6 @@ def prepare_rag_igbench(src: Path, out: Path, workers: int = 8, timeout: float =
                         backoff: float = 1.0, max_width: int = MAX_WIDTH, progress: bool = True) -> int:
     """Download the images of ``src`` into ``out``; returns the exit status (see the module docstring)."""
     from tqdm.auto import tqdm
-
-    from harness.datasets.rag_igbench import url_to_filename
 
     if not src.is_file():
         print(f"error: source file not found: {src}", file=sys.stderr)

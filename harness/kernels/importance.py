@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from harness.kernels._triton import triton_runs
+from harness.kernels.importance_reference import attention_received
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -313,7 +314,6 @@ def compute_importance(
         return attention_importance(q, k, cu_seqlens, scale, lse=lse)
     if lse is not None:
         return reference_colsums_from_lse(q, k, cu_seqlens, lse, scale).mean(dim=0).to(torch.float32)
-    from harness.kernels.importance_reference import attention_received
 
     return attention_received(q, k, cu_seqlens, scale).to(torch.float32)
 

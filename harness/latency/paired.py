@@ -35,6 +35,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from harness.latency.runner import TimedBatches
 from harness.latency.stats import sample_values
 
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -118,8 +119,6 @@ class PairedTiming:
     """Warm up and time every variant of :mod:`harness.latency.variants` on the same batches (module doc)."""
 
     def __init__(self, engine: Any, latency_cfg: Any, variants: Sequence[Any], *, warmup_rounds: int = 1):
-        from harness.latency.runner import TimedBatches
-
         self.variants = list(variants)
         self.rounds = int(getattr(latency_cfg, "paired_rounds", 5))
         self.confidence = float(getattr(latency_cfg, "confidence", 0.95))

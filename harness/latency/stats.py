@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from harness.metrics.latency import _finite  # one rule for what counts as a timing
+from harness.metrics.latency import summarize, tpot
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -40,8 +41,6 @@ def sample_values(sample: Mapping[str, Any], metric: str) -> list[float]:
             return []
         value = _finite(sample.get("tpot_ms"))
         if value is None and n is not None and n > 1:
-            from harness.metrics.latency import tpot
-
             value = tpot(sample.get("ttft_ms"), sample.get("e2e_ms"), n)
         return [] if value is None else [value]
     value = _finite(sample.get(metric))
@@ -85,8 +84,6 @@ def coefficient_of_variation(values: Sequence[float]) -> float | None:
 def metric_summary(samples: Iterable[Mapping[str, Any]], metric: str, *, confidence: float = 0.95,
                    n_resamples: int = 2000, max_cv: float | None = None, seed: int = 0) -> dict[str, Any]:
     """One metric's block (see the module doc) over timed samples ``{"uid", "pass", <metric>...}``."""
-    from harness.metrics.latency import summarize
-
     rows = [s for s in samples if not s.get("error") and not s.get("excluded")]
     pooled: list[float] = []
     by_request: dict[str, list[float]] = {}

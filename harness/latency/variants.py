@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.latency.shapes import technique_state
+
 VZ_BASELINES = ("random", "pool", "first")
 
 
@@ -46,8 +48,6 @@ def _handles(engine: Any) -> list[Any]:
 
 def technique_label(cfg: Any) -> str:
     """The run's technique in a few words (``visionzip keep=0.5 + sere K=2``), from :mod:`harness.latency.shapes`."""
-    from harness.latency.shapes import technique_state
-
     return technique_state(cfg)
 
 

@@ -47,6 +47,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from harness.metrics.scorer_checkpoints import verify_checkpoint
+
 DEFAULT_CLIP_MODEL = "ViT-L-14"
 DEFAULT_CLIP_PRETRAINED = "openai"
 DEFAULT_EMBED_MODEL = "TencentBAC/Conan-embedding-v1"
@@ -212,8 +214,6 @@ class TransformersClipScorer(_PairScorer):
         from transformers import AutoTokenizer, CLIPModel
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        from harness.metrics.scorer_checkpoints import verify_checkpoint
-
         verify_checkpoint(self.name_or_path)  # a committed trained scorer: its weights' SHA-256 first
         model = CLIPModel.from_pretrained(self.name_or_path).to(self.device).eval()
         return (model, CLIPImageProcessorPil.from_pretrained(self.name_or_path),
@@ -355,8 +355,6 @@ class TextEmbedder:
         with self._lock:
             if self._loaded is None:
                 from transformers import AutoModel, AutoTokenizer
-
-                from harness.metrics.scorer_checkpoints import verify_checkpoint
 
                 verify_checkpoint(self.name_or_path)  # a committed trained scorer: its weights' SHA-256 first
                 self.device = self.device or _default_device()

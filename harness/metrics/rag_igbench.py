@@ -64,6 +64,9 @@ import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from harness.metrics.encoders import (
+    DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, DEFAULT_EMBED_MODEL, get_clip_scorer, get_text_embedder)
+
 METRICS = ("rouge1", "edit_score", "kendall", "alignment", "clip_score")
 
 #: ``![anything](IMG#k)`` as the reference matches it (lazy alt text, no line break inside).
@@ -410,7 +413,6 @@ def kendall_score(pred_ids: Sequence[int] | None, ref_ids: Sequence[int] | None,
 
     ``shared`` = the model's images that the reference contains, in the model's order (repeats kept).
     Rules of the reference ``Kendall_Score``, checked in this order:
-
     * model list empty → 0 (both empty → 1.0, defined here; the reference divides by zero);
     * reference empty (model not) → 0.0 (defined here; the reference gives 0 or divides by zero);
     * reference has one image → |shared| / |model|; model has one image → |shared| / |reference|;
@@ -490,8 +492,6 @@ def clip_score(images: Sequence[Any], contexts: Sequence[str], scorer: Any = Non
     if not images:
         return 0.0
     if scorer is None:
-        from harness.metrics.encoders import DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, get_clip_scorer
-
         scorer = get_clip_scorer(model_name or DEFAULT_CLIP_MODEL,
                                  pretrained if model_name else DEFAULT_CLIP_PRETRAINED, device)
     texts = [str(c)[:n_chars] for c in contexts]
@@ -524,8 +524,6 @@ def alignment_score(pred_markdown: str | None, ref_markdown: str | None, embed: 
     if not shared:
         return 0.0
     if embed is None:
-        from harness.metrics.encoders import DEFAULT_EMBED_MODEL, get_text_embedder
-
         embed = get_text_embedder(model_name or DEFAULT_EMBED_MODEL, device)
     vectors = embed([pred_ctx[k] for k in shared] + [ref_ctx[k] for k in shared])
     return _mean([align_map(c) for c in _cosines(vectors[: len(shared)], vectors[len(shared) :])])

@@ -29,6 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from harness.metrics.rag_igbench import image_contexts
+
 CLIP_POS = 0.5  # cosine a placeable image must reach (0.4 is score 1)
 CLIP_NEG = 0.0  # cosine a scene image must stay under (0.1 is score 0)
 CLIP_TEXT_CHARS = 25  # what clip_score reads of a context (rag_igbench.CLIP_TEXT_CHARS)
@@ -139,8 +141,6 @@ def clip_pairs(items: list, rng: random.Random, variants: int = 2) -> list[tuple
     """``(image, context[:25], label)``: for each image context of the reference and of ``variants`` perturbed
     answers, the placed image if it is a text image (label 1) and one scene image of the item (label 0), so
     every context is seen with both kinds and only the image decides."""
-    from harness.metrics.rag_igbench import image_contexts
-
     out: list[tuple[Any, str, int]] = []
     for item in items:
         flat = [(im, kind) for ims, kinds in zip(item.images, item.kinds) for im, kind in zip(ims, kinds)]
@@ -160,8 +160,6 @@ def alignment_pairs(items: list, rng: random.Random, variants: int = 4) -> list[
     """``(model context, reference context, s)`` for every image both answers place, over ``variants``
     perturbed answers per item, the reference against itself, and one reference context of another item
     (unrelated notes: the low end of ``s``)."""
-    from harness.metrics.rag_igbench import image_contexts
-
     out: list[tuple[str, str, float]] = []
     refs = [dict(image_contexts(item.answer)) for item in items]
     for i, item in enumerate(items):

@@ -30,10 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.metrics import scorer_data as sd
-from harness.metrics.scorer_checkpoints import (CLIP_WEIGHT_FILES, EMBEDDER_WEIGHT_FILES, WEIGHTS_LABEL,
-                                                record_hashes, sha256_file)
-from harness.metrics.tiny_encoders import TinyClipSpec, TinyTextEmbedderSpec
+from harness.metrics import rag_igbench as rb, scorer_data as sd
+from harness.metrics.encoders import _features, _pool, TextEmbedder, TransformersClipScorer
+from harness.metrics.scorer_checkpoints import (
+    record_hashes, sha256_file, CLIP_CHECKPOINT, CLIP_WEIGHT_FILES, EMBEDDER_CHECKPOINT, EMBEDDER_WEIGHT_FILES,
+    WEIGHTS_LABEL)
+from harness.metrics.tiny_encoders import build_tiny_clip, build_tiny_text_embedder, TinyClipSpec, TinyTextEmbedderSpec
 from harness.models.tiny import MARKER
 
 #: the trained CLIP's architecture: the random stand-in's (a ViT of 64 px, width 32; ≈0.2 M parameters)
@@ -111,8 +113,6 @@ def _finish(tmp: Path, out: Path, cfg: TrainConfig, *, name: str, spec: Any, n_p
 def _clip_forward(model: Any, pixels: Any, ids: Any, mask: Any):
     import torch
 
-    from harness.metrics.encoders import _features
-
     img = _features(model.get_image_features(pixel_values=pixels))
     txt = _features(model.get_text_features(input_ids=ids, attention_mask=mask))
     return torch.nn.functional.cosine_similarity(img, txt, dim=-1)
@@ -123,8 +123,6 @@ def train_clip(out: Path, cfg: TrainConfig = TrainConfig(), progress: bool = Tru
     import torch
     from transformers import AutoTokenizer, CLIPModel
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from harness.metrics.tiny_encoders import build_tiny_clip
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(f"clip:{cfg.seed}")
@@ -178,9 +176,6 @@ def evaluate_clip(path: str | Path, cfg: TrainConfig = TrainConfig()) -> dict[st
     """Held-out figures of a CLIP directory, through :class:`~harness.metrics.encoders.TransformersClipScorer`:
     mean score of placeable vs scene images in the same contexts, and ``clip_score`` of the reference answers
     against the same answers with their image numbers shuffled among the candidates."""
-    from harness.metrics import rag_igbench as rb
-    from harness.metrics.encoders import TransformersClipScorer
-
     scorer = TransformersClipScorer(str(path), device="cpu")
     items = sd.rag_items("heldout", cfg.eval_items, cfg.seed)
     pairs = sd.clip_pairs(items, random.Random(f"clip-eval:{cfg.seed}"), variants=1)
@@ -219,8 +214,6 @@ def shuffled_placement(answer: str, n_candidates: int, rng: random.Random) -> st
 def _embed_forward(model: Any, dense: Any, tokenizer: Any, texts: list[str], max_length: int):
     import torch
 
-    from harness.metrics.encoders import _pool
-
     batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     hidden = model(**batch).last_hidden_state
     return torch.nn.functional.normalize(dense(_pool("mean", hidden, batch["attention_mask"])), dim=-1)
@@ -231,8 +224,6 @@ def train_embedder(out: Path, cfg: TrainConfig = TrainConfig(), progress: bool =
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer, BertModel
-
-    from harness.metrics.tiny_encoders import build_tiny_text_embedder
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(f"embed:{cfg.seed}")
@@ -281,9 +272,6 @@ def evaluate_embedder(path: str | Path, cfg: TrainConfig = TrainConfig()) -> dic
     """Held-out figures of an embedder directory, through :class:`~harness.metrics.encoders.TextEmbedder`: how
     closely alignment follows the content overlap it is meant to measure, and alignment of the reference
     answers against answers whose clauses are all wrong (images in place)."""
-    from harness.metrics import rag_igbench as rb
-    from harness.metrics.encoders import TextEmbedder
-
     embed = TextEmbedder(str(path), device="cpu")
     items = sd.rag_items("heldout", cfg.eval_items, cfg.seed)
     pairs = sd.alignment_pairs(items, random.Random(f"embed-eval:{cfg.seed}"), variants=2)
@@ -308,8 +296,6 @@ def train_all(out_dir: Path, cfg: TrainConfig = TrainConfig(), progress: bool = 
               only: Callable[[str], bool] = lambda name: True) -> dict[str, dict[str, Any]]:
     """Train both scorers into ``out_dir`` (the committed folder by default); returns their markers."""
     import torch
-
-    from harness.metrics.scorer_checkpoints import CLIP_CHECKPOINT, EMBEDDER_CHECKPOINT
 
     torch.set_num_threads(cfg.threads)
     out_dir.mkdir(parents=True, exist_ok=True)

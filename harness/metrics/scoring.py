@@ -15,6 +15,13 @@ from typing import Any
 
 from harness.datasets.base import Sample
 from harness.datasets.synthetic_load import REASON as SYNTHETIC_LOAD_REASON
+from harness.metrics import mcq, ocrbench, rag_igbench, rag_igbench as rb, tiny_encoders as te
+from harness.metrics.encoders import ClipScorer, TextEmbedder, TransformersClipScorer
+from harness.metrics.mcq import circular_accuracy, extract, EXTRACTION_RULES
+from harness.metrics.ocrbench import score_one
+from harness.metrics.rag_igbench import resolve_stopwords, IMAGE_ZERO_CHOICES, REFERENCE_FAULT_CHOICES
+from harness.metrics.scorer_checkpoints import checkpoint_info
+from harness.metrics.tiny_encoders import ensure_tiny_clip, ensure_tiny_text_embedder
 from harness.registry import Registry
 
 TINY = "tiny"  # the embedded random-weight encoders (harness.metrics.tiny_encoders); the trained ones are directories
@@ -44,9 +51,6 @@ class Scorer:
     """
 
     def __init__(self, scoring_cfg: Any):
-        from harness.metrics.mcq import EXTRACTION_RULES
-        from harness.metrics.rag_igbench import IMAGE_ZERO_CHOICES, REFERENCE_FAULT_CHOICES, resolve_stopwords
-
         self.cfg = scoring_cfg
         self._clip = self._embed = None
         self.stopwords_choice = str(getattr(scoring_cfg, "stopwords", None) or "public")
@@ -68,11 +72,7 @@ class Scorer:
         if self._clip is None and self.cfg.clip_model:
             backend, name = clip_backend(self.cfg.clip_model), str(self.cfg.clip_model)
             if backend == "transformers":
-                from harness.metrics.encoders import TransformersClipScorer
-
                 if name == TINY:
-                    from harness.metrics.tiny_encoders import ensure_tiny_clip
-
                     name = ensure_tiny_clip()
                 self._clip = TransformersClipScorer(name.removeprefix(TRANSFORMERS_PREFIX))
             else:
@@ -82,7 +82,6 @@ class Scorer:
                     raise RuntimeError(f"scoring.clip_model={name}: an open_clip model needs the [clip] extra "
                                        "(pip install 'moe-vlm-harness[clip]'; it needs torchvision). "
                                        "scoring.clip_model=tiny, transformers:<repo or dir> or null need no extra.")
-                from harness.metrics.encoders import ClipScorer
 
                 self._clip = ClipScorer(name, self.cfg.clip_pretrained)
         return self._clip
@@ -90,11 +89,7 @@ class Scorer:
     @property
     def embed(self):
         if self._embed is None and self.cfg.embed_model:
-            from harness.metrics.encoders import TextEmbedder
-
             if self.cfg.embed_model == "tiny":
-                from harness.metrics.tiny_encoders import ensure_tiny_text_embedder
-
                 self._embed = TextEmbedder(ensure_tiny_text_embedder())
             else:
                 self._embed = TextEmbedder(self.cfg.embed_model)
@@ -117,9 +112,6 @@ class Scorer:
         otherwise (the reference's models); None where the metric is off. ``clip_sha256`` / ``embed_sha256``:
         the weights' SHA-256 a local checkpoint records (checked when it loads), else None.
         """
-        from harness.metrics import tiny_encoders as te
-        from harness.metrics.scorer_checkpoints import checkpoint_info
-
         clip_model, clip_pretrained, clip_weights = self.cfg.clip_model, self.cfg.clip_pretrained, None
         if clip_model == te.TINY:
             clip_model, clip_pretrained, clip_weights = te.clip_dir_name(), None, "random-init"
@@ -154,9 +146,6 @@ class Scorer:
     def conformance(self) -> dict[str, Any]:
         """Which public rule, revision and population each score follows, and every departure from them by
         its option name (``summary.json`` ``run.scoring``; docs/scoring.md has the table)."""
-        from harness.metrics import mcq
-        from harness.metrics import rag_igbench as rb
-
         return {"mcq_extraction_source": mcq.RULE_SOURCES[self.mcq_extraction],
                 "reference_faults": self.reference_faults, "image_zero": self.image_zero,
                 "rag_igbench_source": rb.PUBLIC_SCORER_REVISION,
@@ -195,8 +184,6 @@ class TaskScoring:
 
 
 def _score_rag_igbench(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
-    from harness.metrics import rag_igbench
-
     return rag_igbench.score_sample(
         answer if error is None else None,
         sample.reference.get("answer"),
@@ -213,28 +200,20 @@ def _score_rag_igbench(scorer: Scorer, sample: Sample, answer: str, error: str |
 
 
 def _aggregate_rag_igbench(scores: list[dict[str, Any]]) -> dict[str, Any]:
-    from harness.metrics import rag_igbench
-
     return rag_igbench.aggregate(scores)
 
 
 def _score_ocrbench(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
-    from harness.metrics.ocrbench import score_one
-
     ref = sample.reference
     return {"score": 0 if error else score_one(answer, ref["answers"], ref.get("dataset_name")),
             "type": ref.get("type"), "error": error}
 
 
 def _aggregate_ocrbench(scores: list[dict[str, Any]]) -> dict[str, Any]:
-    from harness.metrics import ocrbench
-
     return ocrbench.aggregate(scores)
 
 
 def _score_mcq(scorer: Scorer, sample: Sample, answer: str, error: str | None) -> dict[str, Any]:
-    from harness.metrics.mcq import extract
-
     ref = sample.reference
     pred = None if error else extract(answer, ref["options"], scorer.mcq_extraction)
     return {"pred": pred, "gold": ref.get("answer"), "correct": pred is not None and pred == ref.get("answer"),
@@ -242,8 +221,6 @@ def _score_mcq(scorer: Scorer, sample: Sample, answer: str, error: str | None) -
 
 
 def _aggregate_mcq(scores: list[dict[str, Any]]) -> dict[str, Any]:
-    from harness.metrics.mcq import circular_accuracy
-
     return circular_accuracy(scores)
 
 

@@ -13,6 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.models.families import family_of
+from harness.models.families.build import ensure_tiny_family, tiny_family_fingerprint
+from harness.models.real_shapes import shapes_config, ARCHS
+from harness.models.tiny import ensure_tiny_model, TinyModelSpec
+from harness.models.trained import trained_checkpoint
+
 __all__ = ["TextProcessor", "load_model_for_calibration", "load_processor", "model_class_for", "resolve_device",
            "resolve_dtype", "resolve_model"]
 
@@ -43,29 +49,21 @@ def resolve_dtype(dtype: str, device: str):
 def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
     """The checkpoint path to load and the ``run.model`` block (the embedded model is built on first use)."""
     if model_cfg.embedded and model_cfg.weights == "trained-synthetic":  # the committed trained checkpoint
-        from harness.models.trained import trained_checkpoint
-
         path, info = trained_checkpoint()
         return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": info["sha256"][:12],
                            "weights": "trained-synthetic", "weights_meaning": info["meaning"]}
     shapes = model_cfg.get("shapes") if hasattr(model_cfg, "get") else getattr(model_cfg, "shapes", None)
     if shapes is not None and shapes.get("arch"):  # a real checkpoint's shapes, random weights built on the device
-        from harness.models.real_shapes import ARCHS, shapes_config
-
         config = shapes_config(shapes.arch, shapes.num_layers, dict(shapes.text or {}), dict(shapes.vision or {}))
         return f"shapes:{shapes.arch}", {"name": model_cfg.name, "path": None, "weights": "random-init",
                                          "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
     family = model_cfg.get("family") if hasattr(model_cfg, "get") else getattr(model_cfg, "family", None)
     if model_cfg.embedded and family:  # a family's tiny random checkpoint (harness.models.families.build)
-        from harness.models.families.build import ensure_tiny_family, tiny_family_fingerprint
-
         path = ensure_tiny_family(str(family), int(model_cfg.seed))
         return str(path), {"name": model_cfg.name, "path": str(path), "family": str(family),
                            "fingerprint": tiny_family_fingerprint(str(family), int(model_cfg.seed)),
                            "weights": "random-init"}
     if model_cfg.embedded:
-        from harness.models.tiny import TinyModelSpec, ensure_tiny_model
-
         spec = TinyModelSpec(seed=model_cfg.seed)
         path = ensure_tiny_model(spec)
         return str(path), {"name": model_cfg.name, "path": str(path), "fingerprint": spec.fingerprint(),
@@ -80,8 +78,6 @@ def model_class_for(config: Any):
     a vision part (Qwen3-VL-MoE, multimodal Qwen3.5-MoE), else the family's class (``harness.models.families``;
     text-only families: causal LM)."""
     import transformers
-
-    from harness.models.families import family_of
 
     if hasattr(config, "vision_config"):
         return transformers.AutoModelForImageTextToText

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.models.families import get
+
 __all__ = ["ARCHS", "QWEN_SPECIAL_IDS", "ShapesProcessor", "ShapesTokenizer", "build_shapes_model", "config_special_ids",
            "family_settings", "shapes_config", "shapes_hf_config", "shapes_model_for_engine", "special_ids",
            "synthetic_ids", "text_parameters"]
@@ -74,6 +76,18 @@ QWEN2_57B_A14B_TEXT: dict[str, Any] = dict(
     num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-6, decoder_sparse_step=1,
     mlp_only_layers=[], use_sliding_window=False, tie_word_embeddings=False,
 )
+
+#: Qwen/Qwen3.5-35B-A3B's text model (its config.json ``text_config``): 40 layers, three Gated DeltaNet (linear
+#: attention) layers to every gated full-attention layer, 256 experts of 512 + a gated shared expert of 512, top-8
+#: (renormalised), GQA 16/2 of head_dim 256 with a quarter of each head rotated (34.66 B parameters; the checkpoint's
+#: ~35 B add the vision tower and the multi-token-prediction layer, which the shapes model does not build)
+QWEN3_5_35B_A3B_TEXT: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256,
+    num_experts_per_tok=8, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
 
 def _init_on_device(model, std: float = 0.02, seed: int = 0) -> None:
     import torch
@@ -184,6 +198,12 @@ ARCHS: dict[str, dict[str, Any]] = {
                        "text": QWEN2_57B_A14B_TEXT, "vision": None,
                        "rope": {"rope_type": "default", "rope_theta": 1_000_000.0}, "max_position_embeddings": 32768,
                        "special": {"eos": 151645, "pad": 151643}},
+    "qwen3_5_35b_a3b": {"checkpoint": "Qwen/Qwen3.5-35B-A3B", "family": "qwen3_5_moe", "model_type": "qwen3_5_moe_text",
+                        "architecture": "Qwen3_5MoeForCausalLM", "text": QWEN3_5_35B_A3B_TEXT, "vision": None,
+                        "rope": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+                        "max_position_embeddings": 262144, "special": {"eos": 248046, "pad": 248044},
+                        "layer_pattern": ("linear_attention",) * 3 + ("full_attention",),
+                        "note": "the text model of a multimodal checkpoint (no vision tower, no MTP layer)"},
 }
 
 #: a VL checkpoint's text model as a causal LM (what :func:`text_parameters` counts)
@@ -207,11 +227,15 @@ def special_ids(vocab_size: int, arch: str | None = None) -> dict[str, int]:
 
 def _fit_layers(t: dict[str, Any], spec: dict[str, Any]) -> None:
     """Per-layer lists follow the built layer count: ``layer_types`` repeats the checkpoint's pattern, dense-layer
-    lists keep only layers that exist."""
+    lists keep only layers that exist. A model built shallower than its pattern keeps one full-attention layer (its
+    last): transformers' cache of a hybrid model reads the sequence length from an attention layer, so Qwen3.5's
+    two-layer test model would otherwise be two linear-attention layers that cannot decode."""
     n = int(t["num_hidden_layers"])
     if spec.get("layer_pattern"):
         pattern = spec["layer_pattern"]
         t["layer_types"] = [pattern[i % len(pattern)] for i in range(n)]
+        if "full_attention" in pattern and "full_attention" not in t["layer_types"]:
+            t["layer_types"][-1] = "full_attention"
     if t.get("mlp_only_layers"):
         t["mlp_only_layers"] = [i for i in t["mlp_only_layers"] if i < n]
 
@@ -405,8 +429,6 @@ def family_settings(arch: str, experts_implementation: str | None, attn_implemen
     family's attention where transformers has no SDPA path (GPT-OSS: eager), transformers' experts where the
     family refuses the harness's fused kernel (GPT-OSS's layout) — what the HF engine does for a checkpoint of
     that family with ``engine.experts_implementation=auto``; ``notes`` says what was changed and why."""
-    from harness.models.families import get
-
     family = get(_arch(arch)["family"])
     notes: dict[str, str] = {}
     if family.attention and attn_implementation == "sdpa":

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.config.paths import cache_home
+
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -113,8 +115,6 @@ class TinyModelSpec:
 
 def default_cache_dir() -> Path:
     """Where built models live: ``$HARNESS_CACHE/models`` (:func:`harness.config.paths.cache_home`)."""
-    from harness.config.paths import cache_home
-
     return cache_home() / "models"
 
 

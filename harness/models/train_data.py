@@ -18,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from harness.datasets.synthetic import tasks as st
+from harness.datasets.base import ImageInput, Sample
+from harness.datasets.ccbench import build_prompt
+from harness.datasets.mix import _compose
+from harness.datasets.rag_igbench import render_prompt
+from harness.datasets.synthetic import tasks as st, text_tasks
+from harness.models.train_cells import cell_targets, option_targets
+from harness.models.train_pointer import pointer_targets
 
 PATCH, TEMPORAL, MERGE = 16, 2, 2
 CONTENT_RANGE = 60  # a patch whose pixel range (any channel) exceeds this holds ink or a shape
@@ -35,8 +41,6 @@ class Example:
 
 
 def _sample(uid: str, task: str, content: list[dict], n_images: int, tag: str):
-    from harness.datasets.base import ImageInput, Sample
-
     return Sample(uid=uid, dataset=tag, task=task, content=content,
                   images=[ImageInput(source=tag, key=f"{uid}:{i}") for i in range(n_images)], reference={}, meta={})
 
@@ -46,8 +50,6 @@ def ocr_content(item: st.OcrItem) -> list[dict]:
 
 
 def mcq_content(item: st.McqItem) -> list[dict]:
-    from harness.datasets.ccbench import build_prompt
-
     return [{"type": "image", "index": 0}, {"type": "text", "text": build_prompt(item.question, item.options)}]
 
 
@@ -64,22 +66,16 @@ def hint_content(item: st.McqItem) -> list[dict]:
     """The MCQ request with the answer word written before the question (``mcq_hint``, training only): the
     option lookup ("which line names this word? emit its letter") learnt from text, where the word is a token
     the options share — the second step of the composition, scaffolded (docs/embedded_model_v3.md)."""
-    from harness.datasets.ccbench import build_prompt
-
     text = f"提示：{item.options[item.answer]}。\n" + build_prompt(item.question, item.options)
     return [{"type": "image", "index": 0}, {"type": "text", "text": text}]
 
 
 def rag_content(item: st.RagItem) -> list[dict]:
-    from harness.datasets.rag_igbench import render_prompt
-
     return render_prompt(item.query, item.documents, [[f"{i}" for i in note] for note in item.kinds])
 
 
 def mixed(target: Example, context_images: list[Any], rng: random.Random) -> Example:
     """``target`` framed as an ``ocr_cc_mix`` request (harness.datasets.mix._compose): its image among others."""
-    from harness.datasets.mix import _compose
-
     position = rng.randrange(len(context_images) + 1)
     t = _sample("t", target.task, target.content, 1, "target")
     ctx = [_sample(f"c{i}", "x", [], 1, "context") for i in range(len(context_images))]
@@ -110,8 +106,6 @@ def make_example(task: str, rng: random.Random, split: str = "train") -> Example
         it = st.rag_item(rng, split)
         return Example(task, rag_content(it), [img for note in it.images for img in note], it.raw_answer)
     if task.startswith("text_"):  # recipe v7: text-only, the prompt OpenCompass sends (synthetic/text_tasks.py)
-        from harness.datasets.synthetic import text_tasks
-
         it = text_tasks.text_item(task, rng, split)
         return Example(task, [{"type": "text", "text": it.prompt}], [], it.answer)
     if task in ("ocr_mix", "mcq_mix"):
@@ -147,7 +141,6 @@ def encode(example: Example, tokenizer, image_token_id: int) -> dict[str, Any]:
     for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]:
         ids.extend([t] * next(counts) if t == image_token_id else [t])
     target = tokenizer(example.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    from harness.models.train_cells import cell_targets, option_targets
 
     prompt_ids = np.asarray(ids, dtype=np.int32)
     options = option_targets(prompt_ids, tokenizer) if example.task.startswith("mcq") else np.zeros((0, 2), np.int32)
@@ -192,7 +185,6 @@ def collate(examples: list[dict], pad_id: int, device, left_pad: bool = False, w
         idx = [i * length + int(p) for i, e in enumerate(examples) for p in e["options"][:, 0]]
         tgt = [int(x) for e in examples for x in e["options"][:, 1]]
         out["opt_index"], out["opt_target"] = t(np.asarray(idx, np.int64)), t(np.asarray(tgt, np.int64))
-        from harness.models.train_pointer import pointer_targets
 
         ptr = [(i, *p) for i, p in enumerate(map(pointer_targets, examples)) if len(p)]
         out["ptr"] = t(np.asarray(ptr, np.int64).reshape(-1, 3))  # the pointer loss's (row, query, key)

@@ -41,8 +41,15 @@ import numpy as np
 
 from harness.models.train_recipes import V1_TASK_WEIGHTS as TASK_WEIGHTS  # noqa: F401 (v1 recipe, kept importable)
 from harness.models.train_data import CONTENT_RANGE, collate, mm_kwargs  # noqa: F401 (batches: train_data.py)
+from harness.datasets.synthetic import tasks as st
+from harness.models import train_pointer
+from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
+from harness.models.train_cells import option_loss, CellProbe
+from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
-from harness.models.train_vision import FocusProbe, dedup_vision_positions, pack_vision_attention
+from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, V4_SHA256, VARIANTS
+from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
+from harness.models.trained import sha256_file, CHECKPOINT, TRAINED_SPEC, WEIGHTS_LABEL
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
@@ -69,8 +76,6 @@ def rope_positions(model, ids: np.ndarray, images: list[np.ndarray]) -> np.ndarr
     exactly the positions inference computes), computed once per example instead of once per step."""
     import torch
 
-    from harness.models.train_data import PATCH
-
     batch = {"input_ids": torch.from_numpy(ids.astype(np.int64))[None]}
     grid = (torch.tensor([[1, a.shape[0] // PATCH, a.shape[1] // PATCH] for a in images], dtype=torch.long)
             if images else None)  # a text task (v7): text positions only
@@ -82,8 +87,6 @@ def rope_positions(model, ids: np.ndarray, images: list[np.ndarray]) -> np.ndarr
 
 
 def _make_chunk(args: tuple[str, str, int, int, int]) -> list[dict]:
-    from harness.models.train_data import encode, make_example
-
     task, split, seed, chunk, n = args
     rng = random.Random(f"{split}:{task}:{seed}:{chunk}")
     out = []
@@ -116,8 +119,6 @@ def build_pool(tok_dir: str, image_token_id: int, counts: dict[str, int], split:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, with the ``--variant``'s defaults filled in for the recipe flags not given explicitly."""
-    from harness.models.train_recipes import VARIANTS
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="v4",
                     help="training recipe (harness/models/train_recipes.py); v4 = the committed checkpoint's")
@@ -177,9 +178,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.init is None:
         args.init = recipe.get("init")
     if args.init == "v4":  # the committed checkpoint, which must still be v4 (train_recipes.V4_SHA256)
-        from harness.models.train_recipes import V4_SHA256
-        from harness.models.trained import CHECKPOINT, sha256_file
-
         if sha256_file(CHECKPOINT / "model.safetensors") != V4_SHA256:
             ap.error(f"--init v4: the committed checkpoint is no longer v4; pass --init DIR with the v4 files "
                      f"(SHA-256 {V4_SHA256}, in git history)")
@@ -233,8 +231,6 @@ def per_task_ce(logits, labels, examples: list[dict]) -> dict[str, float]:
 def build_pools(args: argparse.Namespace, tok_dir: str, config) -> tuple[dict, dict]:
     """(train pool, held-out pool) of the args' generator: a pure function of (generator, seed, pool, eval_n),
     so parallel recipe runs can share one (``benchmarks/train_tiny_v2.py`` builds it once and forks)."""
-    from harness.datasets.synthetic import tasks as st
-
     st.use_generator(args.generator)
     pool = build_pool(tok_dir, config.image_token_id, pool_counts(args), "train", args.seed, args.workers, config)
     held = build_pool(tok_dir, config.image_token_id, {t: args.eval_n for t in pool_counts(args)}, "heldout", args.seed,
@@ -249,12 +245,6 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     import torch
     import transformers
     from transformers import Qwen3VLMoeForConditionalGeneration
-
-    from harness.datasets.synthetic import tasks as st
-    from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
-    from harness.models.train_cells import CellProbe, option_loss
-    from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at
-    from harness.models.trained import TRAINED_SPEC, WEIGHTS_LABEL, sha256_file
 
     t_start = time.time()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -326,7 +316,6 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             print("position helpers left unwrapped", flush=True)
     probe = FocusProbe(model)
     cell_probe = CellProbe(model) if args.cells else None
-    from harness.models import train_pointer
 
     pointer_before = train_pointer.install(model, args.pointer_layer) if args.pointer else None
     rng = np.random.default_rng(args.seed)

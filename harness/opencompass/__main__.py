@@ -13,6 +13,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from harness.config.schema import register_configs
+from harness.engines.base import TechniqueNotAvailable
+from harness.opencompass.runner import run_opencompass, OpenCompassFailed
+from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
+from harness.run.validate import hydra_error_line, ConfigError
 
 register_configs()
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -20,11 +24,6 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.opencompass.runner import OpenCompassFailed, run_opencompass
-    from harness.opencompass.suites import OpenCompassDataMissing, OpenCompassDependencyMissing
-    from harness.engines.base import TechniqueNotAvailable
-    from harness.run.validate import ConfigError
-
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_opencompass(cfg, run_dir)
@@ -40,8 +39,6 @@ def entry() -> None:
     """:func:`main`, with Hydra's composition errors (a misspelt key, a wrong type) as one line and exit code 2,
     as ``python -m harness`` (harness.cli.entry)."""
     import os
-
-    from harness.run.validate import hydra_error_line
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.opencompass.suites import SUITES, SUMMARY_GROUPS
+from harness.opencompass.suites import write_ci_sample, SUITES, SUMMARY_GROUPS
 
 MODEL_TYPE = "harness.opencompass.model.HarnessHFModel"
 
@@ -65,8 +65,6 @@ def dataset_entries(cfg: Any, data_dir: Path) -> tuple[list[str], str]:
         raise ValueError(f"opencompass.suite={oc.suite!r}: expected one of {sorted(SUITES)}")
     limit = f"[:{oc.limit}]" if oc.limit is not None else None
     if oc.suite == "ci_sample":
-        from harness.opencompass.suites import write_ci_sample
-
         entries = []
         for path in write_ci_sample(data_dir, n=oc.ci_items, seed=cfg.seed):
             entry: dict[str, Any] = {"path": str(path), "abbr": path.stem, "infer_method": "gen"}

@@ -24,6 +24,10 @@ from typing import Any
 from opencompass.models.base import BaseModel
 from opencompass.registry import MODELS
 
+from harness.engines import compat
+from harness.engines.base import Request
+from harness.engines.hf.engine import HFEngine
+
 
 def _plain(value: Any) -> Any:
     """mmengine's ``ConfigDict`` / lists as plain containers (OmegaConf refuses ConfigDict)."""
@@ -59,8 +63,6 @@ class HarnessHFModel(BaseModel):
                  trust_remote_code: bool = False, trace_path: str | None = None, max_seq_len: int = 4096,
                  meta_template: dict | None = None, **kwargs: Any):
         super().__init__(path=path, max_seq_len=max_seq_len, meta_template=meta_template)
-        from harness.engines import compat
-        from harness.engines.hf.engine import HFEngine
 
         compat.install()  # .venv-opencompass has torch 2.13.0+cpu and no torchvision, as the vLLM lane
 
@@ -75,8 +77,6 @@ class HarnessHFModel(BaseModel):
     def generate(self, inputs: list[str], max_out_len: int, **kwargs: Any) -> list[str]:
         """Greedy answers, in order; an engine failure on one prompt is that prompt's empty answer, recorded
         with its error in the trace (OpenCompass then scores it wrong, as it scores any empty answer)."""
-        from harness.engines.base import Request
-
         requests = []
         for text in inputs:
             requests.append(Request(uid=f"oc-{os.getpid()}-{self._n}", content=[{"type": "text", "text": str(text)}]))

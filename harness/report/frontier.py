@@ -28,6 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.metrics.paired import read_samples, stratified_paired_metrics
+from harness.report.rows import paired_on, QUALITY
+
 log = logging.getLogger("harness.report")
 
 TECHNIQUES = ("visionzip", "sere")  # the families a trivial baseline is matched to
@@ -69,9 +72,6 @@ def quality_against(row: Mapping[str, Any], other: Mapping[str, Any], metric: st
     if not a.is_file() or not b.is_file():
         return None
     try:
-        from harness.metrics.paired import read_samples, stratified_paired_metrics
-        from harness.report.rows import paired_on
-
         records_a, records_b = read_samples(a), read_samples(b)
         if metric == "opencompass_average":  # a macro average over datasets: items resampled within each dataset
             res = stratified_paired_metrics(records_a, records_b, "correct", scale=100.0)
@@ -173,8 +173,6 @@ def _speed_cell(c: Mapping[str, Any] | None) -> str:
 
 def frontier_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     """``frontier.md``: the table per setup and metric, the unmatched runs (top-p) apart, and how to read it."""
-    from harness.report.rows import QUALITY
-
     entries = frontier_rows(rows)
     lines = ["# Frontier: each technique against the baseline and its trivial baselines at equal budget", ""]
     if not any(r["family"] in ("vz-baseline", "routing-baseline") for r in rows):

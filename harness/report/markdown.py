@@ -10,6 +10,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from harness.report.rows import _fmt, pareto_front, LATENCY_AXES, QUALITY
+from harness.report.status import unfinished_lines
+
 
 def _md_escape(s: Any) -> str:
     return str(s).replace("|", "\\|")
@@ -19,8 +22,6 @@ def _speedup(r: Mapping[str, Any], short: str) -> str:
     """``1.43×`` + what the comparison rests on: ``[1.21, 1.66]`` (paired, within one run: its interval),
     ``n.s.`` (not significant), ``across runs`` (against a baseline measured at another time: drift unseen, never
     called significant), ``partial/full`` (partial and full latency meet)."""
-    from harness.report.rows import _fmt
-
     text = _fmt(r.get(f"{short}_speedup"), "{:.2f}×")
     if r.get(f"{short}_speedup") is None:
         return text
@@ -38,8 +39,6 @@ def _speedup(r: Mapping[str, Any], short: str) -> str:
 
 def _delta(r: Mapping[str, Any], metric: str | None) -> str:
     """The quality change on ``metric``: ``+0.012``, or with a paired interval ``+0.012 [-0.003, +0.027] n.s.``."""
-    from harness.report.rows import QUALITY, _fmt
-
     delta = r.get(f"{metric}_delta") if metric else None
     if delta is None:
         return "n/a"
@@ -55,8 +54,6 @@ def _delta(r: Mapping[str, Any], metric: str | None) -> str:
 
 
 def _mean_ci(r: Mapping[str, Any], short: str) -> str:
-    from harness.report.rows import _fmt
-
     mean, lo, hi = r.get(f"{short}_mean"), r.get(f"{short}_ci_lo"), r.get(f"{short}_ci_hi")
     return _fmt(mean) + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "")
 
@@ -74,9 +71,6 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
              sources: Sequence[str], skipped: Sequence[tuple[Path, str]] = (),
              pending: Mapping[str, Any] | None = None, requested: Sequence[str] | None = None,
              sweeps: Sequence[str] = ()) -> str:
-    from harness.report.rows import LATENCY_AXES, QUALITY, _fmt, pareto_front
-    from harness.report.status import unfinished_lines
-
     metrics = [m for m in (requested or QUALITY) if any(r.get(m) is not None for r in rows)]
     n_random = sum(r["random_init"] for r in rows)
     n_partial = sum(r["latency_partial"] for r in rows)

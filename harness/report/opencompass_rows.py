@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.metrics.paired import read_samples, stratified_paired_metrics
 from harness.report.values import finite as _num
 
 log = logging.getLogger("harness.report")
@@ -68,8 +69,6 @@ def _paired(row: Mapping[str, Any], base: Sequence[Mapping[str, Any]]) -> dict[s
     if not a.is_file() or not b.is_file():
         return None
     try:
-        from harness.metrics.paired import read_samples, stratified_paired_metrics
-
         res = stratified_paired_metrics(read_samples(a), read_samples(b), "correct", scale=100.0)
     except Exception as e:  # noqa: BLE001 - no interval is the honest fallback: the cells then have none
         log.warning("%s: no paired OpenCompass interval (%s: %s)", row["run_dir"], type(e).__name__, e)

@@ -20,6 +20,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
+from harness.report.rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
+
 # offsets (points) tried for a point's label, nearest first: right/left, above/below, then further out
 _OFFSETS = [(dx, dy) for dy in (4, -12, 14, -22, 24, -32, 34, -42) for dx in (6, -6)]
 
@@ -100,8 +102,6 @@ def _random_note(panel_rows: Sequence[dict[str, Any]], metric: str) -> str | Non
 def quality_figure(all_panels: Sequence[Any], short: str, *, title: str):
     """The figure of :func:`plot_quality_vs_latency` (not saved), or None when no panel has this latency."""
     from matplotlib.lines import Line2D
-
-    from harness.report.rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
 
     plt = _pyplot()
     name, long = next((n, lng) for s, n, lng in LATENCY_AXES if s == short)
@@ -267,8 +267,6 @@ def _budget_points(group: Sequence[dict[str, Any]], metric: str) -> tuple[str, d
     rate, SERE and the routing baselines against the expert union per layer and step (where top-p lands); Δ the
     quality change against the baseline, ``lo``/``hi`` its paired interval (None without one), on the metric's
     display scale."""
-    from harness.report.rows import QUALITY
-
     scale = QUALITY[metric][2]
     routing = any(r["family"] in ("sere", "routing-baseline") for r in group)
     series: dict[str, list[tuple]] = {}
@@ -306,8 +304,6 @@ def frontier_figure(rows: Sequence[dict[str, Any]], *, title: str):
     every method a line, the trivial baselines beside the technique on the same axes (shifted a little apart so
     their bars stay readable), the baseline the dashed zero, the paired interval over samples as error bars. None
     when no setup has both."""
-    from harness.report.rows import QUALITY
-
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(r["setup"], []).append(r)

@@ -21,6 +21,7 @@ from typing import Any
 from harness.report.opencompass_rows import opencompass_columns, paired_opencompass
 from harness.report.values import finite as _num
 from harness.results.schema import MalformedSummary, read_summary  # noqa: F401 (MalformedSummary: re-exported)
+from harness.metrics.paired import paired_metrics, read_samples
 
 log = logging.getLogger("harness.report")  # the report's logger
 
@@ -410,8 +411,6 @@ def paired_on(records_a: Sequence[Mapping[str, Any]], records_b: Sequence[Mappin
               metrics: Sequence[str]) -> dict[str, Any]:
     """:func:`harness.metrics.paired.paired_metrics` on the report's metric names (:data:`PER_SAMPLE` mapped to the
     per-sample key, the delta and its interval scaled back)."""
-    from harness.metrics.paired import paired_metrics
-
     keys = {m: PER_SAMPLE.get(m, (m, 1.0)) for m in metrics}
     res = paired_metrics(records_a, records_b, metrics=[k for k, _ in keys.values()])
     out = {**res, "metrics": {}}
@@ -437,8 +436,6 @@ def paired_quality(row: dict[str, Any], base: Sequence[Mapping[str, Any]], metri
     if not todo or not a.is_file() or not b.is_file():
         return
     try:
-        from harness.metrics.paired import read_samples
-
         records_a, records_b = read_samples(a), read_samples(b)
         shared = {str(r.get("uid")) for r in records_a} & {str(r.get("uid")) for r in records_b}
         names = [m for m in todo if any(PER_SAMPLE.get(m, (m,))[0] in (r.get("scores") or {}) for r in records_a)]

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
+from harness.results.envinfo import collect_environment
+
 log = logging.getLogger("harness.results")
 
 SCHEMA_VERSION = 1
@@ -279,8 +281,6 @@ def write_summary(path: Path, summary: Mapping[str, Any]) -> None:
 
 def run_block(engine_info: dict[str, Any], model: dict[str, Any], seed: int, started: str) -> dict[str, Any]:
     """``summary.json`` ``run``: what produced the numbers (versions, hardware, dtype, weights)."""
-    from harness.results.envinfo import collect_environment
-
     env = collect_environment(engine_info.get("device"))
     return {
         "schema_version": SCHEMA_VERSION,

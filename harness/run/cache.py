@@ -52,6 +52,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.config.paths import open_new, resolve_user_path
+from harness.engines.base import Generation
+from harness.run.state import storage_error
+
 CACHE_VERSION = 1
 
 # Generation fields stored and replayed (timings are stored apart, under "measured", and never replayed).
@@ -269,8 +273,6 @@ def _untimed(value: Any) -> Any:
 def generation_from_cache(entry: Mapping[str, Any], uid: str):
     """A stored entry → a :class:`~harness.engines.base.Generation` for ``uid`` with no timings: latency
     fields None, time-valued entries of ``extra`` None, ``extra["cached"] = True``."""
-    from harness.engines.base import Generation
-
     return Generation(uid=uid, **{k: entry.get(k) for k in _REPLAYED},
                       ttft_ms=None, tpot_ms=None, e2e_ms=None, error=None,
                       extra={**_untimed(entry.get("extra") or {}), "cached": True})
@@ -314,8 +316,6 @@ class GenerationCache:
     """
 
     def __init__(self, path: str | os.PathLike, *, read: bool = True):
-        from harness.config.paths import resolve_user_path
-
         # like dataset paths: ``~`` expanded, relative to the directory the command was typed in; the default
         # (``${harness_cache:generations}``) is absolute, so a rerun from anywhere finds the same entries
         self.path = resolve_user_path(path)
@@ -324,8 +324,6 @@ class GenerationCache:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from harness.run.state import storage_error
-
             raise storage_error(e, self.path, "cache.path") from e
         self.read = read
         self.hits = self.misses = self.written = self.skipped_lines = 0
@@ -419,15 +417,11 @@ class GenerationCache:
 
     # -- writing
     def _open_shard(self) -> None:
-        from harness.config.paths import open_new
-
         name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._shard = self.path / name
         try:  # a new file, never through a link (O_EXCL | O_NOFOLLOW)
             self._f = os.fdopen(open_new(self._shard, 0o644, append=True), "ab")
         except OSError as e:
-            from harness.run.state import storage_error
-
             raise storage_error(e, self.path, "cache.path") from e
 
     def put(self, key: str, generation: Any) -> None:
@@ -447,8 +441,6 @@ class GenerationCache:
             self._f.flush()
             os.fsync(self._f.fileno())
         except OSError as e:  # a full disk: drop the torn line, keep every entry before it, stop with one line
-            from harness.run.state import storage_error
-
             f, self._f = self._f, None
             for undo in (f.close, lambda: os.truncate(self._shard, offset)):
                 try:

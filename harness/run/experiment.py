@@ -15,7 +15,28 @@ from typing import Any
 from harness.datasets.base import DatasetError
 from harness.engines.base import TechniqueNotAvailable  # noqa: F401 (also importable from here)
 from harness.models.load import resolve_model  # noqa: F401 (also importable from here)
-from harness.results.schema import SamplesLog, run_block, utc_now, write_summary
+from harness.datasets import load_samples
+from harness.engines import make_engine
+from harness.engines.base import Request
+from harness.latency.device_lock import device_key, DeviceLock
+from harness.latency.paired import PairedTiming
+from harness.latency.runner import TimedBatches
+from harness.latency.shapes import technique_state
+from harness.latency.stats import repeat_summary
+from harness.latency.variants import paired_variants
+from harness.metrics.latency import latency_summary, summarize
+from harness.metrics.scoring import aggregate, Scorer
+from harness.results.schema import run_block, utc_now, write_summary, SamplesLog
+from harness.results.tracking import log_run, start_run, sweep_info
+from harness.run.cache import generation_from_cache, key_for, model_key, GenerationCache
+from harness.run.logs import run_logging
+from harness.run.outcome import parsed_answer, prompt_record, run_warnings
+from harness.run.rerun import archive_if_changed
+from harness.run.rules_files import validate_files, validate_model_files
+from harness.run.state import (
+    begin_attempt, check_storage, mark_failed, mark_finished, mark_wandb_logged, read_state, storage_error,
+    wandb_pending, RunLock, WRITE_ERRNOS)
+from harness.run.technique_stats import batch_record, merge_replayed, snapshot
 from harness.run.validate import validate_config, validate_model
 
 log = logging.getLogger(__name__)
@@ -24,7 +45,6 @@ log = logging.getLogger(__name__)
 def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: dict[str, Any]) -> None:
     """The SERE engagement canary (``harness.techniques.sere.graphs``): a run with SERE on whose decode tokens
     were not all re-routed fails (run state ``failed`` with the reason) instead of reporting a stock run as SERE."""
-    from harness.run.state import mark_failed
     from harness.techniques.sere.graphs import SereNotEngaged, check_engagement
 
     try:
@@ -41,7 +61,6 @@ def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, A
     counts (``kept_per_image`` None: vLLM with ``scope=request``, whose split stays in the worker) count in
     the totals, not in the per-image and per-source rates (``requests_with_per_image_counts``)."""
     from harness.engines.hf.visionzip import keep_rate_by_source
-    from harness.metrics.latency import summarize
 
     per_request = []
     tokens_in = kept = n_requests = 0
@@ -92,16 +111,12 @@ def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, 
     (:class:`harness.latency.runner.TimedBatches`) the TTFT/TPOT/ITL/E2E distributions cover every timed pass
     minus the excluded batches, with their interval, spread and ``noisy`` flag (harness/latency/stats.py), and
     ``protocol`` says how they were taken; counts and throughput stay those of the first pass."""
-    from harness.metrics.latency import latency_summary
-
     measured = [r for r in records if not r.get("cached")]
     n_cached = len(records) - len(measured)
     out = latency_summary(measured, duration_s=gen_s if measured else None)
     out.update({"partial": n_cached > 0, "n_measured": sum(1 for r in measured if not r.get("error")),
                 "n_cached": n_cached})
     if timer is not None and timer.samples:
-        from harness.latency.stats import repeat_summary
-
         stats = repeat_summary(timer.samples, confidence=float(getattr(latency_cfg, "confidence", 0.95)),
                                n_resamples=int(getattr(latency_cfg, "bootstrap_resamples", 2000)),
                                max_cv=getattr(latency_cfg, "max_cv", None), seed=seed)
@@ -160,9 +175,6 @@ def _finish_wandb(cfg: Any, run_dir: Path, config: dict[str, Any], summary: dict
                   ) -> dict[str, Any]:
     """Redo the W&B logging of a finished run whose attempt was killed while logging (``summary.json`` written,
     ``run_state.json`` ``wandb.logged`` false): the same W&B run id, from the files in the directory."""
-    from harness.run.state import mark_wandb_logged
-    from harness.results.tracking import log_run
-
     log.warning("%s: finished earlier but its W&B logging did not complete: logging it now", run_dir)
     wandb_dir = log_run(cfg.wandb, config, summary, read_records(run_dir / "samples.jsonl"), run_dir,
                         name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"))
@@ -181,15 +193,11 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     else, so a rerun after a kill at any point resumes (see :mod:`harness.run.state`)."""
     from omegaconf import OmegaConf
 
-    from harness.run.logs import run_logging
     from harness.run.progress import RunProgress
-    from harness.run.state import RunLock, begin_attempt, mark_finished, read_state, wandb_pending
 
     validate_config(cfg)  # harness/run/validate.py: every key's range / enumeration, unknown keys, cross-key rules
-    from harness.run.rules_files import validate_files
 
     validate_files(cfg)  # every file the run reads (artifacts, traces, predictors, scorer models), read and checked
-    from harness.latency.device_lock import DeviceLock, device_key
 
     # latency.sequential: jobs take turns; built here, so an unsafe lock directory (UnsafeLockDir) stops the run
     # before its state, W&B run or progress bar starts
@@ -199,14 +207,11 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.cache.read not in CACHE_READ:
         raise ValueError(f"cache.read={cfg.cache.read!r}: expected one of {', '.join(CACHE_READ)}")
-    from harness.run.state import check_storage
 
     done = check_storage(cfg, run_dir, lambda: finished_summary(run_dir, config))  # StorageError, exit 2
     if done is not None:  # a finished run on read-only media: read, not run again
         return done
     with RunLock(run_dir), run_logging(run_dir):
-        from harness.run.rerun import archive_if_changed
-
         archive_if_changed(run_dir, config)  # another configuration's run here: to previous/N, said on the console
         if cfg.cache.enabled and cfg.cache.read != "never":
             done = finished_summary(run_dir, config)
@@ -232,8 +237,6 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
             with device_lock:
                 summary = _run(cfg, run_dir, config, started, read_cache, progress, state, live, device_lock)
         except OSError as e:  # a full disk or a directory gone read-only mid-run: one line, exit 2 (state: running)
-            from harness.run.state import WRITE_ERRNOS, storage_error
-
             if live is not None:
                 live.fail()
             err = storage_error(e, run_dir, resume="the rerun resumes from the generation cache", errnos=WRITE_ERRNOS)
@@ -251,8 +254,6 @@ def run_experiment(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
 def _start_wandb(cfg: Any, config: dict[str, Any], run_dir: Path, state: dict[str, Any]):
     """The live W&B run of this attempt (None when disabled), opened before any data or model loads."""
-    from harness.results.tracking import start_run, sweep_info
-
     return start_run(cfg.wandb, config, run_dir, name=run_dir.name, run_id=(state.get("wandb") or {}).get("id"),
                      sweep=sweep_info())
 
@@ -264,8 +265,6 @@ def run_paired(cfg: Any, engine: Any, runnable: list[tuple[Any, Any]], progress:
     if not cfg.latency.get("paired") or not runnable:
         progress.skip("paired")
         return None
-    from harness.latency.paired import PairedTiming
-    from harness.latency.variants import paired_variants
 
     variants = paired_variants(engine, cfg, list(cfg.latency.get("paired_with") or []))
     # at least one warm-up round per variant: a side that pays a first call would bias the pair
@@ -295,16 +294,6 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
     generate → finish."""
     from omegaconf import OmegaConf
 
-    from harness.run.cache import GenerationCache, generation_from_cache, key_for, model_key
-    from harness.datasets import load_samples
-    from harness.engines import make_engine
-    from harness.engines.base import Request
-    from harness.metrics.scoring import Scorer, aggregate
-    from harness.run.outcome import parsed_answer, prompt_record, run_warnings
-    from harness.run.state import mark_finished, mark_wandb_logged
-    from harness.run.technique_stats import batch_record, merge_replayed, snapshot
-    from harness.results.tracking import sweep_info
-
     with progress.phase("data") as bar:
         samples = []
         for sample in load_samples(cfg.dataset):
@@ -316,7 +305,6 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         model_path, model_info = resolve_model(cfg.model)
         # values the checkpoint's config.json decides, before weights load (a shapes model: its config dict)
         facts = validate_model(cfg, model_path, model_info.pop("config", None))
-        from harness.run.rules_files import validate_model_files
 
         validate_model_files(cfg, facts)  # the artifacts' expert counts against the checkpoint's
         extra = ({"sere_cfg": cfg.sere, "visionzip_cfg": cfg.visionzip, "moe_cfg": cfg.moe,
@@ -439,8 +427,6 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         live_progress([])
         bs = max(1, cfg.engine.batch_size)
         # the measurement protocol (harness/latency/, latency.*): warm-up per shape, verified timed batches, repeats
-        from harness.latency.runner import TimedBatches
-        from harness.latency.shapes import technique_state
 
         timer = TimedBatches(engine, cfg.latency, technique_state(cfg), warmup_rounds=cfg.engine.warmup)
         load_mode = cfg.load.qps is not None
@@ -549,8 +535,6 @@ def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cac
         write_summary(run_dir / "summary.json", summary)
         nothing_scored = all_data_errors(records)
         if nothing_scored:  # summary.json stays for inspection; the run is failed, exit 2 (a sweep: that job)
-            from harness.run.state import mark_failed
-
             mark_failed(run_dir, state, nothing_scored)
             raise NothingScored(f"{nothing_scored}; summary.json and samples.jsonl are in {run_dir}")
         mark_finished(run_dir, state)

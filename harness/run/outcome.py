@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping
 
+from harness.metrics.rag_igbench import parse_answer
+
 # quality keys shown on the console, per benchmark (the first present of each group)
 CONSOLE_METRICS = (("comprehensive", "rouge1", "edit_score", "kendall", "clip_score", "alignment"),
                    ("ocrbench_score",), ("mcq_accuracy",))
@@ -57,8 +59,6 @@ def parsed_answer(sample: Any, answer: str, scores: Mapping[str, Any]) -> Any:
     if not answer:
         return None
     if sample.task == "rag_igbench":
-        from harness.metrics.rag_igbench import parse_answer
-
         return parse_answer(answer)
     if sample.task == "mcq":
         return scores.get("pred")

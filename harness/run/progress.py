@@ -27,6 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from harness.latency.launcher import _count_jobs
+from harness.run.state import mark_failed, read_state, write_state
+from harness.run.validate import validate_config, ConfigError
+
 POSITION_ENV = "HARNESS_PROGRESS_POSITION"  # set by SweepProgress so run bars sit below the sweep bar
 
 
@@ -121,8 +125,6 @@ def failure_reason(exc: BaseException | None) -> str:
 def record_failure(run_dir: Path, reason: str) -> None:
     """``run_state.json`` of a failed job: ``failed`` with ``reason`` (a job refused before its first attempt gets
     one); a job whose interrupted generations a rerun resumes keeps ``running`` and records ``last_error``."""
-    from harness.run.state import mark_failed, read_state, write_state
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return
@@ -145,8 +147,6 @@ def precheck_jobs(config: Any) -> list[tuple[int, list[str], str]]:
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import open_dict, read_write
-
-        from harness.run.validate import ConfigError, validate_config
 
         params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
         parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
@@ -203,8 +203,6 @@ class SweepProgress(Callback):
         return {**self.__dict__, "bar": None}
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from harness.latency.launcher import _count_jobs  # the sweep's job count lives with the launcher check
-
         total = _count_jobs(config)
         refused = precheck_jobs(config)
         if refused:  # the valid jobs still run; each refused one fails fast when its turn comes

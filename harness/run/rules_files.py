@@ -26,7 +26,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harness.config.checks import _MISSING, ConfigError, FileRule, _select, _sere_on
+from harness.config.checks import _select, _sere_on, ConfigError, FileRule, _MISSING
+from harness.metrics.scoring import clip_backend, TRANSFORMERS_PREFIX
 from harness.run.rules_offload import _offload_on
 
 
@@ -233,8 +234,6 @@ def _model_dir_or_hub(value: str, what: str) -> str | None:
 
 
 def clip_model_problem(value: str, cfg: Any) -> str | None:
-    from harness.metrics.scoring import TRANSFORMERS_PREFIX, clip_backend
-
     name = str(value)
     if name == "tiny":
         return None

@@ -33,6 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from harness.config.checks import StorageError
+from harness.config.paths import cache_home, resolve_user_path, writable_problem, write_atomic
+
 log = logging.getLogger(__name__)
 
 # flock errors that mean "this file system has no locks", not "someone holds it"
@@ -116,8 +119,6 @@ def storage_error(exc: OSError, where: str | os.PathLike[str] | None = None, key
                   resume: str = "", errnos: set[int] | None = None) -> Exception:
     """The one line for a write the disk refused (:class:`harness.config.checks.StorageError`, exit code 2):
     the path, the OS's reason and what to do. Other ``OSError`` s are returned unchanged (a crash)."""
-    from harness.config.checks import StorageError
-
     if exc.errno not in (STORAGE_ERRNOS if errnos is None else errnos):
         return exc
     path = exc.filename or where
@@ -134,9 +135,6 @@ def check_storage(cfg: Any, run_dir: Path, finished: Any = None) -> dict[str, An
     (:func:`harness.config.paths.writable_problem`), or :class:`~harness.config.checks.StorageError` (exit 2)
     names it, why, and what to do. A finished run on read-only media is returned by ``finished()`` (its
     ``summary.json`` for this configuration), not refused: reading it needs no write."""
-    from harness.config.checks import StorageError
-    from harness.config.paths import cache_home, resolve_user_path, writable_problem
-
     problem = writable_problem(run_dir)
     if problem is not None:
         done = finished() if finished is not None and cfg.cache.enabled and cfg.cache.read != "never" else None
@@ -188,8 +186,6 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
 
 def write_state(run_dir: Path, state: dict[str, Any]) -> None:
     """Atomically (temporary file, fsync, rename): a kill never leaves half a state file."""
-    from harness.config.paths import write_atomic
-
     write_atomic(Path(run_dir) / STATE_FILE, (json.dumps(state, indent=1) + "\n").encode("utf-8"))
 
 

@@ -36,12 +36,13 @@ from typing import Any
 from harness.datasets import LOADERS, register_from_config  # light registries (names → "module:attr"), nothing heavy imported
 from harness.engines import ENGINES
 from harness.models.real_shapes import ARCHS  # the shapes archs (a table; torch and transformers stay unimported)
-from harness.config.checks import (NONEMPTY, _MISSING, Check, ConfigError, CrossRule, Rule, _select, _sere_on,
-                                     _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern,
-                                     registered)
+from harness.config.checks import (
+    _select, _sere_on, _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern, registered, Check,
+    ConfigError, CrossRule, NONEMPTY, Rule, _MISSING)
+from harness.metrics.scoring import clip_backend, Scorer
 from harness.run.rules_latency import LATENCY_CROSS_RULES, LATENCY_RULES
-from harness.run.rules_offload import (LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES,
-                                      PREFETCH_RULES, _offload_caches)
+from harness.run.rules_offload import (
+    _offload_caches, LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES, PREFETCH_RULES)
 
 def _loader_target_ok(value: Any) -> bool:
     """``dataset.loader``: ``package.module:function`` with a module Python can find (not imported here)."""
@@ -165,14 +166,10 @@ RULES: tuple[Rule, ...] = (
 
 
 def _clip_needs_open_clip(cfg: Any) -> bool:
-    from harness.metrics.scoring import clip_backend
-
     return bool(cfg.scoring.clip_model) and clip_backend(cfg.scoring.clip_model) == "open_clip"
 
 
 def _random_scorers(cfg: Any) -> list[str]:
-    from harness.metrics.scoring import Scorer
-
     d = Scorer(cfg.scoring).describe()
     # trained-synthetic scorers (the default) learnt the embedded data's images and notes only: on a real
     # model's answers they mean no more than random ones

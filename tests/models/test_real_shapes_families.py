@@ -3,7 +3,8 @@
 - the real width at reduced depth, built on the meta device (no memory): each checkpoint's tensors of one dense
   and one MoE layer as its safetensors have them (transformers' fused expert layout), and the parameter count at
   full depth = the published total (Mixtral-8x7B 46.70 B, DeepSeek-V2-Lite 15.71 B, OLMoE-1B-7B 6.92 B, gpt-oss-20b
-  20.91 B, Qwen2-57B-A14B 57.41 B, Qwen3-30B-A3B 30.53 B); the family the harness finds in it, its MoE blocks and
+  20.91 B, Qwen2-57B-A14B 57.41 B, Qwen3-30B-A3B 30.53 B; Qwen3.5-35B-A3B's text model 34.66 B, counted
+  from its config.json); the family the harness finds in it, its MoE blocks and
   its routing rule's top-k;
 - a tiny width of the same config built on the CPU through the HF engine's entry (``shapes_model_for_engine``): a
   forward on ``synthetic_ids`` gives finite logits, the ids avoid every special id (Mixtral's sit at the bottom of
@@ -62,6 +63,21 @@ EXPECTED: dict[str, tuple[int, dict[str, tuple[int, ...]]]] = {
         "model.layers.1.mlp.gate.weight": (64, 3584), "model.layers.1.mlp.experts.gate_up_proj": (64, 2 * 2560, 3584),
         "model.layers.1.mlp.experts.down_proj": (64, 3584, 2560),
         "model.layers.1.mlp.shared_expert.gate_proj.weight": (20480, 3584)}),
+    # 30 Gated DeltaNet layers (q/k 16 heads x 128, v and the output gate z 32 x 128, conv kernel 4, per-head a/b/dt/A)
+    # + 10 gated full-attention layers (q and its gate 2 x 16 x 256, k/v 2 x 256), each with 256 experts of 512 + a
+    # shared expert of 512 and its scalar gate; embedding and head of 248320 x 2048
+    "qwen3_5_35b_a3b": (
+        2 * 248320 * 2048 + 2048
+        + 40 * (256 * 2048 + 256 * (2 * 512 * 2048 + 2048 * 512) + 3 * 512 * 2048 + 2048 + 2 * 2048)
+        + 30 * ((2 * 2048 + 4096) * 2048 + 4096 * 2048 + 2 * 32 * 2048 + 8192 * 4 + 2 * 32 + 128 + 2048 * 4096)
+        + 10 * (2 * 16 * 256 * 2048 + 2 * 2 * 256 * 2048 + 2048 * 16 * 256 + 2 * 256), {
+            "model.embed_tokens.weight": (248320, 2048), "model.layers.0.linear_attn.in_proj_qkv.weight": (8192, 2048),
+            "model.layers.0.linear_attn.in_proj_z.weight": (4096, 2048),
+            "model.layers.0.linear_attn.conv1d.weight": (8192, 1, 4), "model.layers.1.mlp.gate.weight": (256, 2048),
+            "model.layers.1.mlp.experts.gate_up_proj": (256, 2 * 512, 2048),
+            "model.layers.1.mlp.experts.down_proj": (256, 2048, 512),
+            "model.layers.1.mlp.shared_expert.gate_proj.weight": (512, 2048),
+            "model.layers.1.mlp.shared_expert_gate.weight": (1, 2048)}),
 }
 
 #: arch → text overrides of a CPU-sized model with the same structure (expert / head / MLA keys of its family)
@@ -80,6 +96,10 @@ TINY: dict[str, dict] = {
     "qwen2_57b_a14b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                            shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                            num_experts=16, vocab_size=2048),
+    "qwen3_5_35b_a3b": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                            vocab_size=2048),
 }
 
 
@@ -112,6 +132,10 @@ def test_real_width_at_two_layers_has_the_checkpoints_tensors(arch):
     assert ids.shape == weights.shape == (3, k)
     if arch == "gpt_oss_20b":
         assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    if arch == "qwen3_5_35b_a3b":  # cut shorter than its pattern: one full-attention layer kept, the last
+        assert config["layer_types"] == ["linear_attention", "full_attention"]
+        full = shapes_config(arch)["layer_types"]
+        assert len(full) == 40 and full[3::4] == ["full_attention"] * 10 and full.count("linear_attention") == 30
     assert text_parameters(shapes_config(arch)) == total
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from harness.datasets.synthetic.rag_igbench import plain_scene_image
+from harness.datasets.synthetic.tasks import items
 
 _KIE_SUFFIX = " Answer this question using the text in the image directly."
 
@@ -130,8 +131,6 @@ def make_ocrbench_sample(out_dir: str | Path, seed: int = 0) -> Path:
     """The bundled sample: six held-out recognition questions of the task suite (what the embedded model was
     trained to read) plus the four format rows above that it was not (scene VQA, document VQA, KIE, HME100k
     — their types must be scored, it cannot answer them). Returns the JSON file."""
-    from harness.datasets.synthetic.tasks import items
-
     rng = random.Random(seed)
     fixed = [(name, rid, qtype, q, a, draw(rng)) for name, rid, qtype, q, a, draw in OCR_ROWS]
     return write_ocrbench(out_dir, ocr_rows(items("ocr", "heldout", 6, seed)) + fixed)
@@ -165,8 +164,6 @@ def write_ccbench(out_dir: str | Path, mcq_items: list, name: str = "CCBench_sam
 def make_ccbench_sample(out_dir: str | Path, seed: int = 0) -> Path:
     """The bundled sample: six held-out MCQ items of the task suite, the fifth with three options (``D``
     empty), the sixth with a two-line question (a quoted TSV field); returns the TSV file."""
-    from harness.datasets.synthetic.tasks import items
-
     pool = items("mcq", "heldout", 200, seed)
     plain = [it for it in pool if len(it.options) == 4 and "\n" not in it.question]
     three = next(it for it in pool if len(it.options) == 3 and "\n" not in it.question)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from harness.datasets.synthetic.tasks import items
+
 _WORDS = ("price 128 yuan", "open 9:00-21:00", "step 2: mix", "total 3,450", "ISBN 978-7",
           "2025-06-01", "No. 42 Road", "Tel 010-8888", "50% off", "sugar 30 g", "flour 200 g",
           "bus 14 / 27", "Room 301", "Gate B", "score 9.2", "size M / L")
@@ -94,8 +96,6 @@ def write_rag_igbench(out_dir: str | Path, rag_items: list, id_base: int = 90000
 def make_rag_igbench_sample(out_dir: str | Path, seed: int = 0, n: int = 12) -> Path:
     """The bundled sample: ``n`` held-out RAG items of the task suite (``synthetic_tasks``); returns the data
     file. Text images are the OCR kind, scene images the shape kind."""
-    from harness.datasets.synthetic.tasks import items
-
     return write_rag_igbench(out_dir, items("rag", "heldout", n, seed))
 
 

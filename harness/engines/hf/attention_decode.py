@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from harness.engines.hf import decode_forward as hf_decode_forward
+
 NAME = "harness_decode_attention"
 CHOICES = ("auto", "triton", "sdpa")
 _REGISTERED = False
@@ -99,7 +101,5 @@ def install(model: torch.nn.Module) -> str | None:
 def install_decode_path(model: torch.nn.Module) -> tuple[str | None, int]:
     """The kernel (:func:`install`) plus the packed-QKV decode forward of ``hf_decode_forward``: (why the kernel is
     not in, or None; how many attention layers took the packed forward)."""
-    from harness.engines.hf import decode_forward as hf_decode_forward
-
     why_not = install(model)
     return why_not, (hf_decode_forward.install(model) if why_not is None else 0)

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from harness.kernels.attention_lse import sdpa_with_lse
+
 ATTN_NAME = "harness_lse_capture"
 _REGISTERED = False
 
@@ -41,8 +43,6 @@ class _ConfigView:
 
 def lse_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``AttentionInterface`` function: SDPA's result, plus the LSE appended to ``module._harness_lse``."""
-    from harness.kernels.attention_lse import sdpa_with_lse
-
     store = getattr(module, "_harness_lse", None)
     if attention_mask is None and not dropout and query.shape[1] == key.shape[1]:
         out, lse = sdpa_with_lse(query, key, value, scaling)

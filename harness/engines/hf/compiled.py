@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from harness.config.paths import cache_path
+
 __all__ = ["compile_regions", "decoding", "is_decoding", "CompileInfo"]
 
 _DECODING = [False]
@@ -57,8 +59,6 @@ class CompileInfo(dict):
 
 
 def _cache_dir() -> str:
-    from harness.config.paths import cache_path
-
     # torch sets TORCHINDUCTOR_CACHE_DIR to /tmp/torchinductor_<user> itself when it is unset, so an inherited
     # value cannot be told from a chosen one: HARNESS_INDUCTOR_CACHE chooses, else $HARNESS_CACHE/inductor
     path = os.environ.get("HARNESS_INDUCTOR_CACHE") or cache_path("inductor")

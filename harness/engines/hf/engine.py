@@ -25,6 +25,13 @@ from harness.engines.base import Generation, Request, TechniqueNotAvailable, gen
 
 # resolve_device / resolve_dtype live in harness.models.load (a technique or tool needs them without the engine)
 from harness.models.load import _DTYPES, resolve_device, resolve_dtype  # noqa: F401
+from harness.models.families import family_of
+from harness.models.load import load_processor, model_class_for
+from harness.models.real_shapes import family_settings, shapes_hf_config, shapes_model_for_engine
+from harness.results.envinfo import device_name, package_version
+from harness.techniques.moe_routing import routing_settings
+from harness.techniques.moe_topk import moe_settings
+from harness.techniques.offload.timing import offload_summary
 
 
 def resolve_experts_implementation(name: str | None, device: str) -> str | None:
@@ -130,11 +137,7 @@ class HFEngine:
                  moe_cfg: Any = None, offload_cfg: Any = None, shapes_cfg: Any = None, seed: int = 0):
         import torch
 
-        from harness.techniques.moe_topk import moe_settings
-
         moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before the model loads
-        from harness.techniques.moe_routing import routing_settings
-
         routing_settings(moe_cfg)  # moe.routing too
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
@@ -145,8 +148,6 @@ class HFEngine:
         self.attn_implementation = engine_cfg.attn_implementation
         self.device_map = getattr(engine_cfg, "device_map", None)
         if shapes_cfg is not None and getattr(shapes_cfg, "arch", None):  # random weights, built on the device
-            from harness.models.real_shapes import family_settings, shapes_hf_config, shapes_model_for_engine
-
             # the family's refusals before a (possibly 57 GiB) build, as for a checkpoint
             self._family_checks(shapes_hf_config(shapes_cfg), visionzip_cfg, offload_cfg)
             self.model, self.processor, self.shapes_info = shapes_model_for_engine(
@@ -157,8 +158,6 @@ class HFEngine:
                                                 engine_cfg.attn_implementation)[0]
         else:
             from transformers import AutoConfig
-
-            from harness.models.load import load_processor, model_class_for
 
             hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             model_cls = model_class_for(hf_config)  # the family's auto class (text-only families: causal LM)
@@ -253,8 +252,6 @@ class HFEngine:
     def _family_checks(hf_config: Any, visionzip_cfg: Any, offload_cfg: Any):
         """The checkpoint's family; refuses, before the weights load, what the family cannot do (one line,
         ``TechniqueNotAvailable``: the CLI prints it and exits 2)."""
-        from harness.models.families import family_of
-
         family = family_of(hf_config)
         name = family.name if family is not None else getattr(hf_config, "model_type", "?")
         if visionzip_cfg is not None and getattr(visionzip_cfg, "keep", 1.0) < 1.0:
@@ -327,8 +324,6 @@ class HFEngine:
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        from harness.results.envinfo import device_name, package_version
-
         return {
             "engine": self.name,
             "engine_version": package_version("transformers"),
@@ -422,8 +417,6 @@ class HFEngine:
         if self.moe is not None:
             out["moe"] = self.moe.stats()
         if self.offload is not None:
-            from harness.techniques.offload.timing import offload_summary
-
             out["offload"] = offload_summary(self.offload)
         return out
 

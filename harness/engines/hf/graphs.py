@@ -120,14 +120,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 # --------------------------------------------------------------------------------- SERE bookkeeping
+#: the per-block attributes that name an installed routing handle (``RoutingHandle.slot`` of each technique)
+ROUTING_SLOTS = ("_harness_topk", "_harness_sere", "_harness_routing_baseline")
 
 
 def _sere_handles(model: torch.nn.Module) -> list:
     """Installed routing handles (``hf_routing.RoutingHandle``: every MoE block carries SERE's
-    ``hf_sere.SereHandle`` as ``_harness_sere``, and a ``moe.top_k`` handle as ``_harness_topk``)."""
+    ``hf_sere.SereHandle`` as ``_harness_sere``, a ``moe.top_k`` handle as ``_harness_topk`` and a ``moe.routing``
+    baseline's as ``_harness_routing_baseline``). A handle missing here is still replayed (its ops are in the graph)
+    but its host-side step counts are not: ``moe.routing=top_p`` reported 0 decode steps on the H200 until its slot
+    was added (2026-12-03)."""
     found: dict[int, Any] = {}
     for module in model.modules():
-        for slot in ("_harness_topk", "_harness_sere"):
+        for slot in ROUTING_SLOTS:
             handle = getattr(module, slot, None)
             if handle is not None and not getattr(handle, "removed", False):
                 found[id(handle)] = handle

@@ -26,8 +26,15 @@ import torch
 
 from harness.kernels.fused_moe import fused_moe
 from harness.kernels.fused_moe_reference import fused_moe_reference
+from harness.models.moe_blocks import find_moe_blocks
 from harness.techniques.offload.cache import ExpertCache
-from harness.techniques.offload.policy import Geometry, PolicyContext, make_policy, policy_class
+from harness.techniques.offload.gate_read import GateReader
+from harness.techniques.offload.lease import lease_params
+from harness.techniques.offload.policy import make_policy, policy_class, Geometry, PolicyContext
+from harness.techniques.offload.prefetch import prefetch_settings
+from harness.techniques.offload.store import ExpertStore, Mover
+from harness.techniques.offload.timing import BatchTiming
+from harness.techniques.offload.trace_io import load_trace, TraceRecorder
 
 __all__ = ["NAME", "register", "OffloadRuntime", "install_offload", "resolve_capacity"]
 
@@ -76,9 +83,6 @@ class OffloadRuntime:
     """Everything installed on one model: store, mover, cache, hooks, optional trace recorder."""
 
     def __init__(self, model: torch.nn.Module, cfg: Any, device: str, batch_size: int = 1):
-        from harness.techniques.offload.store import ExpertStore, Mover
-        from harness.models.moe_blocks import find_moe_blocks
-
         self.cfg = cfg
         self.device = torch.device(device)
         blocks = find_moe_blocks(model)
@@ -97,16 +101,11 @@ class OffloadRuntime:
                                  tuple(r.layer for r in blocks))
         trace = None
         if cfg.get("trace"):
-            from harness.techniques.offload.trace_io import load_trace
-
             trace = load_trace(cfg.get("trace"))
         params = dict(cfg.get("params") or {})
         params.setdefault("batch_size", batch_size)
         if name == "lease":  # offload-lease (additive): offload.threshold and offload.lease.* reach the policy
-            from harness.techniques.offload.lease import lease_params
-
             params = lease_params(cfg, params)
-        from harness.techniques.offload.gate_read import GateReader
 
         # the next layer's gate guess is read in the same device→host transfer as each layer's own ids
         # (issue 27: a second read after the kernel left the GPU idle while the policy decided)
@@ -143,17 +142,13 @@ class OffloadRuntime:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.mover = Mover(self.store, capacity, self.device)
-        from harness.techniques.offload.prefetch import prefetch_settings  # offload-prefetch: offload.prefetch.* admission
 
         self.cache = ExpertCache(self.geometry, self.policy, self.mover, int(cfg.get("warm_after_tokens", 8)),
                                  prefetch=prefetch_settings(cfg))
-        from harness.techniques.offload.timing import BatchTiming
 
         self.timing = BatchTiming()
         self.recorder = None
         if cfg.get("record_trace"):
-            from harness.techniques.offload.trace_io import TraceRecorder
-
             self.recorder = TraceRecorder(list(self.geometry.layer_ids))
         register()
         for i, r in enumerate(blocks):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.models.moe_blocks import find_moe_blocks
+
 CLASSES = ("Qwen3VLMoeTextTopKRouter", "Qwen3MoeTopKRouter")
 CHOICES = ("auto", "triton", "torch")
 MAX_TOKENS = 256
@@ -53,7 +55,6 @@ def install(model: torch.nn.Module) -> int:
     Qwen3.5-MoE, Qwen3-Next); for a model type no family claims, the :data:`CLASSES`. Other families (Mixtral's
     float32 weights, DeepSeek, GPT-OSS) keep transformers' router: not an error, ``describe()`` says 0 layers."""
     from harness.kernels.router import moe_router
-    from harness.models.moe_blocks import find_moe_blocks
 
     n = 0
     for ref in find_moe_blocks(model):

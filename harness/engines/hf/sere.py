@@ -66,8 +66,9 @@ from harness.engines.hf.routing import (  # noqa: F401 (the hook mechanism; thes
     model_eos_ids,
     refuse_if_installed,
 )
+from harness.engines.hf.routing import triton_wanted
 from harness.models.moe_blocks import find_moe_blocks
-from harness.techniques.sere.reroute import check_reroute_args
+from harness.techniques.sere.reroute import check_reroute_args, reroute as reference
 
 __all__ = ["MODES", "SereHandle", "install_sere", "sere_from_config"]
 
@@ -80,9 +81,6 @@ def _default_op() -> Callable:
     Which one runs is ``routing.triton_wanted`` (the rule the statistics follow too); the kernel is checked
     against the reference in tests/kernels/test_reroute.py, and in the engine by tests/engines/hf/test_hf_sere.py
     with ``INTERPRETER_AUTO`` up."""
-    from harness.engines.hf.routing import triton_wanted
-    from harness.techniques.sere.reroute import reroute as reference
-
     try:
         from harness.kernels.reroute import reroute_op
     except ImportError:  # no Triton on this platform: the reference has the same semantics

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from harness.engines.hf.routing import RoutedLayer, RoutingHandle, attach, refuse_if_installed
+from harness.engines.hf.routing import attach, refuse_if_installed, RoutedLayer, RoutingHandle
 from harness.models.moe_blocks import find_moe_blocks
-from harness.techniques.moe_topk import SCOPES, pad_routing, truncate_routing
+from harness.techniques.moe_topk import moe_settings, pad_routing, truncate_routing, SCOPES
 
 __all__ = ["TopKHandle", "install_topk", "topk_from_config"]
 
@@ -118,8 +118,6 @@ def install_topk(model: torch.nn.Module, top_k: int, scope: str = "decode", *, c
 def topk_from_config(model: torch.nn.Module, moe_cfg: Any, sere_cfg: Any = None,
                      eos_token_ids: Any = None) -> TopKHandle | None:
     """``moe`` config group → installed handle, or None when ``moe.top_k`` is null."""
-    from harness.techniques.moe_topk import moe_settings
-
     settings = moe_settings(moe_cfg, sere_cfg)
     if settings is None:
         return None

@@ -79,14 +79,9 @@ from typing import Any
 
 import torch
 
-from harness.techniques.visionzip.pruning import (
-    SCOPES,
-    compress_image,
-    merge_unit_scores,
-    merge_units,
-    select_tokens,
-)
+from harness.engines.hf.attention_lse import capture_block_lse
 from harness.techniques.visionzip.baselines import baseline_scores, check_method, pool_counts, pool_image
+from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens, SCOPES
 
 __all__ = [
     "RequestStats",
@@ -221,7 +216,6 @@ def encode_and_score(model, pixel_values: torch.Tensor, image_grid_thw: torch.Te
     log-sum-exp goes to the importance kernel (pass 2 only); False, or where no op returns it, the kernel's
     own LSE pass runs (``timings["lse_reused"]`` says which).
     """
-    from harness.engines.hf.attention_lse import capture_block_lse
     from harness.kernels.importance import compute_importance
 
     base = _base(model)

@@ -34,6 +34,9 @@ try:  # FastAPI injects the request by this annotation; vLLM's venv has it, the 
     from starlette.requests import Request
 except ImportError:  # pragma: no cover - the routes are only attached inside vllm serve
     Request = Any  # type: ignore[misc,assignment]
+from harness import __version__
+from harness.engines.vllm.settings import describe_env
+from harness.results.envinfo import package_version
 
 PLUGIN_NAME = "moe_vlm_harness"  # the general plugin's entry-point name (pyproject.toml)
 ENDPOINT_NAME = "moe_vlm_harness_endpoint"  # this plugin's
@@ -105,10 +108,7 @@ class HarnessEndpoint:
 
     async def techniques_report(self) -> dict[str, Any]:
         """The ``GET /harness/techniques`` answer (module doc)."""
-        from harness import __version__
         from harness.engines.vllm.plugin import STATE_METHOD
-        from harness.engines.vllm.settings import describe_env
-        from harness.results.envinfo import package_version
 
         try:
             from vllm.platforms import current_platform

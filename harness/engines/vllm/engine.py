@@ -44,11 +44,21 @@ import os
 import time
 from typing import Any
 
-from harness.engines.base import Generation, Request, generate_splitting
+from harness.engines.base import generate_splitting, Generation, Request
 from harness.engines.vllm.load import LoadMode, _LoopThread
 from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
 from harness.config.access import setting as _get  # one accessor for config groups in any form
+from harness.engines import compat
+from harness.engines.base import TechniqueNotAvailable
+from harness.engines.vllm.settings import ALL_ENV, MoeSettings
+from harness.engines.vllm.shapes import shapes_for_vllm
+from harness.engines.vllm.techniques import V1_RUNNER_ENV
+from harness.models.families import family_of
+from harness.models.load import load_processor
+from harness.results.envinfo import device_name, package_version
+from harness.techniques.moe_routing import routing_settings
+from harness.techniques.moe_topk import moe_settings
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -83,9 +93,6 @@ class VLLMEngine(ServeMode, LoadMode):
                  load_cfg: Any = None, max_images_per_prompt: int | None = None, seed: int = 0,
                  sere_trace: str | None = None, engine_kwargs: dict[str, Any] | None = None,
                  moe_cfg: Any = None, run_dir: str | None = None, shapes_cfg: Any = None):
-        from harness.engines import compat
-        from harness.techniques.moe_topk import moe_settings
-
         moe = moe_settings(moe_cfg, sere_cfg)  # a bad moe.* value fails before anything loads
         compat.install()
         self.load_cfg = load_cfg
@@ -98,7 +105,6 @@ class VLLMEngine(ServeMode, LoadMode):
                                           "checkpoint directory; use load.qps without load.endpoint (AsyncLLM)")
             if self.visionzip is not None:
                 raise NotImplementedError("visionzip.keep < 1 with the text-only shapes model in engine=vllm")
-            from harness.engines.vllm.shapes import shapes_for_vllm
 
             self.shapes = shapes_for_vllm(shapes_cfg, run_dir)
         self.model_path = str(self.shapes.directory if self.shapes is not None else model_path)
@@ -120,14 +126,9 @@ class VLLMEngine(ServeMode, LoadMode):
         else:
             from transformers import AutoConfig
 
-            from harness.models.families import family_of
-            from harness.models.load import load_processor
-
             hf_cfg = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
             family = family_of(hf_cfg)
             if family is not None and family.vllm_cpu and self.device == "cpu":
-                from harness.engines.base import TechniqueNotAvailable
-
                 raise TechniqueNotAvailable(f"engine=vllm on CPU, model family {family.name}: {family.vllm_cpu}")
             if family is not None and self.device == "cpu":
                 self.family_cpu_args = dict(family.vllm_cpu_args)
@@ -140,10 +141,8 @@ class VLLMEngine(ServeMode, LoadMode):
         self.ignore_eos = bool(_get(generation_cfg, "ignore_eos", False))  # generation=synthetic_load
         self.sere = None if remote else resolve_sere(sere_cfg, self.model_path, model_id, shapes=self.shapes,
                                                      seed=self.seed)
-        from harness.engines.vllm.settings import MoeSettings
 
         self.moe = MoeSettings(*moe) if moe is not None and not remote else None  # HARNESS_MOE_* (vllm.topk)
-        from harness.techniques.moe_routing import routing_settings
 
         routing = routing_settings(moe_cfg)  # moe.routing (issue 31): the torch routing function of vllm.topk
         if routing is not None and not remote:
@@ -175,10 +174,6 @@ class VLLMEngine(ServeMode, LoadMode):
         return _get(self.load_cfg, "qps") is not None
 
     def _export_env(self) -> None:
-        from harness.engines.vllm.settings import ALL_ENV
-
-        from harness.engines.vllm.techniques import V1_RUNNER_ENV
-
         wanted = plugin_env(self.sere, self.visionzip, self.moe)
         for key in (*ALL_ENV, V1_RUNNER_ENV) if V1_RUNNER_ENV in wanted else ALL_ENV:
             if key not in self._env_saved:
@@ -253,11 +248,7 @@ class VLLMEngine(ServeMode, LoadMode):
 
     # -- public API -------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        from harness.results.envinfo import package_version
-
         try:
-            from harness.results.envinfo import device_name
-
             dev_name = device_name(self.device)
         except Exception:  # noqa: BLE001
             dev_name = None

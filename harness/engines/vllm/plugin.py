@@ -40,10 +40,13 @@ import logging
 import os
 from typing import Any
 
+from harness.engines import compat
 from harness.engines.vllm import routing as _routing
+from harness.engines.vllm.sere import SereArtifacts, sere_stats
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
-from harness.engines.vllm.state import LOCK as _LOCK
-from harness.engines.vllm.state import STATE as _STATE
+from harness.engines.vllm.state import LOCK as _LOCK, STATE as _STATE
+from harness.engines.vllm.topk import MOE_STATS_METHOD, TopKRouting, moe_stats
+from harness.models.families import all_families, family_of
 
 logger = logging.getLogger("harness.engines.vllm.plugin")
 
@@ -101,8 +104,6 @@ def family_modules() -> list[Any]:
     qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, gpt_oss, qwen3_next), those this vLLM has."""
     import importlib
 
-    from harness.models.families import all_families
-
     names: list[str] = []
     for family in all_families():
         names += [n for n in family.vllm_modules if n not in names]
@@ -124,7 +125,6 @@ def served_family() -> tuple[Any, Any]:
         hf_config = get_current_vllm_config().model_config.hf_config
     except Exception:  # noqa: BLE001 - no config in this context: the generic (Qwen3) routing
         return None, None
-    from harness.models.families import family_of
 
     family = family_of(hf_config)
     return (family, family.routing_rule(hf_config)) if family is not None else (None, None)
@@ -284,9 +284,6 @@ def _patch_worker_stats_method() -> None:
     ``harness_moe_stats`` for ``moe.top_k`` (``harness.engines.vllm.topk.moe_stats``)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from harness.engines.vllm.sere import sere_stats
-    from harness.engines.vllm.topk import MOE_STATS_METHOD, moe_stats
-
     if not hasattr(WorkerBase, STATS_METHOD):
         setattr(WorkerBase, STATS_METHOD, lambda self, reset=False: sere_stats(self, reset))
     if not hasattr(WorkerBase, MOE_STATS_METHOD):
@@ -301,8 +298,6 @@ def register() -> None:
         if not _STATE["registered"]:
             _STATE["registered"] = True
             try:
-                from harness.engines import compat
-
                 compat.install()
             except Exception:  # noqa: BLE001 - a failed shim shows up later as transformers' own error
                 logger.exception("harness.engines.compat.install failed")
@@ -318,8 +313,6 @@ def register() -> None:
         if vz is not None:
             _STATE["visionzip"] = vz
         settings = SereSettings.from_env()
-        from harness.engines.vllm.topk import TopKRouting
-
         moe = MoeSettings.from_env()
         _STATE["moe"] = moe  # with SERE too: SERE's routing function truncates first (vllm.topk)
         if moe is not None:
@@ -335,8 +328,6 @@ def register() -> None:
         if _STATE["sere"] is not None:
             _STATE["routing"] = _STATE.get("sere_artifacts")
             return
-        from harness.engines.vllm.sere import SereArtifacts
-
         artifacts = SereArtifacts(settings)
         _STATE["sere"] = settings
         _STATE["sere_artifacts"] = artifacts

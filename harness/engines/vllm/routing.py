@@ -37,6 +37,7 @@ import threading
 from typing import Any, Callable
 
 from harness.kernels.fused_routing_reference import RoutingSpec
+from harness.techniques.sere.graphs import capturing, StepRows
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -65,8 +66,6 @@ class DecodeRows:
     before every step, frozen before graphs are captured, all False in dummy / profile runs)."""
 
     def __init__(self) -> None:
-        from harness.techniques.sere.graphs import StepRows
-
         self.steps = StepRows(capacity=256)
         self.real = StepRows(capacity=256)  # the step's real (non-padding) rows: what ``moe.top_k`` scope all counts
         self.dummy = 0  # > 0 while inside a dummy / profile run
@@ -167,8 +166,6 @@ def make_fused_routing_function(layer: int, *, trunc_k: int | None = None, trunc
     (:func:`native_rule`). Any other rule (DeepSeek-V2: softmax with groups ranked by their best score) runs the
     op on the rule's rank key and recomputes the weights with torch ops (:func:`family_routing`)."""
     import torch
-
-    from harness.techniques.sere.graphs import capturing
 
     op = op or _routing_op()
     per_key: dict[tuple, tuple] = {}

@@ -22,10 +22,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from harness.engines.vllm.routing import Trace, counters_summary, layer_index, make_fused_routing_function
-from harness.engines.vllm.settings import SereSettings, routing_stats_enabled
+from harness.engines.vllm.routing import counters_summary, layer_index, make_fused_routing_function, Trace
+from harness.engines.vllm.settings import routing_stats_enabled, SereSettings
 from harness.engines.vllm.state import STATE
+from harness.engines.vllm.topk import layer_stats
+from harness.techniques.sere.calibration import load_similarity
 from harness.techniques.sere.graphs import RoutingCounters
+from harness.techniques.sere.protection import load_protection
 
 __all__ = ["SereArtifacts", "counters_summary", "make_routing_function", "sere_stats"]
 
@@ -62,14 +65,10 @@ class SereArtifacts:
     """Similarity / protection tensors per layer, loaded once per process."""
 
     def __init__(self, settings: SereSettings) -> None:
-        from harness.techniques.sere.calibration import load_similarity
-
         self.settings = settings
         self.similarity, _ = load_similarity(settings.similarity_path)
         self.protected: dict[int, Any] = {}
         if settings.protection_path:
-            from harness.techniques.sere.protection import load_protection
-
             self.protected, _ = load_protection(settings.protection_path, n=settings.protect)
         self.trace = Trace(settings.trace_path) if settings.trace_path else None
 
@@ -92,8 +91,6 @@ class SereArtifacts:
         moe = STATE.get("moe")  # moe.top_k as well: SERE re-routes the truncated routing (vllm.topk)
         moe_stats = None
         if moe is not None and routing_stats_enabled():
-            from harness.engines.vllm.topk import layer_stats
-
             moe_stats = layer_stats(layer, num_experts if num_experts is not None else sim.shape[0], prefix)
         return make_routing_function(layer, sim, self.settings.k_primary, self.settings.rho, prot, self.trace,
                                      stats=stats, truncate=moe, truncate_stats=moe_stats, rule=rule, bias=bias)

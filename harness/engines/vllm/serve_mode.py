@@ -27,10 +27,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.config.access import setting as _get
 from harness.engines.base import Generation, Request
 from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, stream_chat
 from harness.engines.vllm.load import drive_load, load_settings
-from harness.config.access import setting as _get
+from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
+from harness.engines.vllm.techniques import plugin_env, SereSetup
 
 CLIENT = "vllm serve: OpenAI chat completions, streamed over HTTP"
 
@@ -44,8 +46,6 @@ def expected_state(sere: Any, visionzip: Any, moe: Any) -> dict[str, dict | None
     """What a worker's ``harness_plugin_state`` must say for these settings (``sere`` a ``SereSetup``)."""
     from dataclasses import asdict
 
-    from harness.engines.vllm.settings import SereSettings
-
     return {"sere": asdict(SereSettings.from_env(sere.env())) if sere is not None else None,
             "visionzip": asdict(visionzip) if visionzip is not None else None,
             "moe": asdict(moe) if moe is not None else None}
@@ -53,9 +53,6 @@ def expected_state(sere: Any, visionzip: Any, moe: Any) -> dict[str, dict | None
 
 def settings_from_report(state: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(SereSetup | None, VisionZipSettings | None, MoeSettings | None) a worker reports."""
-    from harness.engines.vllm.settings import MoeSettings, VisionZipSettings
-    from harness.engines.vllm.techniques import SereSetup
-
     s = state.get("sere")
     sere = SereSetup(k=int(s["k_primary"]), rho=float(s["rho"]), similarity_path=s["similarity_path"],
                      protection_path=s.get("protection_path"), protect=s.get("protect"),
@@ -122,7 +119,6 @@ class ServeMode:
 
     def _start_server(self, run_dir: str | None) -> None:
         from harness.engines.vllm.serve import VLLMServer
-        from harness.engines.vllm.techniques import plugin_env
 
         log_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="harness-vllm-serve-"))
         self._server = VLLMServer.start(self.model_path, self._engine_args(),

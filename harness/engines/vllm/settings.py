@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from harness.techniques.moe_topk import SCOPES
+
 ENV_K = "HARNESS_SERE_K"
 ENV_RHO = "HARNESS_SERE_RHO"
 ENV_SIMILARITY = "HARNESS_SERE_SIMILARITY"
@@ -128,8 +130,6 @@ class MoeSettings:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "MoeSettings | None":
-        from harness.techniques.moe_topk import SCOPES
-
         env = os.environ if env is None else env
         k = (env.get(ENV_MOE_TOP_K) or "").strip()
         routing = (env.get(ENV_MOE_ROUTING) or "").strip()

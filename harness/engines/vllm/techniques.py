@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.config.access import setting as _get  # one accessor for config groups in any form
+from harness.engines.hf.engine import resolve_device, resolve_dtype
+from harness.engines.vllm.settings import SereSettings, VisionZipSettings
+from harness.models.real_shapes import build_shapes_model
 
 
 @dataclass
@@ -37,8 +40,6 @@ class SereSetup:
     calibrated_on: str | None = None  # what a similarity computed here was calibrated on (a shapes model)
 
     def env(self) -> dict[str, str]:
-        from harness.engines.vllm.settings import SereSettings
-
         return SereSettings(self.k, self.rho, self.similarity_path, self.protection_path, self.protect,
                             self.trace_path).env()
 
@@ -53,8 +54,6 @@ def calibration_model(model_path: str, shapes: Any = None, seed: int = 0):
 
     if shapes is None:
         return load_model_for_calibration(str(model_path))
-    from harness.engines.hf.engine import resolve_device, resolve_dtype
-    from harness.models.real_shapes import build_shapes_model
 
     device = resolve_device("auto")
     return build_shapes_model(shapes.config, device, resolve_dtype("auto", device), seed=seed), shapes.tokenizer
@@ -131,7 +130,6 @@ def resolve_visionzip(vz_cfg: Any):
     keep = float(_get(vz_cfg, "keep", 1.0) or 1.0)
     if vz_cfg is None or keep >= 1.0:
         return None
-    from harness.engines.vllm.settings import VisionZipSettings
 
     scope = str(_get(vz_cfg, "scope", "request"))
     contextual = float(_get(vz_cfg, "contextual", 0.0) or 0.0)

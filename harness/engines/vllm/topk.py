@@ -29,9 +29,10 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from harness.engines.vllm.routing import counters_summary, layer_index, make_fused_routing_function
-from harness.engines.vllm.settings import MoeSettings, routing_stats_enabled
+from harness.engines.vllm.routing import counters_summary, layer_index, make_fused_routing_function, stock_topk, DECODE
+from harness.engines.vllm.settings import routing_stats_enabled, MoeSettings
 from harness.engines.vllm.state import STATE
+from harness.techniques.moe_routing import random_p, top_p, ROUTINGS
 from harness.techniques.sere.graphs import RoutingCounters
 
 MOE_STATS_METHOD = "harness_moe_stats"
@@ -56,9 +57,6 @@ def make_baseline_routing_function(layer: int, routing: str, k_primary: int = 2,
     rows keep the stock routing), in vLLM's padded form (weights float32, ids int32). One generator per
     device, seeded with ``seed``. Not graph-safe (``random_p`` draws; eager or prefill-only use)."""
     import torch
-
-    from harness.engines.vllm.routing import DECODE, stock_topk
-    from harness.techniques.moe_routing import ROUTINGS, random_p, top_p
 
     if routing not in ROUTINGS:
         raise ValueError(f"moe.routing={routing!r}: expected one of {ROUTINGS}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.engines.vllm import lse_capture
 from harness.engines.vllm.settings import ENV_VZ_KEEP, VZ_ARCH, VisionZipSettings
 
 _VZ_CLASSES: dict[str, Any] = {}
@@ -51,7 +52,6 @@ def _visionzip_classes() -> dict[str, Any]:
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.processing import PromptReplacement
 
-    from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
     from harness.techniques.visionzip.pruning import merge_unit_scores, select_tokens
 

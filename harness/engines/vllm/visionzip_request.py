@@ -44,8 +44,12 @@ import hashlib
 import json
 from typing import Any
 
+from harness.engines import compat
+from harness.engines.vllm import lse_capture
 from harness.engines.vllm.settings import ENV_VZ_SCOPE, ENV_VZ_SPAN_TEXT, VZ_REQUEST_ARCH, VisionZipSettings
-from harness.techniques.visionzip.bundle import SpanLayout, decode_ints, encode_ints
+from harness.techniques.visionzip.baselines import baseline_scores, pool_counts, pool_image
+from harness.techniques.visionzip.bundle import decode_ints, encode_ints, SpanLayout
+from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens
 
 POS_CHANNELS = 8  # (t, h, w, row) × (hi, lo)
 
@@ -80,7 +84,6 @@ def request_scope_classes() -> dict[str, Any]:
     """Build (once) the processor, info, dummy builder and model of the ``scope=request`` architecture."""
     if _CLASSES:
         return _CLASSES
-    from harness.engines import compat
 
     compat.install()  # vLLM's qwen3_vl imports need the torchvision-free shims (no-op where torchvision loads)
     import torch
@@ -98,10 +101,7 @@ def request_scope_classes() -> dict[str, Any]:
         PlaceholderRange,
     )
 
-    from harness.engines.vllm import lse_capture
     from harness.kernels.importance import compute_importance
-    from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens
-    from harness.techniques.visionzip.baselines import baseline_scores, pool_counts, pool_image
 
     def settings() -> VisionZipSettings:
         st = VisionZipSettings.from_env()

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from harness.models.families import get
+from harness.models.tiny import build_once, build_tokenizer, default_cache_dir, MARKER, TinyModelSpec
 
 __all__ = ["FORMAT_VERSION", "build_tiny_family", "ensure_tiny_family", "tiny_family_fingerprint"]
 
@@ -31,8 +32,6 @@ def tiny_family_fingerprint(name: str, seed: int = 0) -> str:
 
 def ensure_tiny_family(name: str, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """The directory of family ``name``'s tiny random checkpoint, built on first use."""
-    from harness.models.tiny import build_once, default_cache_dir
-
     fam = get(name)
     if fam.tiny is None:
         raise ValueError(f"model family {name!r} has no tiny random builder here"
@@ -89,8 +88,6 @@ def build_tiny_family(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write family ``name``'s tiny random checkpoint to ``out_dir`` (module doc)."""
     import torch
     import transformers
-
-    from harness.models.tiny import MARKER, TinyModelSpec, build_tokenizer
 
     fam = get(name)
     config, cls = fam.tiny(seed)

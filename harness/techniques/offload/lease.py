@@ -49,7 +49,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from harness.techniques.offload.policy import Clock, OffloadPolicy, PolicyContext, register_policy
+from harness.techniques.offload.policies import rank_gate_guess
+from harness.techniques.offload.policy import register_policy, Clock, OffloadPolicy, PolicyContext
 
 __all__ = ["LeaseSettings", "LeasePolicy", "SCORES", "GRACE_MODES", "PREFETCH", "dynamic_grace_ms", "lease_params"]
 
@@ -357,7 +358,6 @@ class LeasePolicy(OffloadPolicy):
                 or clock.phase != "decode"):
             return ()
         ids = self.ctx.gate(nxt, hidden)
-        from harness.techniques.offload.policies import rank_gate_guess
 
         experts = rank_gate_guess(ids, self.geometry.num_experts)  # best first: the cache admits the first few
         return [(nxt, e) for e in experts]

@@ -66,6 +66,8 @@ from harness.models.moe_blocks import (  # noqa: F401 (model-structure helpers, 
     find_moe_blocks,
     model_fingerprint,
 )
+from harness import __version__
+from harness.config.paths import open_new, remove_stale_temporaries, write_atomic
 
 __all__ = [
     "ALGO_VERSION", "DEFAULT_TEXT_PATH", "MoeBlockRef", "calibration_sequences", "collect_moe_inputs",
@@ -335,8 +337,6 @@ def _now() -> str:
 
 
 def _harness_version() -> str:
-    from harness import __version__
-
     return __version__
 
 
@@ -387,8 +387,6 @@ def _atomic_save(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[
 
     import socket
     import uuid
-
-    from harness.config.paths import open_new, remove_stale_temporaries, write_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

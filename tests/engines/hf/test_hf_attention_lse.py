@@ -95,9 +95,10 @@ def test_scores_with_and_without_reuse_agree_and_use_the_lse(tiny_inputs, monkey
     assert t_on["lse_reused"] is True and t_off["lse_reused"] is False
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
 
-    import harness.kernels.attention_lse as al
+    import harness.engines.hf.attention_lse as hf_lse  # the name as the scoring hook imported it
 
-    real = al.sdpa_with_lse
-    monkeypatch.setattr(al, "sdpa_with_lse", lambda *a, **kw: (lambda o, l: (o, l + math.log(2.0)))(*real(*a, **kw)))
+    real = hf_lse.sdpa_with_lse
+    monkeypatch.setattr(hf_lse, "sdpa_with_lse",
+                        lambda *a, **kw: (lambda o, l: (o, l + math.log(2.0)))(*real(*a, **kw)))
     _, halved, _, _ = encode_and_score(model, pv, grid)
     torch.testing.assert_close(halved, on / 2, rtol=1e-5, atol=1e-5)

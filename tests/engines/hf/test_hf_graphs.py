@@ -682,3 +682,20 @@ def test_gpu_lookahead_equals_the_plain_loop(gpu_model, images, monkeypatch):
     a, b = plain.generate(inputs, NEW), ahead.generate(inputs, NEW)
     assert (a.tokens, len(a.times), a.mode) == (b.tokens, len(b.times), b.mode) and len(b.times) == 1
     assert ahead.captures == plain.captures == 0
+
+
+def test_every_routing_technique_is_replayed_with_its_counts():
+    """A CUDA-graph replay re-runs a handle's ops but not its Python step counting; ``_sere_handles`` adds the
+    captured step's counts back per replay for every handle it finds. Every routing technique's slot must be
+    there: ``moe.routing=top_p`` reported 0 decode steps on the H200 while its slot was missing."""
+    from harness.engines.hf import routing_baselines, sere, topk  # noqa: F401 - the subclasses
+    from harness.engines.hf.graphs import ROUTING_SLOTS
+    from harness.engines.hf.routing import RoutingHandle
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    slots = {cls.slot for cls in subclasses(RoutingHandle)}
+    assert slots and slots <= set(ROUTING_SLOTS), slots - set(ROUTING_SLOTS)
