@@ -46,6 +46,7 @@ class ModelConfig:
     max_images_per_prompt: int = 64
     shapes: ShapesConfig = field(default_factory=ShapesConfig)
     family: Optional[str] = None  # embedded: true + a family (harness/models/families): its tiny random model
+    multimodal: bool = False  # with family: the family's tiny model with its vision tower and image processor
 
 
 @dataclass

@@ -59,9 +59,11 @@ def resolve_model(model_cfg: Any) -> tuple[str, dict[str, Any]]:
                                          "shapes_of": ARCHS[shapes.arch]["checkpoint"], "config": config}
     family = model_cfg.get("family") if hasattr(model_cfg, "get") else getattr(model_cfg, "family", None)
     if model_cfg.embedded and family:  # a family's tiny random checkpoint (harness.models.families.build)
-        path = ensure_tiny_family(str(family), int(model_cfg.seed))
-        return str(path), {"name": model_cfg.name, "path": str(path), "family": str(family),
-                           "fingerprint": tiny_family_fingerprint(str(family), int(model_cfg.seed)),
+        multimodal = bool(model_cfg.get("multimodal", False) if hasattr(model_cfg, "get")
+                          else getattr(model_cfg, "multimodal", False))
+        path = ensure_tiny_family(str(family), int(model_cfg.seed), multimodal=multimodal)
+        return str(path), {"name": model_cfg.name, "path": str(path), "family": str(family), "multimodal": multimodal,
+                           "fingerprint": tiny_family_fingerprint(str(family), int(model_cfg.seed), multimodal),
                            "weights": "random-init"}
     if model_cfg.embedded:
         spec = TinyModelSpec(seed=model_cfg.seed)

@@ -163,7 +163,8 @@ class MoeFamily:
     engine on CPU only; a user's ``engine_kwargs`` still win). ``refuse``:
     technique → one-line reason it is refused on this family. ``router_kernel``: the project's Triton router
     (``engine.decode_router``) computes this family's rule. ``tiny``: seed → (config, model class name) of
-    the family's tiny random test model. ``attention``: the HF attention implementation the family needs in
+    the family's tiny random test model; ``tiny_vl``: (seed, the tokenizer's special ids) → (config, class name) of
+    its tiny multimodal model, for a family whose checkpoints carry a vision tower. ``attention``: the HF attention implementation the family needs in
     place of ``sdpa`` (transformers has no SDPA path for GPT-OSS's sinks).
     """
 
@@ -183,6 +184,7 @@ class MoeFamily:
     refuse: dict[str, str] = field(default_factory=dict)
     router_kernel: bool = False
     tiny: Callable[[int], tuple[Any, str]] | None = None
+    tiny_vl: Callable[[int, dict[str, int]], tuple[Any, str]] | None = None
     attention: str | None = None  # the attention implementation transformers needs for it (GPT-OSS: eager)
     real: dict[str, str] = field(default_factory=dict)  # checkpoint names of the family's real models
 

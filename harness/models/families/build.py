@@ -1,6 +1,6 @@
 """Tiny seeded random checkpoints of every family (``model=<family>_tiny_random``; tests), built locally.
 
-``ensure_tiny_family(name, seed)`` writes ``$HARNESS_CACHE/models/tiny-<family>-<hash>/`` once (atomically,
+``ensure_tiny_family(name, seed[, multimodal])`` writes ``$HARNESS_CACHE/models/tiny-<family>[-vl]-<hash>/`` once (atomically,
 ``harness.models.tiny.build_once``): the family's transformers config at tiny sizes (``MoeFamily.tiny``: vocab
 1024, hidden 64, 2 layers, head_dim >= 32, 8 experts, top-4, never ``hidden == 2 * moe_intermediate``), weights
 drawn by sorted name from one seeded generator (norms 1; routers sharper than uniform; router and selection
@@ -16,29 +16,54 @@ import json
 from pathlib import Path
 
 from harness.models.families import get
-from harness.models.tiny import build_once, build_tokenizer, default_cache_dir, MARKER, TinyModelSpec
+from harness.models.tiny import MARKER, TinyModelSpec, build_once, build_processor, build_tokenizer, default_cache_dir
 
 __all__ = ["FORMAT_VERSION", "build_tiny_family", "ensure_tiny_family", "tiny_family_fingerprint"]
 
 FORMAT_VERSION = 1
 
 
-def tiny_family_fingerprint(name: str, seed: int = 0) -> str:
+#: the tokenizer's special tokens a multimodal config names by id (``MoeFamily.tiny_vl``)
+_VL_TOKENS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start": "<|vision_start|>",
+              "vision_end": "<|vision_end|>", "eos": "<|im_end|>", "pad": "<|endoftext|>"}
+
+
+def _config(name: str, seed: int, multimodal: bool, tok=None):
+    fam = get(name)
+    if not multimodal:
+        return fam.tiny(seed)
+    if tok is None:
+        tok = build_tokenizer(TinyModelSpec(seed=seed))
+    return fam.tiny_vl(seed, {k: tok.convert_tokens_to_ids(v) for k, v in _VL_TOKENS.items()})
+
+
+def tiny_family_fingerprint(name: str, seed: int = 0, multimodal: bool = False) -> str:
+    """The checkpoint's identity: family, seed, class and config (a multimodal build: its text config, its
+    vision flag and the tiny embedded model's processor sizes, which the vision config copies)."""
     config, cls = get(name).tiny(seed)
-    blob = json.dumps({"family": name, "seed": seed, "cls": cls, "config": config.to_diff_dict(),
-                       "format": FORMAT_VERSION}, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    blob = {"family": name, "seed": seed, "cls": cls, "config": config.to_diff_dict(), "format": FORMAT_VERSION}
+    if multimodal:
+        spec = TinyModelSpec(seed=seed)
+        blob.update(multimodal=True, processor=[spec.patch_size, spec.spatial_merge_size, spec.temporal_patch_size,
+                                                spec.min_pixels, spec.max_pixels, spec.vocab_size])
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def ensure_tiny_family(name: str, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
-    """The directory of family ``name``'s tiny random checkpoint, built on first use."""
+def ensure_tiny_family(name: str, seed: int = 0, cache_dir: str | Path | None = None, multimodal: bool = False
+                       ) -> Path:
+    """The directory of family ``name``'s tiny random checkpoint (``multimodal``: with its vision tower and image
+    processor), built on first use."""
     fam = get(name)
     if fam.tiny is None:
         raise ValueError(f"model family {name!r} has no tiny random builder here"
                          + (" (the embedded model is model=tiny_random)" if name == "qwen3_vl_moe" else ""))
+    if multimodal and fam.tiny_vl is None:
+        raise ValueError(f"model family {name!r} has no tiny multimodal builder (model.multimodal=true): its tiny "
+                         "model is text-only")
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    return build_once(root / f"tiny-{name}-{tiny_family_fingerprint(name, seed)}",
-                      lambda tmp: build_tiny_family(name, tmp, seed))
+    tag = "-vl" if multimodal else ""
+    return build_once(root / f"tiny-{name}{tag}-{tiny_family_fingerprint(name, seed, multimodal)}",
+                      lambda tmp: build_tiny_family(name, tmp, seed, multimodal))
 
 
 def init_family_weights(model, seed: int) -> None:
@@ -84,14 +109,16 @@ def write_compatible_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_family(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write family ``name``'s tiny random checkpoint to ``out_dir`` (module doc)."""
+def build_tiny_family(name: str, out_dir: str | Path, seed: int = 0, multimodal: bool = False) -> Path:
+    """Write family ``name``'s tiny random checkpoint to ``out_dir`` (module doc); ``multimodal``: the family's
+    multimodal layout (``MoeFamily.tiny_vl``) with the tiny embedded model's image processor beside it."""
     import torch
     import transformers
 
-    fam = get(name)
-    config, cls = fam.tiny(seed)
-    tok = build_tokenizer(TinyModelSpec(seed=seed, vocab_size=config.vocab_size))
+    text_config, _ = get(name).tiny(seed)
+    spec = TinyModelSpec(seed=seed, vocab_size=text_config.vocab_size)
+    tok = build_tokenizer(spec)
+    config, cls = _config(name, seed, multimodal, tok)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, pad, None
     torch.manual_seed(seed)
@@ -102,9 +129,13 @@ def build_tiny_family(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     model.save_pretrained(out)
     write_compatible_config(out / "config.json")
-    tok.save_pretrained(out)
-    marker = {"name": f"tiny-{name}", "family": name, "weights": "random-init", "seed": seed,
-              "fingerprint": tiny_family_fingerprint(name, seed), "architecture": cls,
+    if multimodal:  # the processor writes the tokenizer too, with the chat template that places the images
+        build_processor(spec, tok).save_pretrained(out)
+    else:
+        tok.save_pretrained(out)
+    marker = {"name": f"tiny-{name}" + ("-vl" if multimodal else ""), "family": name, "weights": "random-init",
+              "seed": seed, "multimodal": multimodal,
+              "fingerprint": tiny_family_fingerprint(name, seed, multimodal), "architecture": cls,
               "parameters": sum(p.numel() for p in model.parameters())}
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out

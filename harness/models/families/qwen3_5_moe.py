@@ -25,10 +25,30 @@ def _tiny(seed: int):
                                 max_position_embeddings=4096, tie_word_embeddings=False), "Qwen3_5MoeForCausalLM"
 
 
+def _tiny_vl(seed: int, ids: dict[str, int]):
+    """The multimodal checkpoint's layout (``Qwen3_5MoeForConditionalGeneration``: a vision tower without deepstack
+    levels in front of the text model of :func:`_tiny`), with the tiny embedded model's patch, merge and temporal
+    sizes, so its image processor feeds it. Multimodal rotary: a quarter of each head rotated, split over
+    (t, h, w) and interleaved, as the real text_config."""
+    from transformers import Qwen3_5MoeConfig
+
+    text, _ = _tiny(seed)
+    text = text.to_dict()
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=256)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=ids["image"],
+                            video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
+                            vision_end_token_id=ids["vision_end"],
+                            tie_word_embeddings=False), "Qwen3_5MoeForConditionalGeneration"
+
+
 QWEN3_5_MOE = register(MoeFamily(
     name="qwen3_5_moe", model_types=("qwen3_5_moe", "qwen3_5_moe_text"), rule=lambda c: RoutingRule(renormalize=True),
     shared="shared_expert + sigmoid shared_expert_gate", vllm_modules=("qwen3_next",), vllm_cpu=_NO_VLLM_CPU,
-    refuse={"visionzip": _NO_VZ}, router_kernel=True, tiny=_tiny,
+    refuse={"visionzip": _NO_VZ}, router_kernel=True, tiny=_tiny, tiny_vl=_tiny_vl,
     real={"qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B"}))
 
 QWEN3_NEXT = register(MoeFamily(

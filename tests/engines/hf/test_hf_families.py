@@ -122,6 +122,39 @@ def test_cli_runs_sere_and_topk_on_the_family(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_runs_the_multimodal_qwen3_5_moe(tmp_path):
+    """``model=qwen3_5_moe_vl_tiny_random``: the multimodal checkpoint's layout (image-text-to-text class, the Qwen-VL
+    processor and chat template) answers the bundled RAG-IGBench rows with their images through SERE and
+    ``moe.top_k``; VisionZip is refused in one line (no deepstack levels)."""
+    run = tmp_path / "run"
+    proc = _harness("model=qwen3_5_moe_vl_tiny_random", "sere.k=2", "sere.rho=0", "moe.top_k=3", "dataset.limit=2",
+                    "generation.max_new_tokens=4", "engine.warmup=0", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    model = summary["run"]["model"]
+    assert model["family"] == "qwen3_5_moe" and model["multimodal"] and model["weights"] == "random-init"
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["error"] is None and r["n_images"] > 0 and r["visual_tokens"] > 0 for r in rows)
+    sere, moe = summary["sere"], summary["moe"]
+    assert sere["engagement"]["ok"] and sere["moved_fraction"] > 0, sere
+    assert moe["expert_union_after"] < moe["expert_union_before"], moe
+    proc = _harness("model=qwen3_5_moe_vl_tiny_random", "visionzip.keep=0.5", f"hydra.run.dir={tmp_path / 'vz'}",
+                    "dataset.limit=1", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: VisionZip: the Qwen3.5-MoE vision tower has no deepstack layers, which the harness's VisionZip needs")
+
+
+def test_tiny_multimodal_build_is_its_own_checkpoint(tmp_path):
+    """The multimodal tiny model has its own cache directory and fingerprint (the text-only one is unchanged), and a
+    family without a multimodal builder says so instead of building a text model."""
+    from harness.models.families.build import ensure_tiny_family, tiny_family_fingerprint
+
+    assert tiny_family_fingerprint("qwen3_5_moe", 0, True) != tiny_family_fingerprint("qwen3_5_moe", 0)
+    with pytest.raises(ValueError, match="no tiny multimodal builder"):
+        ensure_tiny_family("olmoe", 0, cache_dir=tmp_path, multimodal=True)
+
+
+@pytest.mark.slow
 def test_cli_refusals_are_one_line(tmp_path):
     proc = _harness("model=olmoe_tiny_random", "visionzip.keep=0.5", f"hydra.run.dir={tmp_path / 'vz'}", *SMALL,
                     cwd=tmp_path)
