@@ -1,4 +1,5 @@
-"""VisionZip in the Hugging Face engine, for Qwen3-VL and Qwen3-VL-MoE (``model.generate`` compatible).
+"""VisionZip in the Hugging Face engine, for Qwen3-VL, Qwen3-VL-MoE and the multimodal Qwen3.5(-MoE)
+(``model.generate`` compatible).
 
 Two steps around an ordinary ``model.generate`` call::
 
@@ -63,8 +64,12 @@ level with the same cells), each pooled token at its cell's centre position.
 :func:`visionzip_generation` installs nothing. ``force=True`` runs the whole machinery anyway (keeping every
 token), which must reproduce stock generation token for token (tested).
 
-Not supported (clear error): videos, models without the Qwen3-VL vision tower (Qwen2.5-VL's windowed
-tower reorders patches and has no deepstack; not ported).
+Qwen3.5's tower has no deepstack levels (``deepstack_features`` absent from its output): the merged tokens alone
+are pruned and its output is rebuilt without them; the rest (rotary pre-hook, ``get_rope_index``, ``rope_deltas``)
+is Qwen3-VL's (transformers 5.24; forced keep 1.0 reproduces stock generation there too).
+
+Not supported (clear error): videos, models without a Qwen3-VL-style vision tower (Qwen2.5-VL's windowed
+tower reorders patches; not ported).
 """
 
 from __future__ import annotations
@@ -160,7 +165,8 @@ def _base(model):
 
 
 def supports_visionzip(model) -> bool:
-    """Qwen3-VL / Qwen3-VL-MoE: a vision tower with ``blocks[i].attn.qkv`` and deepstack mergers."""
+    """A Qwen-VL vision tower with ``blocks[i].attn.qkv`` and a patch merger: Qwen3-VL / Qwen3-VL-MoE (with
+    deepstack mergers, pruned with the same indices) and Qwen3.5(-MoE) (none)."""
     try:
         base = _base(model)
     except NotImplementedError:
@@ -168,7 +174,6 @@ def supports_visionzip(model) -> bool:
     visual = base.visual
     return (
         hasattr(visual, "blocks")
-        and hasattr(visual, "deepstack_merger_list")
         and hasattr(visual, "spatial_merge_size")
         and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in visual.blocks)
     )
@@ -359,7 +364,7 @@ def prepare_visionzip_inputs(model, inputs: Any, cfg: Any, *, pad_token_id: int 
         unit_scores, unit_keys = [torch.empty(0)] * len(sizes), None
     grid_rows = [(int(t) * int(h) // merge, int(w) // merge) for t, h, w in grid.tolist()]
     pooled = list(vision_output.pooler_output)
-    levels, ds_split = _deepstack_levels(vision_output.deepstack_features, sizes)
+    levels, ds_split = _deepstack_levels(getattr(vision_output, "deepstack_features", None), sizes)
 
     # 2. selection per request, pruning of merged tokens and every deepstack level with the same indices
     image_mask = (input_ids == config.image_token_id) & real
@@ -448,12 +453,14 @@ def prepare_visionzip_inputs(model, inputs: Any, cfg: Any, *, pad_token_id: int 
         deltas[b, 0] = max_pos + 1 - n
 
     # 4. the pruned vision output, in the layout this transformers version produced
-    new_ds = [tuple(level) if ds_split else torch.cat(level, dim=0) for level in new_levels] if levels else \
-        vision_output.deepstack_features
+    extra = {}
+    if hasattr(vision_output, "deepstack_features"):  # Qwen3-VL; Qwen3.5's tower has no deepstack levels
+        extra["deepstack_features"] = [tuple(level) if ds_split else torch.cat(level, dim=0)
+                                       for level in new_levels] if levels else vision_output.deepstack_features
     image_outputs = type(vision_output)(
         last_hidden_state=vision_output.last_hidden_state,
         pooler_output=tuple(new_pooled),
-        deepstack_features=new_ds,
+        **extra,
     )
 
     new_inputs = dict(inputs)

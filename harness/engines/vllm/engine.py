@@ -132,6 +132,11 @@ class VLLMEngine(ServeMode, LoadMode):
                 raise TechniqueNotAvailable(f"engine=vllm on CPU, model family {family.name}: {family.vllm_cpu}")
             if family is not None and self.device == "cpu":
                 self.family_cpu_args = dict(family.vllm_cpu_args)
+            if self.visionzip is not None and family is not None and family.name != "qwen3_vl_moe" \
+                    and hasattr(hf_cfg, "vision_config"):
+                raise TechniqueNotAvailable(
+                    f"VisionZip in engine=vllm: the plugin's VisionZip model is Qwen3-VL-MoE's; {family.name} runs "
+                    "VisionZip in engine=hf")
             self.multimodal = hasattr(hf_cfg, "vision_config")  # text-only families: the tokenizer's template
             self.processor = load_processor(self.model_path, hf_cfg, trust_remote_code)
             tok = self.processor.tokenizer

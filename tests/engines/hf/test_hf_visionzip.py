@@ -516,6 +516,36 @@ def test_dense_qwen3_vl_same_machinery(tiny, images):
     assert new["input_ids"].shape[1] == inputs["input_ids"].shape[1] - 9
 
 
+def test_qwen3_5_moe_tower_without_deepstack_same_machinery(tmp_path, images):
+    """The multimodal Qwen3.5-MoE (its tower has no deepstack levels, a Gated DeltaNet + gated-attention text model):
+    forced keep 1.0 reproduces stock greedy generation token for token on a left-padded batch of mixed images, and
+    keep 0.5 with a contextual share shortens each row by what it pruned, one budget per request."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from harness.models.families.build import ensure_tiny_family
+
+    path = ensure_tiny_family("qwen3_5_moe", 0, cache_dir=tmp_path, multimodal=True)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    processor.tokenizer.padding_side = "left"
+    assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration" and supports_visionzip(model)
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+    qwen35 = (model, processor)
+    inputs = _mixed_batch(qwen35, images, which=[("dense_big", "scene_small"), ("dense_small",)])
+    stock = _stock(model, processor, inputs)
+    forced, new, _ = _pruned(model, processor, inputs, _cfg(keep=1.0), force=True)
+    assert forced == stock and torch.equal(new["input_ids"], inputs["input_ids"])
+    sizes, rows = _sizes(model, inputs), _rows_images(model, inputs)
+    _, new, ctx = _pruned(model, processor, inputs, _cfg(0.5, 0.2, "request"), n=2)
+    for r, images_of_row in zip(ctx.requests, rows):
+        before = sum(sizes[j] for j in images_of_row)
+        assert r.visual_tokens_before == before
+        assert r.visual_tokens_after == max(budget(0.5, before), len(images_of_row))  # min_per_image 1
+    lengths = inputs["attention_mask"].sum(1).tolist()
+    assert new["input_ids"].shape[1] == max(n - (r.visual_tokens_before - r.visual_tokens_after)
+                                            for n, r in zip(lengths, ctx.requests))
+
+
 def test_keep_rate_by_source():
     out = keep_rate_by_source([(["ocr", "cc"], [16, 4], [12, 1]), (["cc"], [8], [4])])
     assert out["ocr"] == {"images": 1, "visual_tokens_before": 16, "visual_tokens_after": 12, "keep_rate": 0.75,
