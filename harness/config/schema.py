@@ -18,6 +18,7 @@ try:
     from omegaconf import MISSING
 except ImportError:  # a GPU box without omegaconf (benchmarks/train_tiny_v2.py): the dataclasses still work
     MISSING = "???"  # omegaconf's own value
+
 from harness.config.paths import register_resolvers
 
 

@@ -77,6 +77,7 @@ from typing import Any, Iterable
 
 import torch
 
+from harness.engines.hf.routing import RoutingHandle
 from harness.engines.hf.stop import StopFlags
 
 __all__ = ["DecodeResult", "StaticGreedyDecoder", "unsupported_reason"]
@@ -120,19 +121,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 # --------------------------------------------------------------------------------- SERE bookkeeping
-#: the per-block attributes that name an installed routing handle (``RoutingHandle.slot`` of each technique)
-ROUTING_SLOTS = ("_harness_topk", "_harness_sere", "_harness_routing_baseline")
 
 
 def _sere_handles(model: torch.nn.Module) -> list:
-    """Installed routing handles (``hf_routing.RoutingHandle``: every MoE block carries SERE's
-    ``hf_sere.SereHandle`` as ``_harness_sere``, a ``moe.top_k`` handle as ``_harness_topk`` and a ``moe.routing``
-    baseline's as ``_harness_routing_baseline``). A handle missing here is still replayed (its ops are in the graph)
-    but its host-side step counts are not: ``moe.routing=top_p`` reported 0 decode steps on the H200 until its slot
-    was added (2026-12-03)."""
+    """Installed routing handles: each technique's ``hf_routing.RoutingHandle`` subclass sits on every MoE block
+    under its ``slot`` (SERE ``_harness_sere``, ``moe.top_k`` ``_harness_topk``, a ``moe.routing`` baseline
+    ``_harness_routing_baseline``), all listed in ``RoutingHandle.slots``. A handle not found here is still replayed
+    (its ops are in the graph) but its host-side step counts are not: ``moe.routing=top_p`` reported 0 decode steps
+    on the H200 while this function knew only SERE's and top-k's slots (2026-12-03)."""
     found: dict[int, Any] = {}
+    slots = sorted(RoutingHandle.slots)
     for module in model.modules():
-        for slot in ROUTING_SLOTS:
+        for slot in slots:
             handle = getattr(module, slot, None)
             if handle is not None and not getattr(handle, "removed", False):
                 found[id(handle)] = handle

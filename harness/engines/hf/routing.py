@@ -14,7 +14,7 @@ neutral base, and ``hf_sere`` re-exports the names it used to define (``COUNTERS
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -108,6 +108,13 @@ class RoutingHandle:
 
     kind = "routing"
     slot = "_harness_routing"  # the per-block attribute naming the installed handle (hf_graphs finds it there)
+    #: every technique's ``slot`` (filled by ``__init_subclass__``): the CUDA-graph decoder finds the installed
+    #: handles through them and adds each replayed step's host-side counts back (hf_graphs._sere_handles)
+    slots: ClassVar[set[str]] = set()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        RoutingHandle.slots.add(cls.slot)
 
     def __init__(self, k_primary: int, rho: float, mode: str, collect_stats: bool, op: Callable | None):
         self.k_primary = k_primary

@@ -28,15 +28,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from harness import __version__
 from harness.engines.vllm.endpoint_guard import Refused, guard, server_keys, stats_reset
+from harness.engines.vllm.settings import describe_env
+from harness.results.envinfo import package_version
 
 try:  # FastAPI injects the request by this annotation; vLLM's venv has it, the main venv need not
     from starlette.requests import Request
 except ImportError:  # pragma: no cover - the routes are only attached inside vllm serve
     Request = Any  # type: ignore[misc,assignment]
-from harness import __version__
-from harness.engines.vllm.settings import describe_env
-from harness.results.envinfo import package_version
 
 PLUGIN_NAME = "moe_vlm_harness"  # the general plugin's entry-point name (pyproject.toml)
 ENDPOINT_NAME = "moe_vlm_harness_endpoint"  # this plugin's
