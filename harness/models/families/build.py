@@ -28,19 +28,13 @@ _VL_TOKENS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start"
               "vision_end": "<|vision_end|>", "eos": "<|im_end|>", "pad": "<|endoftext|>"}
 
 
-def _config(name: str, seed: int, multimodal: bool, tok=None):
-    fam = get(name)
-    if not multimodal:
-        return fam.tiny(seed)
-    if tok is None:
-        tok = build_tokenizer(TinyModelSpec(seed=seed))
-    return fam.tiny_vl(seed, {k: tok.convert_tokens_to_ids(v) for k, v in _VL_TOKENS.items()})
-
-
 def tiny_family_fingerprint(name: str, seed: int = 0, multimodal: bool = False) -> str:
-    """The checkpoint's identity: family, seed, class and config (a multimodal build: its text config, its
-    vision flag and the tiny embedded model's processor sizes, which the vision config copies)."""
-    config, cls = get(name).tiny(seed)
+    """The checkpoint's identity: family, seed, class and config (a multimodal build: its whole config, the
+    tokenizer's ids left out — they follow from the seed — and the tiny embedded model's processor sizes)."""
+    fam = get(name)
+    config, cls = fam.tiny(seed)
+    if multimodal:
+        config, cls = fam.tiny_vl(seed, dict.fromkeys(_VL_TOKENS, 0))
     blob = {"family": name, "seed": seed, "cls": cls, "config": config.to_diff_dict(), "format": FORMAT_VERSION}
     if multimodal:
         spec = TinyModelSpec(seed=seed)
@@ -115,10 +109,12 @@ def build_tiny_family(name: str, out_dir: str | Path, seed: int = 0, multimodal:
     import torch
     import transformers
 
-    text_config, _ = get(name).tiny(seed)
-    spec = TinyModelSpec(seed=seed, vocab_size=text_config.vocab_size)
+    fam = get(name)
+    config, cls = fam.tiny(seed)
+    spec = TinyModelSpec(seed=seed, vocab_size=config.vocab_size)
     tok = build_tokenizer(spec)
-    config, cls = _config(name, seed, multimodal, tok)
+    if multimodal:  # the multimodal layout names the tokenizer's image and vision markers by id
+        config, cls = fam.tiny_vl(seed, {k: tok.convert_tokens_to_ids(v) for k, v in _VL_TOKENS.items()})
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, pad, None
     torch.manual_seed(seed)
