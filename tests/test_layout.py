@@ -320,7 +320,8 @@ def read_layout(root: Path = ROOT) -> Layout:
 # An internal import belongs at module level unless it keeps a third-party package from loading where it is not
 # needed (torch for the CLI's refusals and the report, vLLM, open_clip, wandb, Triton on CPU, Hydra for the GPU
 # benchmarks): a function-level import whose module brings nothing the importing module does not already load
-# hides the module's dependencies for no gain (issue 24: 367 of 583 internal import statements, 54 % of the import edges, sat inside functions).
+# hides the module's dependencies for no gain (issue 24: 367 of 583 internal import statements, 54 % of the
+# import edges, sat inside functions).
 def _third_party(name: str) -> str | None:
     top = name.split(".")[0]
     return None if not top or top == PACKAGE or top in sys.stdlib_module_names or top == "__future__" else top
