@@ -96,6 +96,14 @@ V7B_TASK_WEIGHTS = {**{t: round(w * 0.30 / 0.54, 4) for t, w in V7_TASK_WEIGHTS.
 VARIANTS["v7b"] = {**VARIANTS["v7"], "task_weights": V7B_TASK_WEIGHTS, "route_prior": 0.02, "text_mix": True,
                    "text_pool": 4.0}
 VARIANTS["v7b-p01"] = {**VARIANTS["v7b"], "route_prior": 0.01}
+# v7c (session 11, prepared, not trained yet): v7b-p01 learnt arithmetic and lists (1.00 held-out) but left lookup and
+# choice at chance: both need the induction step (find the queried key, read the value after it). v7c trains them
+# beside their two-pair versions (text_tasks.TRAIN_ONLY_TEXT_TASKS: a one-bit binding the gradient can find first) in
+# every text step, and gives arithmetic and lists, already learnt, a smaller share
+V7C_TASK_WEIGHTS = {**{t: w for t, w in V7B_TASK_WEIGHTS.items() if not t.startswith("text_")},
+                    "text_arith": 0.07, "text_list": 0.07, "text_lookup": 0.14, "text_choice": 0.14,
+                    "text_lookup2": 0.14, "text_choice2": 0.14}
+VARIANTS["v7c"] = {**VARIANTS["v7b-p01"], "task_weights": V7C_TASK_WEIGHTS}
 # the v4 checkpoint v7 starts from (``--init v4``: the committed checkpoint while it is v4; after v7's adoption, the
 # v4 files from git: ``git show 8fa1f54:harness/models/checkpoints/tiny-trained-synthetic/model.safetensors``)
 V4_SHA256 = "eb57d509e9defebdb1d08a86a9a8329167ec0bcba3e19fe156e6ee81ecca8441"

@@ -171,3 +171,38 @@ def test_per_task_ce_separates_the_tasks_of_a_mixed_batch():
     logits[0, 1, 3] = logits[0, 2, 4] = 50.0  # row 0: the next label predicted with certainty
     got = per_task_ce(logits, labels, [{"task": "text_arith"}, {"task": "text_list"}])
     assert got["text_arith"] < 1e-6 and abs(got["text_list"] - math.log(vocab)) < 1e-5
+
+
+@pytest.mark.parametrize("task", tt.TRAIN_ONLY_TEXT_TASKS)
+def test_two_pair_training_tasks(task):
+    """Recipe v7c's two-pair lookup and choice: right by construction, split like the rest, the choice's other two
+    options from no pair; and the four-pair tasks draw exactly the items they drew before (the held-out rows and the
+    OpenCompass suite do not move: the first held-out choice item, written out)."""
+    held, train = tt.items(task, "heldout", 40), tt.items(task, "train", 40)
+    assert all(is_heldout(it.key) for it in held) and not any(is_heldout(it.key) for it in train)
+    for it in held + train:
+        passage, key = it.question.split(". ")
+        pairs = dict(p.split("=") for p in passage.split())
+        assert len(pairs) == 2
+        value = pairs[key.rstrip("?")]
+        if task == "text_lookup2":
+            assert it.answer == value and not it.options
+        else:
+            assert it.options[it.answer] == value and len(set(it.options.values())) == 4
+            assert len(set(it.options.values()) - set(pairs.values())) == 2
+    first = tt.items("text_choice", "heldout", 1)[0]
+    assert (first.question, first.answer, first.options) == (
+        "X=67 P=24 Y=48 L=26. P?", "C", {"A": "48", "B": "67", "C": "24", "D": "26"})
+
+
+def test_v7c_recipe_trains_the_two_pair_tasks_in_every_text_step():
+    import numpy as np
+
+    from harness.models.train_tiny import BATCH, POOL, draw_batch, parse_args
+
+    args = parse_args(["--variant", "v7c", "--out", "x", "--batch-scale", "0.5"])
+    assert args.text_mix is True and args.route_prior == 0.01 and abs(sum(args.task_weights.values()) - 1.0) < 1e-3
+    texts = [t for t in args.task_weights if t.startswith("text_")]
+    assert set(texts) == set(tt.TEXT_TASKS + tt.TRAIN_ONLY_TEXT_TASKS) and all(t in BATCH and t in POOL for t in texts)
+    label, rows = draw_batch(_fake_pool(args.task_weights), "text_choice2", args, np.random.default_rng(0))
+    assert label == "text_mix" and {r["task"] for r in rows} == set(texts)

@@ -12,6 +12,12 @@ quality table (baseline / SERE K=2 / plain top-2) can be measured on the embedde
 - ``text_choice`` (multiple choice): the same kind of passage, the answer picked among options A-D (the
   passage's values, shuffled), answered by the letter.
 
+Training only (recipe v7c): ``text_lookup2`` / ``text_choice2``, the same tasks over a passage of two pairs (the
+choice's other two options are values from no pair). v7b learnt arithmetic and lists but left lookup and choice at
+chance (docs/embedded_model_v7.md §7): both need the induction step (find the key, read the value after it), and
+two pairs make it a one-bit decision the gradient can find before the four-pair tasks ask for it. The held-out
+evaluation and the OpenCompass suite keep the four-pair tasks.
+
 The QA answers are 2-9 tokens, so most of each answer comes from decode steps, where SERE and ``moe.top_k``
 act (a one-token answer comes from prefill, which keeps the router's own top-k). Digits are single tokens in
 the embedded model's tokenizer, so arithmetic and sorting are digit-wise.
@@ -33,6 +39,8 @@ from dataclasses import dataclass, field
 from harness.datasets.synthetic.tasks import _in_split
 
 TEXT_TASKS = ("text_arith", "text_list", "text_lookup", "text_choice")
+TRAIN_ONLY_TEXT_TASKS = ("text_lookup2", "text_choice2")  # two-pair passages (recipe v7c), never evaluated
+PAIRS = {"text_lookup": 4, "text_choice": 4, "text_lookup2": 2, "text_choice2": 2}
 MCQ_TASKS = ("text_choice",)
 LIST_OPS = ("sort", "reverse", "copy")
 KEYS = "EHKLNPRTXY"  # capitals that are no option letter (A-D), one token each
@@ -67,8 +75,10 @@ def oc_prompt(question: str, options: dict[str, str] | None = None) -> str:
     return "Question: " + question + "".join(f"\n{k}. {v}" for k, v in options.items()) + "\nAnswer: "
 
 
-def _passage(rng: random.Random) -> tuple[list[str], list[str]]:
-    keys = rng.sample(KEYS, 4)
+def _passage(rng: random.Random, pairs: int = 4) -> tuple[list[str], list[str]]:
+    """``pairs`` distinct keys and 4 distinct values: the first ``pairs`` values are the passage's, the rest the
+    distractor options of a passage shorter than four pairs."""
+    keys = rng.sample(KEYS, pairs)
     values = [str(v) for v in rng.sample(range(10, 100), 4)]
     return keys, values
 
@@ -84,16 +94,17 @@ def _draw(task: str, rng: random.Random) -> TextItem:
         ys = sorted(xs) if op == "sort" else xs[::-1] if op == "reverse" else xs
         q = f"{op}: " + " ".join(map(str, xs))
         return TextItem("text:" + q, task, q, " ".join(map(str, ys)))
-    keys, values = _passage(rng)
-    i = rng.randrange(4)
+    if task not in PAIRS:
+        raise ValueError(f"unknown text task {task!r}; expected one of {TEXT_TASKS + TRAIN_ONLY_TEXT_TASKS}")
+    pairs = PAIRS[task]
+    keys, values = _passage(rng, pairs)
+    i = rng.randrange(pairs)
     passage = " ".join(f"{k}={v}" for k, v in zip(keys, values)) + f". {keys[i]}?"
-    if task == "text_lookup":
+    if task.startswith("text_lookup"):
         return TextItem("text:" + passage, task, passage, values[i])
-    if task == "text_choice":
-        order = rng.sample(range(4), 4)
-        options = {LETTERS[j]: values[o] for j, o in enumerate(order)}
-        return TextItem("text:choice:" + passage, task, passage, LETTERS[order.index(i)], options)
-    raise ValueError(f"unknown text task {task!r}; expected one of {TEXT_TASKS}")
+    order = rng.sample(range(4), 4)  # text_choice*: the four values as options A-D
+    options = {LETTERS[j]: values[o] for j, o in enumerate(order)}
+    return TextItem("text:choice:" + passage, task, passage, LETTERS[order.index(i)], options)
 
 
 def text_item(task: str, rng: random.Random, split: str) -> TextItem:
