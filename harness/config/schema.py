@@ -141,7 +141,7 @@ class GenerationConfig:
     """Decoding parameters (greedy, as the benchmarks' reference generations)."""
 
     max_new_tokens: int = 64
-    do_sample: bool = False
+    do_sample: bool = False  # true only with engine=vllm load.endpoint (temperature 1, a seed per request)
     ignore_eos: bool = False  # decode exactly max_new_tokens tokens (latency: TPOT over a known count)
 
 

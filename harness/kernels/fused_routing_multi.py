@@ -4,7 +4,7 @@ launches.
 Why (issue 23). The one-program kernel walks every tile of a step in one program, so its cost grows with the
 rows: on the H200 SERE K=2 cost 9.9 µs per layer at T=16, 23 µs at 64 and 79 µs at 256, against 3.7–3.9 µs for
 vLLM's ``topk_softmax`` at every T. Under serving load vLLM's steps mix a prefill chunk with the running
-decodes (~70 rows), where that cost ate SERE's gain (QPS 16: 0.94×, results/benchmarks/vllm_serve_h200.json).
+decodes (~70 rows), where that cost ate SERE's gain (QPS 16: 0.94×, results/benchmarks/vllm_serve_h200_session8.json).
 SERE's set P (the primary experts of the decode rows) is a reduction over the whole step, and the re-route
 needs all of it; a second launch is the grid-wide barrier:
 

@@ -267,6 +267,12 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
               lambda cfg: _vllm(cfg) and cfg.load.qps is not None,
               "null unless engine=vllm and load.qps is set (the vllm serve mode is a load test)"),
+    # only the vllm serve load client samples (temperature 1, a seed per request: a random-weight load test needs
+    # it, docs/vllm.md); the engines' own generate paths decode greedily, so anywhere else the key would do nothing
+    CrossRule("generation.do_sample", lambda cfg: bool(_select(cfg, "generation.do_sample", False)),
+              lambda cfg: _vllm(cfg) and cfg.load.get("endpoint") is not None,
+              "false unless engine=vllm with load.endpoint set (the vllm serve load client samples with "
+              "temperature 1 and a seed per request; every other path decodes greedily)"),
     # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
     # fixed ratio keeps its two limits
     CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",

@@ -277,6 +277,10 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((VLLM, "load.endpoint=auto"), "load.endpoint"),  # the serve mode is a load test
     (("load.endpoint=auto",), "load.endpoint"),  # engine=hf
     ((VLLM, "load.qps=4", "load.endpoint=auto", "load.server_timeout_s=0"), "load.server_timeout_s"),
+    # sampling: only the serve load client samples; elsewhere the key would be ignored, so it is refused
+    ((VLLM, "load.qps=4", "load.endpoint=auto", "generation.do_sample=true"), None),
+    (("generation.do_sample=true",), "generation.do_sample"),  # engine=hf decodes greedily
+    ((VLLM, "load.qps=4", "generation.do_sample=true"), "generation.do_sample"),  # AsyncLLM in process: greedy
     # VisionZip in vLLM
     ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
     ((VLLM, VZ, "visionzip.contextual=0.2"), None),

@@ -5,7 +5,9 @@
 request's own, in order — ``{"type": "text"}`` and ``{"type": "image_url"}`` with the image as a PNG data
 URL (lossless: the server decodes the same pixels the offline engine hands vLLM); the server applies the
 checkpoint's chat template to it, as the offline engine does with ``apply_chat_template``. Greedy as
-offline: ``temperature=0``, ``max_completion_tokens`` = ``generation.max_new_tokens``, ``seed``,
+offline: ``temperature=0``, ``max_completion_tokens`` = ``generation.max_new_tokens``, ``seed``
+(``generation.do_sample=true``: ``temperature=1`` and one seed per request — what a load test of a random-weight
+model needs, whose greedy outputs collapse onto one token cycle: docs/vllm.md),
 ``repetition_penalty=1`` (explicit, so a checkpoint ``generation_config.json`` cannot change the decoding
 of a server started without ``--generation-config vllm``), ``stream=true`` with
 ``stream_options.include_usage`` (the server's token counts) and vLLM's ``return_token_ids`` (the prompt's
@@ -65,8 +67,17 @@ def chat_messages(request: Request) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
-def chat_payload(model: str, messages: list[dict[str, Any]], max_tokens: int, seed: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "max_completion_tokens": int(max_tokens), "temperature": 0.0,
+def sample_seed(seed: int, index: int) -> int:
+    """Request ``index``'s sampling seed under run seed ``seed``: distinct per request, the same on a re-run."""
+    return (int(seed) * 1_000_003 + int(index)) % (2**31 - 1)
+
+
+def chat_payload(model: str, messages: list[dict[str, Any]], max_tokens: int, seed: int,
+                 temperature: float = 0.0) -> dict[str, Any]:
+    """Greedy by default; ``temperature`` > 0 samples with ``seed`` (the load client gives each request its own,
+    so that sampled requests do not draw the same tokens)."""
+    return {"model": model, "messages": messages, "max_completion_tokens": int(max_tokens),
+            "temperature": float(temperature),
             "seed": int(seed), "repetition_penalty": 1.0, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True}
 

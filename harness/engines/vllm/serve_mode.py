@@ -29,7 +29,7 @@ from typing import Any
 
 from harness.config.access import setting as _get
 from harness.engines.base import Generation, Request
-from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, stream_chat
+from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, sample_seed, stream_chat
 from harness.engines.vllm.load import drive_load, load_settings
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 from harness.engines.vllm.techniques import plugin_env, SereSetup
@@ -159,9 +159,14 @@ class ServeMode:
         self.server_report, self.techniques_source = report, "server (its workers, GET /harness/techniques)"
 
     # -- requests -----------------------------------------------------------------------------------
-    def _payload(self, request: Request, max_tokens: int | None = None) -> dict[str, Any]:
+    def _payload(self, request: Request, max_tokens: int | None = None, index: int = 0) -> dict[str, Any]:
+        # generation.do_sample: temperature 1 and a seed per request (one shared seed would make every request
+        # draw the same tokens wherever their logits agree, as a random-weight model's nearly always do)
+        sample = bool(getattr(self.gen_cfg, "do_sample", False))
         payload = chat_payload(self._server.model, chat_messages(request),
-                               int(max_tokens or self.gen_cfg.max_new_tokens), self.seed)
+                               int(max_tokens or self.gen_cfg.max_new_tokens),
+                               sample_seed(self.seed, index) if sample else self.seed,
+                               temperature=1.0 if sample else 0.0)
         if getattr(self, "ignore_eos", False):  # generation.ignore_eos (synthetic_load): exact output lengths, as offline
             payload["ignore_eos"] = True
         return payload
@@ -184,7 +189,7 @@ class ServeMode:
             return super().run_load(requests, load_cfg, timeout_s)  # type: ignore[misc]
         settings = load_settings(load_cfg if load_cfg is not None else self.load_cfg, requests)
         url = self._server.url + "/v1/chat/completions"
-        payloads = [self._payload(r) for r in requests]
+        payloads = [self._payload(r, index=i) for i, r in enumerate(requests)]
 
         async def main(session):
             async def stream(i: int, kind: str):

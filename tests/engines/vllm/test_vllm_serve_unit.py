@@ -58,6 +58,25 @@ def test_chat_message_keeps_part_order_and_lossless_images():
     assert payload["temperature"] == 0 and payload["max_completion_tokens"] == 12 and payload["seed"] == 3
 
 
+def test_sampled_load_requests_get_temperature_one_and_a_seed_each():
+    """generation.do_sample: every request of a load samples with its own seed (a shared seed would make requests
+    with agreeing logits draw the same tokens), and the seeds are the same on a re-run; greedy stays seed = run
+    seed, temperature 0."""
+    mode = serve_mode.ServeMode.__new__(serve_mode.ServeMode)
+    mode._server = SimpleNamespace(model="m")
+    mode.seed = 7
+    req = Request("r", [{"type": "text", "text": "a"}])
+    mode.gen_cfg = SimpleNamespace(max_new_tokens=5, do_sample=True)
+    sampled = [mode._payload(req, index=i) for i in range(50)]
+    assert all(p["temperature"] == 1.0 for p in sampled)
+    assert len({p["seed"] for p in sampled}) == 50
+    assert [p["seed"] for p in sampled] == [mode._payload(req, index=i)["seed"] for i in range(50)]
+    assert {client.sample_seed(8, i) for i in range(50)}.isdisjoint({p["seed"] for p in sampled})
+    mode.gen_cfg = SimpleNamespace(max_new_tokens=5, do_sample=False)
+    greedy = [mode._payload(req, index=i) for i in range(3)]
+    assert all(p["temperature"] == 0.0 and p["seed"] == 7 for p in greedy)
+
+
 class _Resp:
     def __init__(self, lines, status=200):
         self.status, self.lines = status, lines

@@ -1,0 +1,44 @@
+"""benchmarks/bench_vllm_serve.py's own logic that needs no server: the output-diversity figure its table prints
+beside the expert union (a random-weight model decoded greedily can collapse every request onto one token cycle,
+and the serving figure then says nothing about SERE), and the report's column from it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from harness.engines.base import Generation
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import bench_vllm_serve as b  # noqa: E402
+
+
+def _gen(ids, error=None):
+    return Generation(uid="u", extra={"token_ids": list(ids)}, error=error)
+
+
+def test_collapsed_outputs_show_as_few_distinct_tokens():
+    collapsed = [_gen([5, 6, 5, 6]), _gen([5, 6, 5, 6]), _gen([6, 5, 6, 5])]
+    got = b.output_diversity(collapsed)
+    assert got == {"requests": 3, "distinct_sequences": 2, "distinct_output_tokens": 2,
+                   "distinct_tokens_per_position": 2.0}
+    spread = b.output_diversity([_gen(range(i * 4, i * 4 + 4)) for i in range(3)])
+    assert spread["distinct_output_tokens"] == 12 and spread["distinct_tokens_per_position"] == 3.0
+
+
+def test_failed_requests_are_not_counted_and_nothing_gives_an_empty_figure():
+    assert b.output_diversity([_gen([1, 2]), _gen([], error="timeout")])["requests"] == 1
+    assert b.output_diversity([_gen([], error="timeout")]) == {}
+
+
+def test_report_prints_the_diversity_beside_the_union():
+    block = {"variant": "off", "qps": 4.0, "pair": ["off", "sere2"], "requests_per_pass": 2, "passes": 1,
+             "failed": 0, "runs": [{"routing": None, "outputs": {"distinct_output_tokens": 3,
+                                                                 "distinct_tokens_per_position": 1.5}}]}
+    for m in ("ttft_ms", "tpot_ms", "itl_ms"):
+        block[m] = {"p50": 1.0, "p99": 2.0, "mean": 1.0, "ci": [0.9, 1.1], "pass_p50": [1.0], "pass_p99": [2.0]}
+    data = {"argv": "", "env": {}, "dtype": "float32", "weights": "random-init", "eager": True,
+            "decoding": "greedy", "text": {"off@4": [block]}}
+    md = b.report(data)
+    assert "decoding **greedy**" in md and "| 3 (1.5) |" in md
