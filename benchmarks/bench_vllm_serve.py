@@ -21,7 +21,10 @@ entry points are registered by writing a ``moe_vlm_harness`` ``.dist-info`` (ent
 ``pyproject.toml``) into ``--site`` (put on ``PYTHONPATH``), which every ``vllm serve`` process then finds.
 
 **Text** (``--part text``): requests of 64 prompt tokens (chat template included, distinct texts, prefix caching
-off) decoding exactly 64 tokens (``ignore_eos``), sent at Poisson arrivals (``vllm bench serve``'s rule:
+off) decoding exactly 64 tokens (``ignore_eos``), **sampled** (temperature 1, one seed per request;
+``--greedy`` for greedy) because vLLM's dummy weights decoded greedily send every request down one token cycle
+(the requests share the chat template's last tokens), so a step of 50 decode rows routes like a step of two and
+SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson arrivals (``vllm bench serve``'s rule:
 :func:`harness.engines.vllm.load.drive_load`) at each QPS; ``round(qps × seconds)`` requests per point and
 pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
 (``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
@@ -195,7 +198,7 @@ def make_engine(model_dir: Path, variant: dict[str, Any], args, run_dir: Path, m
     engine_cfg = SimpleNamespace(dtype="auto", max_model_len=args.max_model_len, gpu_memory_utilization=args.mem,
                                  enforce_eager=args.eager, tensor_parallel_size=1, batch_size=1,
                                  limit_images=args.images)
-    gen = SimpleNamespace(max_new_tokens=max_new, ignore_eos=True, do_sample=bool(args.sample))
+    gen = SimpleNamespace(max_new_tokens=max_new, ignore_eos=True, do_sample=not args.greedy)
     sere = {"k": variant["sere"]["k"], "rho": 0.0, "similarity": sim} if "sere" in variant else None
     moe = {"top_k": variant["moe"]["top_k"], "scope": "decode"} if "moe" in variant else None
     vz = {"keep": variant["keep"], "scope": "request", "contextual": 0.0, "layer": -1, "min_per_image": 1} \
@@ -493,9 +496,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny shapes (CPU smoke test)")
-    ap.add_argument("--sample", action="store_true",
-                    help="temperature 1 with one seed per request instead of greedy: random weights decoded greedily "
-                         "collapse onto a few tokens, so the batch routes like a much smaller one (docs/vllm.md)")
+    ap.add_argument("--greedy", action="store_true",
+                    help="greedy decoding, as session 12 measured; the default samples (temperature 1, one seed per "
+                         "request) because random weights decoded greedily send every request down one short token "
+                         "cycle, and the batch then routes like a much smaller one (docs/vllm.md)")
     ap.add_argument("--site", default=None, help="where to write the entry-point dist-info (default: tmp)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "vllm_serve_h200"))
@@ -525,7 +529,7 @@ def main() -> None:
         "vl_qps": args.vl_qps, "seconds_per_point": args.seconds, "passes": args.passes, "mem_per_server": args.mem,
         "tokenizer": "the embedded model's byte-level BPE padded with inert entries to the real vocabulary",
         "sere_similarity": "random (seeded), ρ 0, as bench_vllm_decode.py",
-        "decoding": "sampled (temperature 1, one seed per request)" if args.sample else "greedy"})
+        "decoding": "greedy" if args.greedy else "sampled (temperature 1, one seed per request)"})
     parts = args.part.split(",")
     try:
         if "text" in parts:
