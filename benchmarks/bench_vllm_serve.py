@@ -218,8 +218,8 @@ def server_stats(eng, reset: bool) -> dict[str, Any] | None:
     got = eng._server.stats(reset=reset) or {}
     rows = (got.get("sere") if eng.sere is not None else got.get("moe")) or []
     st = rows[0] if rows else {}
-    return {k: st.get(k) for k in ("expert_union_before", "expert_union_after", "steps", "decode_rows")
-            if k in st} or {"raw_keys": sorted(got)}
+    return {k: st.get(k) for k in ("expert_union_before", "expert_union_after", "steps", "tokens_per_step",
+                                   "decode_rows") if k in st} or {"raw_keys": sorted(got)}
 
 
 def lse_source(eng) -> str | None:
@@ -413,7 +413,7 @@ def report(data: dict[str, Any]) -> str:
     if text:
         lines += [f"## Qwen3-30B-A3B shapes: prompt {PROMPT_TOKENS}, output {OUTPUT_TOKENS} tokens (ignore_eos)", "",
                   "| QPS | variant | requests | TTFT p50 ms | TTFT p99 | TPOT p50 ms | TPOT p99 | TPOT mean (CI) | "
-                  "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after | distinct output tokens "
+                  "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after (decode rows/step) | distinct output tokens "
                   "(per position) | vs stock (TPOT mean) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key in sorted(text, key=lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0]))):
@@ -436,6 +436,9 @@ def report(data: dict[str, Any]) -> str:
                     bef = sum(r["expert_union_before"] for r in routing) / len(routing)
                     aft = sum(r["expert_union_after"] for r in routing) / len(routing)
                     union = f"{bef:.1f} → {aft:.1f}"
+                    rows = [r["tokens_per_step"] for r in routing if r.get("tokens_per_step") is not None]
+                    if rows:  # decode rows per step: what the union is to be read against
+                        union += f" ({sum(rows) / len(rows):.0f} rows)"
                 outs = [r.get("outputs") for r in block["runs"] if r.get("outputs")]
                 spread = "–" if not outs else (
                     f"{sum(o['distinct_output_tokens'] for o in outs) / len(outs):.0f} "

@@ -32,13 +32,14 @@ def test_failed_requests_are_not_counted_and_nothing_gives_an_empty_figure():
     assert b.output_diversity([_gen([], error="timeout")]) == {}
 
 
-def test_report_prints_the_diversity_beside_the_union():
+def test_report_prints_the_union_with_its_rows_and_the_diversity_beside_it():
     block = {"variant": "off", "qps": 4.0, "pair": ["off", "sere2"], "requests_per_pass": 2, "passes": 1,
-             "failed": 0, "runs": [{"routing": None, "outputs": {"distinct_output_tokens": 3,
-                                                                 "distinct_tokens_per_position": 1.5}}]}
+             "failed": 0, "runs": [{"routing": {"expert_union_before": 16.0, "expert_union_after": 4.0,
+                                                "tokens_per_step": 51.2},
+                                    "outputs": {"distinct_output_tokens": 3, "distinct_tokens_per_position": 1.5}}]}
     for m in ("ttft_ms", "tpot_ms", "itl_ms"):
         block[m] = {"p50": 1.0, "p99": 2.0, "mean": 1.0, "ci": [0.9, 1.1], "pass_p50": [1.0], "pass_p99": [2.0]}
     data = {"argv": "", "env": {}, "dtype": "float32", "weights": "random-init", "eager": True,
             "decoding": "greedy", "text": {"off@4": [block]}}
     md = b.report(data)
-    assert "decoding **greedy**" in md and "| 3 (1.5) |" in md
+    assert "decoding **greedy**" in md and "| 16.0 → 4.0 (51 rows) | 3 (1.5) |" in md
