@@ -24,8 +24,8 @@ entry points are registered by writing a ``moe_vlm_harness`` ``.dist-info`` (ent
 off) decoding exactly 64 tokens (``ignore_eos``), **sampled** (temperature 1, one seed per request;
 ``--greedy`` for greedy) because vLLM's dummy weights decoded greedily send every request down one token cycle
 (the requests share the chat template's last tokens), so a step of 50 decode rows routes like a step of two and
-SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson arrivals (``vllm bench serve``'s rule:
-:func:`harness.engines.vllm.load.drive_load`) at each QPS; ``round(qps × seconds)`` requests per point and
+SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson
+arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_load`) at each QPS; ``round(qps × seconds)`` requests per point and
 pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
 (``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
 burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
@@ -413,8 +413,8 @@ def report(data: dict[str, Any]) -> str:
     if text:
         lines += [f"## Qwen3-30B-A3B shapes: prompt {PROMPT_TOKENS}, output {OUTPUT_TOKENS} tokens (ignore_eos)", "",
                   "| QPS | variant | requests | TTFT p50 ms | TTFT p99 | TPOT p50 ms | TPOT p99 | TPOT mean (CI) | "
-                  "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after (decode rows/step) | distinct output tokens "
-                  "(per position) | vs stock (TPOT mean) |",
+                  "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after (decode rows/step) | "
+                  "distinct output tokens (per position) | vs stock (TPOT mean) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key in sorted(text, key=lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0]))):
             for block in text[key]:
