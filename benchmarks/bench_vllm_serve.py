@@ -25,8 +25,8 @@ off) decoding exactly 64 tokens (``ignore_eos``), **sampled** (temperature 1, on
 ``--greedy`` for greedy) because vLLM's dummy weights decoded greedily send every request down one token cycle
 (the requests share the chat template's last tokens), so a step of 50 decode rows routes like a step of two and
 SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson
-arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_load`) at each QPS; ``round(qps × seconds)`` requests per point and
-pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
+arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_load`) at each QPS;
+``round(qps × seconds)`` requests per point and pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
 (``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
 burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
 (expert union per layer and step before / after) are read from the server after each run, proving the routing
