@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 
 from harness.kernels._triton import triton_runs
-from harness.kernels.reroute_reference import check_reroute_args
-from harness.kernels.reroute_reference import reroute as reference
+from harness.kernels.reroute_reference import check_reroute_args, reroute as reference
 
 __all__ = ["FUSE_MAX_TOKENS", "MAX_G", "primary_words", "reroute_op", "reroute_triton", "words_to_mask"]
 

@@ -22,8 +22,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from harness.metrics.latency import _finite  # one rule for what counts as a timing
-from harness.metrics.latency import summarize, tpot
+from harness.metrics.latency import _finite, summarize, tpot  # _finite: one rule for what counts as a timing
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 

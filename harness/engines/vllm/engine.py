@@ -44,16 +44,14 @@ import os
 import time
 from typing import Any
 
-from harness.engines.base import generate_splitting, Generation, Request
-from harness.engines.vllm.load import LoadMode, _LoopThread
-from harness.engines.vllm.serve_mode import ServeMode
-from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip
 from harness.config.access import setting as _get  # one accessor for config groups in any form
 from harness.engines import compat
-from harness.engines.base import TechniqueNotAvailable
+from harness.engines.base import generate_splitting, Generation, Request, TechniqueNotAvailable
+from harness.engines.vllm.load import LoadMode, _LoopThread
+from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.settings import ALL_ENV, MoeSettings
 from harness.engines.vllm.shapes import shapes_for_vllm
-from harness.engines.vllm.techniques import V1_RUNNER_ENV
+from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip, V1_RUNNER_ENV
 from harness.models.families import family_of
 from harness.models.load import load_processor
 from harness.results.envinfo import device_name, package_version
