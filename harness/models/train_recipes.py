@@ -104,6 +104,9 @@ V7C_TASK_WEIGHTS = {**{t: w for t, w in V7B_TASK_WEIGHTS.items() if not t.starts
                     "text_arith": 0.07, "text_list": 0.07, "text_lookup": 0.14, "text_choice": 0.14,
                     "text_lookup2": 0.14, "text_choice2": 0.14}
 VARIANTS["v7c"] = {**VARIANTS["v7b-p01"], "task_weights": V7C_TASK_WEIGHTS}
+# v7c at twice the learning rate (session 13): a 6-minute budget gives ~2,800 steps; if the induction step is
+# found late, a larger step size finds it sooner, at a risk to the replayed RAG placement that the held-out check shows
+VARIANTS["v7c-lr2"] = {**VARIANTS["v7c"], "lr": 2e-3}
 # the v4 checkpoint v7 starts from (``--init v4``: the committed checkpoint while it is v4; after v7's adoption, the
 # v4 files from git: ``git show 8fa1f54:harness/models/checkpoints/tiny-trained-synthetic/model.safetensors``)
 V4_SHA256 = "eb57d509e9defebdb1d08a86a9a8329167ec0bcba3e19fe156e6ee81ecca8441"
