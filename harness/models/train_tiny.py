@@ -49,7 +49,7 @@ from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, V4_SHA256, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
-from harness.models.trained import sha256_file, CHECKPOINT, TRAINED_SPEC, WEIGHTS_LABEL
+from harness.models.trained import sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
@@ -179,13 +179,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.text_pool = recipe.get("text_pool", 1.0)
     if args.init is None:
         args.init = recipe.get("init")
-    if args.init == "v4":  # the committed checkpoint, which must still be v4 (train_recipes.V4_SHA256)
-        if sha256_file(CHECKPOINT / "model.safetensors") != V4_SHA256:
-            ap.error(f"--init v4: the committed checkpoint is no longer v4; pass --init DIR with the v4 files "
-                     f"(SHA-256 {V4_SHA256}, in git history)")
-        args.init = str(CHECKPOINT)
     args.task_weights = dict(recipe["task_weights"])
     return args
+
+
+def v4_init_dir() -> Path:
+    """``--init v4``: the committed checkpoint while it is v4, else v4's files from git history (``v4_init``)."""
+    from harness.models.v4_init import resolve, V4Unavailable
+
+    try:
+        return resolve()
+    except V4Unavailable as e:
+        raise SystemExit(f"--init v4: {e}; run `python -m harness.models.v4_init` where the git history is and "
+                         f"carry .v4-init, or pass --init DIR with the v4 files (SHA-256 {V4_SHA256})") from e
 
 
 def pool_counts(args: argparse.Namespace) -> dict[str, int]:
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     if args.init:  # a fine-tune (v7): the same architecture and tokenizer, the given checkpoint's weights
         from transformers import AutoTokenizer
 
-        init_dir = Path(args.init)
+        init_dir = v4_init_dir() if args.init == "v4" else Path(args.init)
         if AutoTokenizer.from_pretrained(init_dir).get_vocab() != tokenizer.get_vocab():
             raise SystemExit(f"--init {init_dir}: its tokenizer differs from the recipe's (build_tokenizer)")
         init_sha = sha256_file(init_dir / "model.safetensors")
