@@ -1,11 +1,13 @@
 """Does the harness *detect* a quality regression? Directions with margins, on the trained embedded model
-(model=tiny, ``trained-synthetic``, recipe v4) and the bundled held-out samples, CPU, in CI.
+(model=tiny, ``trained-synthetic``, recipe v7c-lr2) and the bundled held-out samples, CPU, in CI.
 
-Margins are about half of what was measured (2026-12-01, 2-core CPU, float32 greedy; docs/embedded_model.md has
-the table). RAG-IGBench on the 12 bundled held-out requests: baseline edit 0.625 / Kendall 0.421; VisionZip keep
-0.5: edit 0.340; SERE K=1 ρ=0: edit 0.174 / Kendall 0.069, + protect=4: 0.229 / 0.148; plain top-1: edit 0.062;
-SERE K=2 ρ=0: 0.646 against plain top-2's 0.521. OCRBench sample: accuracy 0.6 at keep 1.0 (the 6 held-out rows
-right, the 4 format rows it was never trained on wrong), 0.0 at keep 0.5 and 0.25. Never an exact score.
+Margins are about half of what was measured (2026-12-03, 2-core CPU, float32 greedy; docs/embedded_model.md has
+the table). RAG-IGBench on the 12 bundled held-out requests: baseline edit 0.660 / Kendall 0.533; VisionZip keep
+0.5: edit 0.336; SERE K=1 ρ=0: edit 0.194 / Kendall 0.199, + protect=4: 0.375 / 0.303; plain top-1: edit 0.083;
+SERE K=2 ρ=0: 0.590 against plain top-2's 0.458. OCRBench sample: accuracy 0.6 at keep 1.0 (the 6 held-out rows
+right, the 4 format rows it was never trained on wrong), 0.0 at keep 0.25. Never an exact score.
+(Recipe v4, the model before: baseline 0.625 / 0.421, SERE K=1 0.174, protect 0.229, top-1 0.062, SERE K=2 0.646
+against top-2 0.521; the margins held for both.)
 
 What the trained model cannot do (so no test claims it): answer the CCBench-style questions above chance (it
 names a shape's colour or kind from the image, but does not map the word onto its option letter).
@@ -74,7 +76,7 @@ def test_keep_one_is_exactly_the_baseline_and_pruning_costs_edit_score(tmp_path_
     assert records(same) == records(base)[:first]
     half = run(tmp_path_factory, "visionzip.keep=0.5")
     assert half["visionzip"]["keep_rate"] == pytest.approx(0.5, abs=0.02)
-    assert half["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.14  # measured −0.285
+    assert half["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.15  # measured −0.324 (v4: −0.285)
 
 
 def test_ocr_accuracy_falls_at_a_small_keep_ratio(tmp_path_factory):
@@ -92,13 +94,13 @@ def test_sere_k1_rho0_is_below_top_k(tmp_path_factory):
     base = run(tmp_path_factory)
     sere = run(tmp_path_factory, "sere.k=1", "sere.rho=0.0")
     assert sere["sere"]["moved_fraction"] > 0.5  # ρ = 0 re-routes every secondary slot outside the union
-    assert sere["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.2  # measured −0.451
-    assert sere["metrics"]["kendall"] < base["metrics"]["kendall"] - 0.17  # measured −0.352
-    assert sere["metrics"]["format_invalid"] > base["metrics"]["format_invalid"]  # measured 4 vs 0
+    assert sere["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.2  # measured −0.466
+    assert sere["metrics"]["kendall"] < base["metrics"]["kendall"] - 0.17  # measured −0.334
+    assert sere["metrics"]["format_invalid"] > base["metrics"]["format_invalid"]  # measured 3 vs 0
     # protecting the 4 experts per layer whose re-routing does the most damage recovers part of the loss
     prot = run(tmp_path_factory, "sere.k=1", "sere.rho=0.0", "sere.protect=4")
-    assert prot["metrics"]["edit_score"] > sere["metrics"]["edit_score"] + 0.025  # measured +0.055
-    assert prot["metrics"]["kendall"] > sere["metrics"]["kendall"] + 0.04  # measured +0.079
+    assert prot["metrics"]["edit_score"] > sere["metrics"]["edit_score"] + 0.09  # measured +0.181 (v4: +0.055)
+    assert prot["metrics"]["kendall"] > sere["metrics"]["kendall"] + 0.05  # measured +0.104 (v4: +0.079)
 
 
 def test_request_budget_favours_text_images_and_per_image_ratio_does_not(tmp_path_factory):
@@ -120,10 +122,10 @@ def test_request_budget_favours_text_images_and_per_image_ratio_does_not(tmp_pat
 def test_plain_top_k_truncation_loses_more_than_sere_at_the_same_k(tmp_path_factory):
     """The seed's "fixed top-2" row: plain top-K truncation (``moe.top_k``, decode only like SERE) drops the
     secondary experts, SERE re-routes them to the most similar expert already active in the batch. Measured (12
-    held-out requests, edit score): K=1 — SERE ρ=0 0.174 vs top-1 0.062; K=2 — SERE ρ=0 0.646 vs top-2 0.521.
+    held-out requests, edit score): K=1 — SERE ρ=0 0.194 vs top-1 0.083; K=2 — SERE ρ=0 0.590 vs top-2 0.458.
     (v4 starts its experts as noisy copies in 4 groups, so similar experts exist: the redundancy SERE exploits.)"""
     base = run(tmp_path_factory)
-    for k, margin in ((1, 0.05), (2, 0.06)):  # measured +0.112 / +0.125
+    for k, margin in ((1, 0.05), (2, 0.06)):  # measured +0.111 / +0.132 (v4: +0.112 / +0.125)
         plain = run(tmp_path_factory, f"moe.top_k={k}")
         sere = run(tmp_path_factory, f"sere.k={k}", "sere.rho=0.0")
         assert plain["moe"]["expert_union_after"] < plain["moe"]["expert_union_before"]
