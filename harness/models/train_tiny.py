@@ -50,6 +50,7 @@ from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, V4_SHA256, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
 from harness.models.trained import sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
+from harness.models.v4_init import resolve, V4Unavailable
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
@@ -185,8 +186,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def v4_init_dir() -> Path:
     """``--init v4``: the committed checkpoint while it is v4, else v4's files from git history (``v4_init``)."""
-    from harness.models.v4_init import resolve, V4Unavailable
-
     try:
         return resolve()
     except V4Unavailable as e:
