@@ -106,15 +106,15 @@ def test_sere_k1_rho0_is_below_top_k(tmp_path_factory):
 def test_request_budget_favours_text_images_and_per_image_ratio_does_not(tmp_path_factory):
     """OCR+CC mix, keep 0.5 — the seed's OCRBench + CCBench competition with learned attention: under one
     request-wide budget the text-dense (OCRBench) images keep a larger share of their tokens than the sparse
-    (CCBench) ones; the per-image ratio gives both the same. Measured: request scope OCRBench 0.815 vs CCBench
-    0.282; image scope 0.500 / 0.500. (Generator 2 fills 75-100 % of a text image's cells and 6-33 % of a shape
+    (CCBench) ones; the per-image ratio gives both the same. Measured: request scope OCRBench 0.824 vs CCBench
+    0.276 (v4: 0.815 / 0.282); image scope 0.500 / 0.500. (Generator 2 fills 75-100 % of a text image's cells and 6-33 % of a shape
     image's, and the focus-trained tower attends to content cells.)"""
     common = ("dataset=ocr_cc_mix_sample", "generation.max_new_tokens=2", "visionzip.keep=0.5")
     req = run(tmp_path_factory, *common, "visionzip.scope=request")["visionzip"]["by_source"]
     img = run(tmp_path_factory, *common, "visionzip.scope=image")["visionzip"]["by_source"]
     gap_request = req["ocrbench"]["keep_rate"] - req["ccbench"]["keep_rate"]
     gap_image = img["ocrbench"]["keep_rate"] - img["ccbench"]["keep_rate"]
-    assert gap_request > 0.25  # measured +0.533
+    assert gap_request > 0.25  # measured +0.548 (v4: +0.533)
     assert abs(gap_image) < 0.02  # measured 0.000
 
 
