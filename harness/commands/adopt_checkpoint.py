@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 
 from harness.commands.eval_tiny import evaluate_checkpoint, format_table
-from harness.models.trained import trained_checkpoint, CHECKPOINT, CheckpointError
+from harness.models.trained import trained_checkpoint, CHECKPOINT, CHECKPOINT_FILES, CheckpointError
 
-FILES = ("model.safetensors", "config.json", "harness_model.json", "tokenizer.json", "tokenizer_config.json",
-         "chat_template.jinja", "processor_config.json", "train_log.jsonl")
+FILES = (*CHECKPOINT_FILES, "train_log.jsonl")
 MAX_BYTES = 20_000_000
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +47,7 @@ def check(src: Path, dst: Path) -> dict:
     size = (src / "model.safetensors").stat().st_size
     if size > MAX_BYTES:
         raise SystemExit(f"refused: model.safetensors is {size} bytes (> {MAX_BYTES})")
-    missing = [f for f in FILES if f != "train_log.jsonl" and not (src / f).exists()]
+    missing = [f for f in CHECKPOINT_FILES if not (src / f).exists()]
     if missing:
         raise SystemExit(f"refused: {src} lacks {missing}")
     new_cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))

@@ -21,6 +21,9 @@ from harness.models.tiny import MARKER, TinyModelSpec
 
 WEIGHTS_LABEL = "trained-synthetic"
 CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-trained-synthetic"
+#: the files of a committed checkpoint directory (both engines load them; train_log.jsonl rides along, not loaded)
+CHECKPOINT_FILES = ("model.safetensors", "config.json", "harness_model.json", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja", "processor_config.json")
 
 # The trained model's shape: ~4 M parameters (≈17 MB float32) — room for OCR in the vision tower and for
 # 16 experts × top-4 in 4 MoE layers, still a few-second CPU run. hidden 128 ≠ 2 × 96 (layout check).

@@ -15,14 +15,12 @@ import subprocess
 from pathlib import Path
 
 from harness.models.train_recipes import V4_SHA256
-from harness.models.trained import sha256_file, CHECKPOINT
+from harness.models.trained import sha256_file, CHECKPOINT, CHECKPOINT_FILES
 
 #: the commit that adopted v4 (its checkpoint directory holds exactly the v4 files)
 V4_COMMIT = "d258951"
 ROOT = Path(__file__).resolve().parents[2]
 INIT_DIR = ROOT / ".v4-init"
-FILES = ("model.safetensors", "config.json", "harness_model.json", "tokenizer.json", "tokenizer_config.json",
-         "chat_template.jinja", "processor_config.json")
 
 
 class V4Unavailable(RuntimeError):
@@ -39,7 +37,7 @@ def _from_git(out: Path) -> None:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in FILES:
+    for name in CHECKPOINT_FILES:
         blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{V4_COMMIT}:{rel}/{name}"], capture_output=True)
         if blob.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)

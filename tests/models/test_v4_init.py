@@ -25,7 +25,7 @@ def test_v4_files_come_back_from_git_and_hash_to_v4(tmp_path):
     got = v4_init.resolve(out)
     assert v4_init._is_v4(got)
     if got == out:  # the committed model is no longer v4: every file the fine-tune loads is there
-        assert all((out / name).is_file() for name in v4_init.FILES)
+        assert all((out / name).is_file() for name in v4_init.CHECKPOINT_FILES)
         assert not (tmp_path / "v4.partial").exists()
 
 
