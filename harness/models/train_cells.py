@@ -41,7 +41,8 @@ def cell_targets(images: list[Any], tokenizer) -> np.ndarray:
 
 def option_targets(ids: np.ndarray, tokenizer) -> np.ndarray:
     """[n, 2] int32 (position, letter token id) of each option line's word in a multiple-choice prompt: the word's
-    first token follows ``\\n``, the letter, ``.`` and ``Ġ`` (``harness.datasets.ccbench.build_prompt``'s layout).
+    first token follows ``\\n``, the letter, ``.`` and ``Ġ`` (``harness.datasets.ccbench.build_prompt``'s layout),
+    or is itself a ``Ġ``-prefixed token right after the dot (the text choice's options, ``\\nA. 78``: ``Ġ7`` ``8``).
 
     The *option loss* (recipe v5) trains the language model's output at that position to be the option's letter:
     the text-side counterpart of the cell loss. The MCQ answer needs "find the option whose word matches what is
@@ -50,8 +51,15 @@ def option_targets(ids: np.ndarray, tokenizer) -> np.ndarray:
     vocab = tokenizer.get_vocab()
     nl, dot, space = vocab.get("Ċ"), vocab.get("."), vocab.get("Ġ")
     letters = {vocab[c]: vocab[c] for c in "ABCD" if c in vocab}
-    out = [(i + 4, ids[i + 1]) for i in range(len(ids) - 4)
-           if ids[i] == nl and ids[i + 1] in letters and ids[i + 2] == dot and ids[i + 3] == space]
+    # a word whose first token carries the space (the text tasks' digits: ``Ġ7`` ``8``) starts right after the dot
+    merged = {i for t, i in vocab.items() if t.startswith("Ġ") and len(t) > 1}
+    out = []
+    for i in range(len(ids) - 3):
+        if ids[i] == nl and ids[i + 1] in letters and ids[i + 2] == dot:
+            if ids[i + 3] == space and i + 4 < len(ids):
+                out.append((i + 4, ids[i + 1]))
+            elif ids[i + 3] in merged:
+                out.append((i + 3, ids[i + 1]))
     return np.asarray(out, dtype=np.int32).reshape(-1, 2)
 
 

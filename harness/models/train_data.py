@@ -143,7 +143,8 @@ def encode(example: Example, tokenizer, image_token_id: int) -> dict[str, Any]:
     target = tokenizer(example.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
     prompt_ids = np.asarray(ids, dtype=np.int32)
-    options = option_targets(prompt_ids, tokenizer) if example.task.startswith("mcq") else np.zeros((0, 2), np.int32)
+    options = (option_targets(prompt_ids, tokenizer) if example.task.startswith(("mcq", "text_choice"))
+               else np.zeros((0, 2), np.int32))
     return {"task": example.task, "ids": np.asarray(ids + target, dtype=np.int32), "n_prompt": len(ids),
             "images": arrays, "cells": cell_targets(example.images, tokenizer), "options": options}
 

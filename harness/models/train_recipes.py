@@ -172,3 +172,17 @@ def route_prior_loss(router_logits, attention_mask, task: str, num_experts: int,
         total = total - torch.log(p + 1e-6).mean()
         mass += float(p.mean().detach())
     return total / len(router_logits), mass / len(router_logits)
+# v7d (session 14, issue 28 item 3): multiple choice. v7c-lr2 (the committed model) reads the attribute (``attr``
+# cross-entropy 0.01) and finds the looked-up value (text lookup 0.80), yet both multiple-choice tasks stay at the
+# ln 4 / 2 plateau: the answer never learns *which* option line to read. v6's pointer loss (train_pointer.py) is what
+# got image MCQ above chance (CCBench circular 0.48) but, trained from scratch on head 0 of the last layer, it broke
+# RAG image placement. v7d fine-tunes the committed model (``init: committed``) with the option loss and the pointer
+# loss on image MCQ *and* the text choice tasks, more of the steps on them, RAG replayed at v7's share; ``v7d-mid``
+# trains the pointer on a middle layer's head instead (layer 2 of 4), away from the last layer v6 found RAG using
+V7D_TASK_WEIGHTS = {"ocr": 0.05, "ocr_mix": 0.02, "mcq": 0.14, "mcq_hint": 0.08, "mcq_mix": 0.05, "attr": 0.03,
+                    "rag": 0.18,
+                    "text_arith": 0.04, "text_list": 0.04, "text_lookup": 0.07, "text_choice": 0.12,
+                    "text_lookup2": 0.04, "text_choice2": 0.14}
+VARIANTS["v7d"] = {**VARIANTS["v7c-lr2"], "task_weights": V7D_TASK_WEIGHTS, "init": "committed", "lr": 1e-3,
+                   "options": 0.5, "pointer": 0.5, "pointer_layer": -1}
+VARIANTS["v7d-mid"] = {**VARIANTS["v7d"], "pointer_layer": 2}

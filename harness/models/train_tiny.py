@@ -49,7 +49,7 @@ from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, V4_SHA256, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
-from harness.models.trained import sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
+from harness.models.trained import CHECKPOINT, sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
 from harness.models.v4_init import resolve, V4Unavailable
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
@@ -142,11 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight of the option loss (train_cells.py; before v5: 0, v5: 0.5)")
     ap.add_argument("--pointer", type=float, default=None,
                     help="weight of the pointer loss (train_pointer.py; before v6: 0, v6: 0.5)")
-    ap.add_argument("--pointer-layer", type=int, default=-1,
-                    help="text layer whose head 0 the pointer loss trains (-1 = the last, as in v6)")
+    ap.add_argument("--pointer-layer", type=int, default=None,
+                    help="text layer whose head 0 the pointer loss trains (default: the recipe's, else -1 = the "
+                         "last, as in v6)")
     ap.add_argument("--init", default=None,
                     help="start from this checkpoint's weights instead of a fresh initialisation (v7: the v4 model; "
-                         "its tokenizer must equal the recipe's, its SHA-256 is recorded)")
+                         "v7d: 'committed', the model=tiny checkpoint; its tokenizer must equal the recipe's, its "
+                         "SHA-256 is recorded)")
     ap.add_argument("--route-prior", type=float, default=None,
                     help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
                          "tokens pulled onto its own group of expert copies, so experts specialise by task")
@@ -178,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.text_mix = bool(recipe.get("text_mix", False))
     if args.text_pool is None:
         args.text_pool = recipe.get("text_pool", 1.0)
+    if args.pointer_layer is None:
+        args.pointer_layer = recipe.get("pointer_layer", -1)
     if args.init is None:
         args.init = recipe.get("init")
     args.task_weights = dict(recipe["task_weights"])
@@ -270,7 +274,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     if args.init:  # a fine-tune (v7): the same architecture and tokenizer, the given checkpoint's weights
         from transformers import AutoTokenizer
 
-        init_dir = v4_init_dir() if args.init == "v4" else Path(args.init)
+        init_dir = (v4_init_dir() if args.init == "v4" else CHECKPOINT if args.init == "committed"
+                    else Path(args.init))
         if AutoTokenizer.from_pretrained(init_dir).get_vocab() != tokenizer.get_vocab():
             raise SystemExit(f"--init {init_dir}: its tokenizer differs from the recipe's (build_tokenizer)")
         init_sha = sha256_file(init_dir / "model.safetensors")

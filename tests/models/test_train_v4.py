@@ -117,6 +117,31 @@ def test_option_targets_sit_on_each_option_word_with_its_letter(generator2, tok)
         assert encode(make_example(task, rng), tok, 1)["options"].shape == (0, 2)
 
 
+def test_option_and_pointer_targets_cover_the_text_choice_tasks(tok):
+    """Recipe v7d: the text choice's option values start with a space-merged token (``Ġ7`` ``8``); the option target
+    sits on that token, and the pointer target joins the answer position to the correct option's value."""
+    from harness.models.train_data import encode, make_example
+    from harness.models.train_pointer import pointer_targets
+
+    rng = random.Random(5)
+    for task in ("text_choice", "text_choice2"):
+        for _ in range(10):
+            ex = make_example(task, rng)
+            opts = dict(line.split(". ", 1) for line in ex.content[0]["text"].splitlines() if line[:3] in
+                        ("A. ", "B. ", "C. ", "D. "))
+            e = encode(ex, tok, 1)
+            got = e["options"]
+            assert [tok.convert_ids_to_tokens(int(x)) for x in got[:, 1]] == list("ABCD")
+            for (pos, _), value in zip(got, opts.values()):
+                first = tok.convert_ids_to_tokens(int(e["ids"][pos]))  # the value's first token, space merged
+                assert first.startswith("Ġ") and len(first) > 1 and value.startswith(first[1:])
+            query, key = pointer_targets(e)
+            assert query == e["n_prompt"] - 1
+            assert key == got[list(opts).index(ex.target), 0]  # the correct option's value
+    for task in ("text_lookup", "text_arith"):
+        assert encode(make_example(task, rng), tok, 1)["options"].shape == (0, 2)
+
+
 def test_option_loss_reads_the_logits_at_the_option_positions(generator2, tok):
     import torch
 
