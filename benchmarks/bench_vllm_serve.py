@@ -97,6 +97,11 @@ def register_entry_points(site: Path) -> str:
     return f"dist-info written to {site}"
 
 
+# Qwen3-VL's image processor pixel range (its preprocessor_config.json ``size``; patch 16, merge 2 as the embedded
+# one): a 448 px image stays 448 px, 28 × 28 patches, 196 visual tokens
+QWEN3_VL_IMAGE_SIZE = {"shortest_edge": 65536, "longest_edge": 16777216}
+
+
 def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]]:
     """The served directory (module doc): shapes config + the embedded tokenizer padded to the vocabulary."""
     from harness.models.real_shapes import shapes_config
@@ -126,8 +131,12 @@ def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "tokenizer.json").write_text(json.dumps(tok))
-    for name in ("tokenizer_config.json", "chat_template.jinja", "processor_config.json"):
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(EMBEDDED / name, out / name)
+    processor = json.loads((EMBEDDED / "processor_config.json").read_text())
+    if vl and not tiny:  # the real model's pixel range: the embedded one's (128² at most) made a 448 px image 16 tokens
+        processor["image_processor"]["size"] = dict(QWEN3_VL_IMAGE_SIZE)
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": text["eos_token_id"]}))
     return out, config
 
