@@ -114,3 +114,25 @@ def test_describe_and_settings(engine):
     assert info["scope"] == "request" and info["contextual"] == VZ.contextual
     st = VisionZipSettings.from_env(engine.visionzip.env())
     assert st == engine.visionzip and st.arch == VZ_REQUEST_ARCH
+
+
+def test_the_profiled_image_is_capped_so_its_bundle_fits_max_model_len(engine, batched):
+    """The encoder profile's largest image (``BundleInfo.get_image_size_with_most_features``) shrinks when one image's
+    bundle would not fit ``max_model_len`` (session 14: Qwen3-VL's pixel range on an 8,192-token server)."""
+    import copy
+
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from harness.engines.vllm.visionzip_request import fitting_image_tokens
+    from harness.techniques.visionzip.bundle import request_total
+
+    mc = engine._llm.llm_engine.model_config
+    info = MULTIMODAL_REGISTRY.create_processor(mc).info
+    assert type(info).__name__ == "BundleInfo"
+    full = info.get_max_image_tokens()  # the tiny processor's 128 px cap: 16 tokens, fits 1024 as is
+    assert full == 16 and info.get_image_size_with_most_features() == (128, 128)
+    small = copy.copy(mc)
+    small.max_model_len = 512 + 2 + 4  # HARNESS_VZ_SPAN_TEXT 512 + start/end + 4 kept tokens: 8 tokens at keep 0.5
+    capped = MULTIMODAL_REGISTRY.create_processor(small).info
+    want = fitting_image_tokens(full, lambda s: request_total(s, VZ.keep, VZ.min_per_image), 512, small.max_model_len)
+    assert want == 8 and capped.get_max_image_tokens() == want

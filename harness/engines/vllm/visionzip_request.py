@@ -53,7 +53,7 @@ from harness.techniques.visionzip.pruning import compress_image, merge_unit_scor
 
 POS_CHANNELS = 8  # (t, h, w, row) × (hi, lo)
 
-__all__ = ["VZ_REQUEST_ARCH", "request_scope_classes", "bundle_hash"]
+__all__ = ["VZ_REQUEST_ARCH", "request_scope_classes", "bundle_hash", "fitting_image_tokens"]
 
 
 def bundle_hash(image_hashes, span_ids, settings: VisionZipSettings) -> str:
@@ -64,6 +64,25 @@ def bundle_hash(image_hashes, span_ids, settings: VisionZipSettings) -> str:
         fields += [settings.method, settings.seed]
     blob = json.dumps(fields, separators=(",", ":"))
     return "vzreq-" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+def fitting_image_tokens(tokens: int, total, span_text: int, max_model_len: int) -> int:
+    """The most visual tokens (≤ ``tokens``) one image may have so that its bundle — ``total([t])`` kept tokens,
+    ``<|vision_start|>`` / ``<|vision_end|>`` and ``span_text`` tokens of text — fits ``max_model_len``.
+
+    Why: vLLM profiles the encoder with the largest image its processor allows. Qwen3-VL's own pixel range allows
+    16,384 tokens per image, more than a bundle of an 8,192-token model holds even at keep 0.5, so the profile's
+    dummy bundle was refused and the server never started (session 14, H200: "needs 8194 tokens, more than the
+    8192"). Capping the largest image here keeps the profile, the encoder cache and the dummy inputs consistent; a
+    request whose single image would not fit ``max_model_len`` could not be served anyway."""
+    lo, hi = 0, int(tokens)
+    while lo < hi:  # total() is non-decreasing in t: the largest t that fits, by bisection
+        mid = (lo + hi + 1) // 2
+        if int(total([mid])) + 2 + int(span_text) <= int(max_model_len):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _unbatch(x) -> list:
@@ -110,6 +129,19 @@ def request_scope_classes() -> dict[str, Any]:
         return st
 
     class BundleInfo(Qwen3VLMoeProcessingInfo):
+        def get_image_size_with_most_features(self, max_pixels: int | None = None):
+            """vLLM's largest image, capped so that its bundle fits ``max_model_len`` (:func:`fitting_image_tokens`):
+            what the encoder profile's dummy image, ``get_max_image_tokens`` and the cache sizing all read."""
+            size = super().get_image_size_with_most_features(max_pixels)
+            vision = self.get_hf_config().vision_config
+            unit = int(vision.patch_size) * int(vision.spatial_merge_size)
+            tokens = (int(size.width) // unit) * (int(size.height) // unit)
+            st = settings()
+            cap = fitting_image_tokens(tokens, st.total, st.span_text, int(self.ctx.model_config.max_model_len))
+            if cap >= tokens or cap < 1:
+                return size
+            return super().get_image_size_with_most_features(cap * unit * unit)
+
         def bundle_images(self) -> int:
             """Images of the largest bundle: the prompt limit, capped so that they fit ``max_model_len``."""
             limit = int(self.allowed_mm_limits.get("image", 1) or 1)
