@@ -40,8 +40,8 @@ else:
     os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py sets it for the kernel tests; nothing here needs it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# SERE at the seed table's rho 0.5. Plain top-1, not top-2: the committed model (v7c-lr2) answers the held-out
-# items of this suite alike at top-4 and top-2 (docs/embedded_model_v7.md §9), so only top-1 shows in its answers
+# SERE at the seed table's rho 0.5. Plain top-1, not top-2: the committed model (v7d-mid, as v7c-lr2 before it)
+# answers the held-out items of this suite alike at top-4 and top-2 (docs/embedded_model_v7.md §9-10), so only top-1 shows in its answers
 # that the truncation hook is in OpenCompass's path. test_opencompass_directions.py asserts what holds (baseline
 # high, SERE K=2 keeps it); "plain top-2 loses more than SERE K=2" does not hold on these text tasks, so no test says it
 SETTINGS = {"off": [], "sere_k2": ["sere.k=2", "sere.rho=0.5"], "top_k1": ["moe.top_k=1"]}
