@@ -87,24 +87,22 @@ def test_keep_one_is_exactly_the_baseline_and_pruning_costs_edit_score(tmp_path_
 
 
 @pytest.fixture(scope="module")
-def heldout_rag(tmp_path_factory) -> tuple[str, ...]:
-    """Overrides that point a run at 48 held-out RAG requests of the synthetic generator (seed 0), written in the
-    RAG-IGBench row format: the sample the MoE directions are measured on (module docstring)."""
-    from harness.datasets.synthetic import tasks as st
-    from harness.datasets.synthetic.rag_igbench import write_rag_igbench
+def heldout_sets(tmp_path_factory) -> dict[str, Path]:
+    """48 held-out RAG requests and 48 CCBench questions of the synthetic generator (seed 0), in the benchmarks'
+    formats: what ``python -m harness.datasets.synthetic.bundle heldout DIR`` writes (module docstring)."""
+    from harness.datasets.synthetic.bundle import heldout
 
-    path = write_rag_igbench(tmp_path_factory.mktemp("heldout") / "rag", st.items("rag", "heldout", 48, 0))
-    return ("dataset=rag_igbench", f"dataset.path={path}", "dataset.image_root=null", "dataset.split=null")
+    return heldout(tmp_path_factory.mktemp("heldout"), 48)
 
 
 @pytest.fixture(scope="module")
-def heldout_ccbench(tmp_path_factory) -> tuple[str, ...]:
-    """48 held-out CCBench-style questions (seed 0; the loader adds the circular rotations): issue 28 item 3's set."""
-    from harness.datasets.synthetic import tasks as st
-    from harness.datasets.synthetic.ocr_cc import write_ccbench
+def heldout_rag(heldout_sets) -> tuple[str, ...]:
+    return ("dataset=rag_igbench", f"dataset.path={heldout_sets['rag']}", "dataset.image_root=null", "dataset.split=null")
 
-    path = write_ccbench(tmp_path_factory.mktemp("heldout") / "mcq", st.items("mcq", "heldout", 48, 0))
-    return ("dataset=ccbench", f"dataset.path={path}", "dataset.circular=true", "generation.max_new_tokens=4")
+
+@pytest.fixture(scope="module")
+def heldout_ccbench(heldout_sets) -> tuple[str, ...]:
+    return ("dataset=ccbench", f"dataset.path={heldout_sets['mcq']}", "dataset.circular=true", "generation.max_new_tokens=4")
 
 
 def test_ocr_accuracy_falls_at_a_small_keep_ratio(tmp_path_factory):

@@ -1,6 +1,8 @@
 """Regenerate the bundled ``*_sample`` datasets (``harness/datasets/bundled/``) from the held-out split of the
 synthetic task suite: ``python -m harness.datasets.synthetic.bundle bundle [ROOT] [--generator 1|2]`` (the old
-``python -m harness.datasets.synthetic.tasks bundle`` still works and lands here).
+``python -m harness.datasets.synthetic.tasks bundle`` still works and lands here). ``heldout ROOT [--n N]`` writes
+larger held-out sets (RAG-IGBench rows and CCBench questions, 48 each by default, seed 0): the samples the MoE and
+CCBench sensitivity tests run on, for a user to rerun them with ``dataset.path=``.
 
 Why a module of its own: the writers of the three samples (``synthetic``: RAG-IGBench, ``synthetic_ocr_cc``:
 OCRBench and CCBench) draw their items from ``synthetic_tasks``; with ``bundle`` inside ``synthetic_tasks`` the
@@ -13,11 +15,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from harness.datasets.synthetic.rag_igbench import make_rag_igbench_sample
-from harness.datasets.synthetic.ocr_cc import make_ccbench_sample, make_ocrbench_sample
-from harness.datasets.synthetic.tasks import generator_version, use_generator
+from harness.datasets.synthetic.rag_igbench import make_rag_igbench_sample, write_rag_igbench
+from harness.datasets.synthetic.ocr_cc import make_ccbench_sample, make_ocrbench_sample, write_ccbench
+from harness.datasets.synthetic.tasks import generator_version, items, use_generator
 
-__all__ = ["bundle", "main"]
+__all__ = ["bundle", "heldout", "main"]
 
 
 def bundle(root: str | None = None, version: str | None = None) -> list:
@@ -34,16 +36,39 @@ def bundle(root: str | None = None, version: str | None = None) -> list:
             make_ccbench_sample(base / "ccbench_sample")]
 
 
+def heldout(root: str | Path, n: int = 48, seed: int = 0) -> dict[str, Path]:
+    """``n`` held-out RAG-IGBench requests (``ROOT/rag/data.jsonl``) and ``n`` CCBench questions
+    (``ROOT/mcq/CCBench_sample.tsv``, originals: the loader adds the circular rotations) of the active generator,
+    a pure function of (generator, n, seed). Why: 12 bundled requests proved too few to carry a direction between
+    two MoE techniques (docs/embedded_model_v7.md §10); the sensitivity tests write these sets at test time."""
+    root = Path(root)
+    return {"rag": write_rag_igbench(root / "rag", items("rag", "heldout", n, seed)),
+            "mcq": write_ccbench(root / "mcq", items("mcq", "heldout", n, seed))}
+
+
 def main(argv: list[str] | None = None, prog: str = "harness.datasets.synthetic.bundle") -> int:
-    """``bundle [ROOT] [--generator 1|2]``: regenerate and print the data files written."""
+    """``bundle [ROOT] [--generator 1|2]``: regenerate and print the data files written; ``heldout ROOT [--n N]
+    [--generator 1|2]``: the larger held-out sets."""
     args = list(sys.argv[1:] if argv is None else argv)
     version = None
     if "--generator" in args:
         i = args.index("--generator")
         version = args[i + 1]
         del args[i:i + 2]
+    if args[:1] == ["heldout"] and len(args) >= 2:
+        n = 48
+        if "--n" in args:
+            i = args.index("--n")
+            n = int(args[i + 1])
+            del args[i:i + 2]
+        if version is not None:
+            use_generator(version)
+        for path in heldout(args[1], n).values():
+            print(path)
+        return 0
     if args[:1] != ["bundle"]:
-        raise SystemExit(f"usage: python -m {prog} bundle [ROOT] [--generator 1|2]")
+        raise SystemExit(f"usage: python -m {prog} bundle [ROOT] [--generator 1|2]\n"
+                         f"       python -m {prog} heldout ROOT [--n N] [--generator 1|2]")
     for path in bundle(*args[1:2], version=version):
         print(path)
     return 0
