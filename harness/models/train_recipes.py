@@ -110,6 +110,8 @@ VARIANTS["v7c-lr2"] = {**VARIANTS["v7c"], "lr": 2e-3}
 # the v4 checkpoint v7 starts from (``--init v4``: the committed checkpoint while it is v4; after v7's adoption, the
 # v4 files from git: ``git show 8fa1f54:harness/models/checkpoints/tiny-trained-synthetic/model.safetensors``)
 V4_SHA256 = "eb57d509e9defebdb1d08a86a9a8329167ec0bcba3e19fe156e6ee81ecca8441"
+# the v7c-lr2 checkpoint v7d starts from (``--init v7c-lr2``: the committed model of session 13, from git history)
+V7C_LR2_SHA256 = "0366bfaed8f995022d05f1e0c467fb0b7d66319fa99894ad0258de10468ebc81"
 # task family -> expert group (v4's 4 groups of 4 noisy copies, train_recipes.group_experts): reading, shape
 # questions, RAG answers, text tasks
 ROUTE_GROUPS = {"ocr": 0, "ocr_mix": 0, "attr": 0, "mcq": 1, "mcq_mix": 1, "mcq_hint": 1, "rag": 2}
@@ -176,13 +178,14 @@ def route_prior_loss(router_logits, attention_mask, task: str, num_experts: int,
 # cross-entropy 0.01) and finds the looked-up value (text lookup 0.80), yet both multiple-choice tasks stay at the
 # ln 4 / 2 plateau: the answer never learns *which* option line to read. v6's pointer loss (train_pointer.py) is what
 # got image MCQ above chance (CCBench circular 0.48) but, trained from scratch on head 0 of the last layer, it broke
-# RAG image placement. v7d fine-tunes the committed model (``init: committed``) with the option loss and the pointer
+# RAG image placement. v7d fine-tunes v7c-lr2 (``init: v7c-lr2``, from git history once v7d-mid is adopted; SHA-256
+# checked) with the option loss and the pointer
 # loss on image MCQ *and* the text choice tasks, more of the steps on them, RAG replayed at v7's share; ``v7d-mid``
 # trains the pointer on a middle layer's head instead (layer 2 of 4), away from the last layer v6 found RAG using
 V7D_TASK_WEIGHTS = {"ocr": 0.05, "ocr_mix": 0.02, "mcq": 0.14, "mcq_hint": 0.08, "mcq_mix": 0.05, "attr": 0.03,
                     "rag": 0.18,
                     "text_arith": 0.04, "text_list": 0.04, "text_lookup": 0.07, "text_choice": 0.12,
                     "text_lookup2": 0.04, "text_choice2": 0.14}
-VARIANTS["v7d"] = {**VARIANTS["v7c-lr2"], "task_weights": V7D_TASK_WEIGHTS, "init": "committed", "lr": 1e-3,
+VARIANTS["v7d"] = {**VARIANTS["v7c-lr2"], "task_weights": V7D_TASK_WEIGHTS, "init": "v7c-lr2", "lr": 1e-3,
                    "options": 0.5, "pointer": 0.5, "pointer_layer": -1}
 VARIANTS["v7d-mid"] = {**VARIANTS["v7d"], "pointer_layer": 2}

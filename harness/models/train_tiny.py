@@ -47,10 +47,10 @@ from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
 from harness.models.train_cells import option_loss, CellProbe
 from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
-from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, V4_SHA256, VARIANTS
+from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
 from harness.models.trained import CHECKPOINT, sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
-from harness.models.v4_init import resolve, V4Unavailable
+from harness.models.v4_init import init_dir, PRIORS, resolve, V4Unavailable
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
@@ -146,9 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="text layer whose head 0 the pointer loss trains (default: the recipe's, else -1 = the "
                          "last, as in v6)")
     ap.add_argument("--init", default=None,
-                    help="start from this checkpoint's weights instead of a fresh initialisation (v7: the v4 model; "
-                         "v7d: 'committed', the model=tiny checkpoint; its tokenizer must equal the recipe's, its "
-                         "SHA-256 is recorded)")
+                    help="start from this checkpoint's weights instead of a fresh initialisation: a DIR, 'committed' "
+                         "(the model=tiny checkpoint) or an earlier committed model from git history, 'v4' (recipes "
+                         "v7-v7c) or 'v7c-lr2' (v7d); its tokenizer must equal the recipe's, its SHA-256 is recorded")
     ap.add_argument("--route-prior", type=float, default=None,
                     help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
                          "tokens pulled onto its own group of expert copies, so experts specialise by task")
@@ -188,13 +188,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def v4_init_dir() -> Path:
-    """``--init v4``: the committed checkpoint while it is v4, else v4's files from git history (``v4_init``)."""
+def prior_init_dir(name: str = "v4") -> Path:
+    """``--init v4`` / ``--init v7c-lr2``: the committed checkpoint while it is that model, else its files from git
+    history (``v4_init``, SHA-256 checked)."""
     try:
-        return resolve()
+        return resolve(name=name)
     except V4Unavailable as e:
-        raise SystemExit(f"--init v4: {e}; run `python -m harness.models.v4_init` where the git history is and "
-                         f"carry .v4-init, or pass --init DIR with the v4 files (SHA-256 {V4_SHA256})") from e
+        raise SystemExit(f"--init {name}: {e}; run `python -m harness.models.v4_init --name {name}` where the git "
+                         f"history is and carry {init_dir(name).name}, or pass --init DIR with its files (SHA-256 "
+                         f"{PRIORS[name][1]})") from e
+
+
 
 
 def pool_counts(args: argparse.Namespace) -> dict[str, int]:
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     if args.init:  # a fine-tune (v7): the same architecture and tokenizer, the given checkpoint's weights
         from transformers import AutoTokenizer
 
-        init_dir = (v4_init_dir() if args.init == "v4" else CHECKPOINT if args.init == "committed"
+        init_dir = (prior_init_dir(args.init) if args.init in PRIORS else CHECKPOINT if args.init == "committed"
                     else Path(args.init))
         if AutoTokenizer.from_pretrained(init_dir).get_vocab() != tokenizer.get_vocab():
             raise SystemExit(f"--init {init_dir}: its tokenizer differs from the recipe's (build_tokenizer)")

@@ -1,10 +1,12 @@
-"""The v4 checkpoint that recipes v7–v7c fine-tune from (``--init v4``), once the committed model is no longer v4.
+"""Earlier committed checkpoints that recipes fine-tune from: v4 for v7–v7c (``--init v4``), v7c-lr2 for v7d
+(``--init v7c-lr2``), once the committed model is no longer the one they start from.
 
-Why: the v7 family starts from v4's weights, not from scratch, so "retraining is one command" needs v4's files
-after a v7 model has been adopted. They are in git history (commit ``V4_COMMIT``); this module writes them into
-``.v4-init/`` at the repository root (git-ignored) and checks their SHA-256 against ``train_recipes.V4_SHA256``.
-On a machine without the history (the GPU machine gets a copy of the working tree, not ``.git``), run
-``python -m harness.models.v4_init`` beforehand where the history is and carry ``.v4-init`` with the call.
+Why: the v7 family starts from v4's weights and v7d from v7c-lr2's, not from scratch, so "retraining is one
+command" needs those files after a later model has been adopted. They are in git history (:data:`PRIORS`: the
+commit whose checkpoint directory holds them, and their SHA-256); this module writes them into ``.v4-init/`` /
+``.v7c-lr2-init/`` at the repository root (git-ignored) and checks the hash. On a machine without the history (the
+GPU machine gets a copy of the working tree, not ``.git``), run ``python -m harness.models.v4_init [--name NAME]``
+beforehand where the history is and carry that folder with the call.
 """
 
 from __future__ import annotations
@@ -14,49 +16,66 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from harness.models.train_recipes import V4_SHA256
+from harness.models.train_recipes import V4_SHA256, V7C_LR2_SHA256
 from harness.models.trained import sha256_file, CHECKPOINT, CHECKPOINT_FILES
 
 #: the commit that adopted v4 (its checkpoint directory holds exactly the v4 files)
 V4_COMMIT = "d258951"
+#: name -> (a commit whose checkpoint directory holds that model, the SHA-256 of its model.safetensors)
+PRIORS = {"v4": (V4_COMMIT, V4_SHA256),
+          "v7c-lr2": ("13be763", V7C_LR2_SHA256)}  # the last commit before v7d-mid's adoption
 ROOT = Path(__file__).resolve().parents[2]
 INIT_DIR = ROOT / ".v4-init"
 
 
 class V4Unavailable(RuntimeError):
-    """Neither the committed checkpoint, nor ``.v4-init/``, nor git history holds the v4 weights."""
+    """Neither the committed checkpoint, nor the init folder, nor git history holds the prior's weights."""
+
+
+def init_dir(name: str = "v4") -> Path:
+    """Where ``name``'s files are written (git-ignored): ``.v4-init/``, ``.v7c-lr2-init/``."""
+    return INIT_DIR if name == "v4" else ROOT / f".{name}-init"
+
+
+def _is_prior(directory: Path, name: str) -> bool:
+    weights = directory / "model.safetensors"
+    return weights.is_file() and sha256_file(weights) == PRIORS[name][1]
 
 
 def _is_v4(directory: Path) -> bool:
-    weights = directory / "model.safetensors"
-    return weights.is_file() and sha256_file(weights) == V4_SHA256
+    return _is_prior(directory, "v4")
 
 
-def _from_git(out: Path) -> None:
+def _from_git(out: Path, name: str = "v4") -> None:
+    commit = V4_COMMIT if name == "v4" else PRIORS[name][0]  # (V4_COMMIT read here: tests patch it)
     rel = CHECKPOINT.relative_to(ROOT).as_posix()
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in CHECKPOINT_FILES:
-        blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{V4_COMMIT}:{rel}/{name}"], capture_output=True)
+    for file in CHECKPOINT_FILES:
+        blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{rel}/{file}"], capture_output=True)
         if blob.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise V4Unavailable(f"git show {V4_COMMIT}:{rel}/{name} failed: {blob.stderr.decode().strip()[:200]}")
-        (tmp / name).write_bytes(blob.stdout)
-    if not _is_v4(tmp):
+            raise V4Unavailable(f"git show {commit}:{rel}/{file} failed: {blob.stderr.decode().strip()[:200]}")
+        (tmp / file).write_bytes(blob.stdout)
+    if not _is_prior(tmp, name):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise V4Unavailable(f"the weights at {V4_COMMIT} do not hash to V4_SHA256")
+        raise V4Unavailable(f"the weights at {commit} do not hash to {name}'s SHA-256")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
-def resolve(out: Path = INIT_DIR) -> Path:
-    """A directory with the v4 checkpoint: the committed one while it is v4, else ``out`` (written from git once)."""
-    if _is_v4(CHECKPOINT):
+def resolve(out: Path | None = None, name: str = "v4") -> Path:
+    """A directory with ``name``'s checkpoint: the committed one while it is that model, else ``out`` (default
+    :func:`init_dir`; written from git once)."""
+    if name not in PRIORS:
+        raise V4Unavailable(f"no earlier checkpoint named {name!r}; known: {', '.join(PRIORS)}")
+    out = init_dir(name) if out is None else out
+    if _is_prior(CHECKPOINT, name):
         return CHECKPOINT
-    if not _is_v4(out):
+    if not _is_prior(out, name):
         try:
-            _from_git(out)
+            _from_git(out, name)
         except (OSError, subprocess.SubprocessError) as e:  # no git binary, not a repository
             raise V4Unavailable(f"cannot read git history: {e}") from e
     return out
@@ -64,12 +83,13 @@ def resolve(out: Path = INIT_DIR) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=INIT_DIR)
+    ap.add_argument("--name", choices=sorted(PRIORS), default="v4")
+    ap.add_argument("--out", type=Path, default=None, help="default: .v4-init / .<name>-init at the repository root")
     args = ap.parse_args(argv)
     try:
-        print(resolve(args.out))
+        print(resolve(args.out, args.name))
     except V4Unavailable as e:
-        raise SystemExit(f"v4 weights unavailable: {e}") from e
+        raise SystemExit(f"{args.name} weights unavailable: {e}") from e
     return 0
 
 

@@ -41,3 +41,25 @@ def test_a_bad_commit_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(v4_init.V4Unavailable):
         v4_init._from_git(tmp_path / "v4")
     assert not (tmp_path / "v4").exists() and not (tmp_path / "v4.partial").exists()
+
+
+def _has_commit(commit: str) -> bool:
+    probe = subprocess.run(["git", "-C", str(v4_init.ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _has_commit(v4_init.PRIORS["v7c-lr2"][0]), reason="no git history with the v7c-lr2 commit")
+def test_v7c_lr2_comes_back_from_git_for_v7d(tmp_path):
+    """Recipe v7d starts from v7c-lr2 (``--init v7c-lr2``): after v7d-mid's adoption its files come from git."""
+    from harness.models.train_recipes import VARIANTS
+
+    assert VARIANTS["v7d-mid"]["init"] == "v7c-lr2" and VARIANTS["v7d-mid"]["pointer_layer"] == 2
+    out = tmp_path / "v7c"
+    got = v4_init.resolve(out, "v7c-lr2")
+    assert v4_init._is_prior(got, "v7c-lr2") and not v4_init._is_prior(got, "v4")
+    assert all((got / name).is_file() for name in v4_init.CHECKPOINT_FILES)
+
+
+def test_an_unknown_prior_is_refused(tmp_path):
+    with pytest.raises(v4_init.V4Unavailable, match="no earlier checkpoint"):
+        v4_init.resolve(tmp_path, "v9")
