@@ -47,7 +47,7 @@ from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
 from harness.models.train_cells import option_loss, CellProbe
 from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
-from harness.models.train_recipes import group_experts, route_prior_loss, task_weights_at, VARIANTS
+from harness.models.train_recipes import group_experts, redraw_group_experts, route_prior_loss, task_weights_at, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
 from harness.models.trained import CHECKPOINT, sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
 from harness.models.v4_init import init_dir, PRIORS, resolve, V4Unavailable
@@ -148,7 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--init", default=None,
                     help="start from this checkpoint's weights instead of a fresh initialisation: a DIR, 'committed' "
                          "(the model=tiny checkpoint) or an earlier committed model from git history, 'v4' (recipes "
-                         "v7-v7c) or 'v7c-lr2' (v7d); its tokenizer must equal the recipe's, its SHA-256 is recorded")
+                         "v7-v7c), 'v7c-lr2' (v7d) or 'v7d-mid' (v7e); its tokenizer must equal the recipe's, its SHA-256 is recorded")
+    ap.add_argument("--redraw-group", type=int, default=None,
+                    help="re-draw this expert group's experts independently before a fine-tune "
+                         "(train_recipes.redraw_group_experts; v7e: 3, the text tasks' group; -1 = off)")
     ap.add_argument("--route-prior", type=float, default=None,
                     help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
                          "tokens pulled onto its own group of expert copies, so experts specialise by task")
@@ -184,6 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.pointer_layer = recipe.get("pointer_layer", -1)
     if args.init is None:
         args.init = recipe.get("init")
+    if args.redraw_group is None:
+        args.redraw_group = recipe.get("redraw_group", -1)
     args.task_weights = dict(recipe["task_weights"])
     return args
 
@@ -300,6 +305,11 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
     data_s = time.time() - t0
     if args.expert_groups and not args.init:  # after the forked data workers: a multi-threaded op before fork can deadlock them
         print(f"grouped expert init: {group_experts(model, args.expert_groups, seed=args.seed)} tensors", flush=True)
+    if args.redraw_group >= 0:
+        if not args.init:
+            raise SystemExit("--redraw-group re-draws a group of an initialised model: it needs --init")
+        print(f"group {args.redraw_group} re-drawn: {redraw_group_experts(model, args.redraw_group, seed=args.seed)} "
+              "tensors", flush=True)
     lens = {t: float(np.mean([len(e["ids"]) for e in v])) for t, v in pool.items()}
     print(f"data {data_s:.1f} s, mean lengths {lens}", flush=True)
 

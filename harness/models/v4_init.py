@@ -16,14 +16,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from harness.models.train_recipes import V4_SHA256, V7C_LR2_SHA256
+from harness.models.train_recipes import V4_SHA256, V7C_LR2_SHA256, V7D_MID_SHA256
 from harness.models.trained import sha256_file, CHECKPOINT, CHECKPOINT_FILES
 
 #: the commit that adopted v4 (its checkpoint directory holds exactly the v4 files)
 V4_COMMIT = "d258951"
 #: name -> (a commit whose checkpoint directory holds that model, the SHA-256 of its model.safetensors)
 PRIORS = {"v4": (V4_COMMIT, V4_SHA256),
-          "v7c-lr2": ("13be763", V7C_LR2_SHA256)}  # the last commit before v7d-mid's adoption
+          "v7c-lr2": ("13be763", V7C_LR2_SHA256),  # the last commit before v7d-mid's adoption
+          "v7d-mid": ("106f496", V7D_MID_SHA256)}  # the commit that adopted v7d-mid
 ROOT = Path(__file__).resolve().parents[2]
 INIT_DIR = ROOT / ".v4-init"
 

@@ -206,3 +206,49 @@ def test_v7c_recipe_trains_the_two_pair_tasks_in_every_text_step():
     assert set(texts) == set(tt.TEXT_TASKS + tt.TRAIN_ONLY_TEXT_TASKS) and all(t in BATCH and t in POOL for t in texts)
     label, rows = draw_batch(_fake_pool(args.task_weights), "text_choice2", args, np.random.default_rng(0))
     assert label == "text_mix" and {r["task"] for r in rows} == set(texts)
+
+
+def test_redraw_group_forgets_only_that_group_and_keeps_each_experts_scale(tiny_batch):
+    """v7e: group 3's near-copies become unrelated experts of the same scale; every other parameter is untouched."""
+    import torch
+
+    from harness.models.train_recipes import group_experts, redraw_group_experts
+
+    model = tiny_batch(("text_arith",)).model
+    group_experts(model, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    changed = redraw_group_experts(model, 3, seed=1)
+    assert changed > 0
+    seen = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name and p.dim() >= 2 and p.shape[0] == 16:
+            seen += 1
+            old, new = before[name], p.detach()
+            assert torch.equal(old[:12], new[:12])  # groups 0-2 untouched
+            flat_old, flat_new = old[12:].reshape(4, -1), new[12:].reshape(4, -1)
+            assert torch.allclose(flat_new.std(-1), flat_old.std(-1), rtol=0.05)  # each expert's scale kept
+            cos = torch.nn.functional.cosine_similarity(flat_new[:, None], flat_new[None], dim=-1)
+            off = cos[~torch.eye(4, dtype=torch.bool)]
+            assert float(off.abs().max()) < 0.1  # the members no longer resemble each other
+            cos_old = torch.nn.functional.cosine_similarity(flat_old[:, None], flat_old[None], dim=-1)
+            assert float(cos_old[~torch.eye(4, dtype=torch.bool)].min()) > 0.8  # ...as they did (near-copies)
+        else:
+            assert torch.equal(before[name], p.detach()), name
+    assert seen == changed
+    with pytest.raises(ValueError):
+        redraw_group_experts(model, 4)
+
+
+def test_v7e_recipe_flags():
+    from harness.models.train_recipes import V7D_MID_SHA256
+    from harness.models.train_tiny import parse_args
+    from harness.models.v4_init import PRIORS
+
+    v7e = parse_args(["--variant", "v7e", "--out", "x"])
+    assert v7e.init == "v7d-mid" and v7e.redraw_group == 3 and v7e.pointer_layer == 2 and v7e.options == 0.5
+    assert PRIORS["v7d-mid"][1] == V7D_MID_SHA256
+    text = parse_args(["--variant", "v7e-text", "--out", "x"])
+    assert abs(sum(text.task_weights.values()) - 1.0) < 1e-3
+    assert sum(w for t, w in text.task_weights.items() if t.startswith("text_")) > 0.55
+    assert parse_args(["--variant", "v7d-mid", "--out", "x"]).redraw_group == -1
+    assert parse_args(["--variant", "v7e", "--out", "x", "--redraw-group", "-1"]).redraw_group == -1
