@@ -43,3 +43,24 @@ def test_report_prints_the_union_with_its_rows_and_the_diversity_beside_it():
             "decoding": "greedy", "text": {"off@4": [block]}}
     md = b.report(data)
     assert "decoding **greedy**" in md and "| 16.0 → 4.0 (51 rows) | 3 (1.5) |" in md
+
+
+def test_vl_passes_never_resend_a_request_so_no_server_hits_a_cache():
+    """The warm-up and each pass get their own requests (session 15: the same 10 requests in every pass let the
+    keep 1.0 server reuse its processor and encoder caches, which the VisionZip servers cannot)."""
+    pool = list(range(4 + 3 * 2))
+    at = b.fresh_requests(pool, n=3, warm=4)
+    sent = [at(-1), at(0), at(1)]
+    assert sent == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    flat = [r for part in sent for r in part]
+    assert len(flat) == len(set(flat)) == len(pool)
+    import pytest
+
+    with pytest.raises(ValueError):
+        at(2)  # a pass the pool has no new requests for is refused, not filled with repeats
+
+
+def test_vl_requests_have_distinct_images():
+    reqs = b.vl_requests(3, images=2, px=8)
+    blobs = [im.tobytes() for r in reqs for im in r.images]
+    assert len(set(blobs)) == len(blobs)
