@@ -23,6 +23,7 @@ import warnings
 
 #: old module → its new home (modules whose old name is free)
 MOVED: dict[str, str] = {
+    "harness.models.v4_init": "harness.models.prior_init",  # session 15: it resolves every earlier checkpoint
     "harness.cache": "harness.run.cache",
     "harness.compat": "harness.engines.compat",
     "harness.datasets.synthetic_bundle": "harness.datasets.synthetic.bundle",
@@ -100,7 +101,7 @@ def new_name(old: str) -> str | None:
 
 
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} moved to {new} (issue 24); the old name goes away in the next release",
+    warnings.warn(f"{old} moved to {new}; the old name goes away in the next release",
                   DeprecationWarning, stacklevel=3)
 
 
@@ -122,7 +123,7 @@ class _Forward(importlib.abc.Loader):
     def get_code(self, fullname):
         command = MOVED_COMMANDS.get(self.old, self.new)
         src = ("import runpy, sys\n"
-               f"print('note: python -m {self.old} moved to python -m {command} (issue 24); "
+               f"print('note: python -m {self.old} moved to python -m {command}; "
                "this forward goes away in the next release', file=sys.stderr)\n"
                f"runpy.run_module({command!r}, run_name='__main__', alter_sys=True)\n")
         return compile(src, f"<moved {self.old}>", "exec")

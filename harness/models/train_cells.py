@@ -16,6 +16,7 @@ Merged-token order is the processor's: row-major over the image's 32-pixel cells
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,29 @@ def cell_targets(images: list[Any], tokenizer) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
 
+_OPTION_VOCAB: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _option_vocab(tokenizer) -> tuple:
+    """(``\\n``, ``.``, ``Ġ``, the letters A-D, every ``Ġ``-prefixed word token) of ``tokenizer``, computed once per
+    tokenizer: :func:`option_targets` runs on every training example, and the merged-token set is a scan of the
+    whole vocabulary."""
+    try:
+        return _OPTION_VOCAB[tokenizer]
+    except (KeyError, TypeError):  # TypeError: an object that cannot be weakly referenced is scanned every time
+        pass
+    vocab = tokenizer.get_vocab()
+    letters = {vocab[c]: vocab[c] for c in "ABCD" if c in vocab}
+    # a word whose first token carries the space (the text tasks' digits: ``Ġ7`` ``8``) starts right after the dot
+    merged = frozenset(i for t, i in vocab.items() if t.startswith("Ġ") and len(t) > 1)
+    found = (vocab.get("Ċ"), vocab.get("."), vocab.get("Ġ"), letters, merged)
+    try:
+        _OPTION_VOCAB[tokenizer] = found
+    except TypeError:
+        pass
+    return found
+
+
 def option_targets(ids: np.ndarray, tokenizer) -> np.ndarray:
     """[n, 2] int32 (position, letter token id) of each option line's word in a multiple-choice prompt: the word's
     first token follows ``\\n``, the letter, ``.`` and ``Ġ`` (``harness.datasets.ccbench.build_prompt``'s layout),
@@ -48,11 +72,7 @@ def option_targets(ids: np.ndarray, tokenizer) -> np.ndarray:
     the text-side counterpart of the cell loss. The MCQ answer needs "find the option whose word matches what is
     seen, emit its letter"; with the letter already readable at the word, the second half becomes a copy
     (docs/embedded_model_v4.md). Prompt positions carry no answer loss, so nothing else is trained there."""
-    vocab = tokenizer.get_vocab()
-    nl, dot, space = vocab.get("Ċ"), vocab.get("."), vocab.get("Ġ")
-    letters = {vocab[c]: vocab[c] for c in "ABCD" if c in vocab}
-    # a word whose first token carries the space (the text tasks' digits: ``Ġ7`` ``8``) starts right after the dot
-    merged = {i for t, i in vocab.items() if t.startswith("Ġ") and len(t) > 1}
+    nl, dot, space, letters, merged = _option_vocab(tokenizer)
     out = []
     for i in range(len(ids) - 3):
         if ids[i] == nl and ids[i + 1] in letters and ids[i + 2] == dot:

@@ -50,7 +50,7 @@ from harness.models.train_eval import evaluate, expert_usage
 from harness.models.train_recipes import group_experts, redraw_group_experts, route_prior_loss, task_weights_at, VARIANTS
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
 from harness.models.trained import CHECKPOINT, sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
-from harness.models.v4_init import init_dir, PRIORS, resolve, V4Unavailable
+from harness.models.prior_init import init_dir, PRIORS, resolve, PriorUnavailable
 
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
@@ -195,11 +195,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prior_init_dir(name: str = "v4") -> Path:
     """``--init v4`` / ``--init v7c-lr2``: the committed checkpoint while it is that model, else its files from git
-    history (``v4_init``, SHA-256 checked)."""
+    history (``prior_init``, SHA-256 checked)."""
     try:
         return resolve(name=name)
-    except V4Unavailable as e:
-        raise SystemExit(f"--init {name}: {e}; run `python -m harness.models.v4_init --name {name}` where the git "
+    except PriorUnavailable as e:
+        raise SystemExit(f"--init {name}: {e}; run `python -m harness.models.prior_init --name {name}` where the git "
                          f"history is and carry {init_dir(name).name}, or pass --init DIR with its files (SHA-256 "
                          f"{PRIORS[name][1]})") from e
 

@@ -28,3 +28,23 @@ def test_heldout_writes_loadable_reproducible_sets(tmp_path, capsys):
     samples = list(load(cfg, Path.cwd()))
     assert len(samples) == 6 and all(s.images for s in samples)  # the loader reads them, images included
     assert all(st.is_heldout(it.key) for it in st.items("rag", "heldout", 6, 0))
+
+
+def test_the_command_refuses_a_missing_or_unknown_subcommand_with_its_usage(capsys):
+    import pytest
+
+    for argv in ([], ["held"], ["heldout"], ["heldout", "x", "--n", "many"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "usage: python -m harness.datasets.synthetic.bundle" in capsys.readouterr().err
+
+
+def test_heldout_honours_the_generator_flag_after_the_subcommand(tmp_path, monkeypatch):
+    from harness.datasets.synthetic import bundle
+
+    seen = []
+    monkeypatch.setattr(bundle, "use_generator", seen.append)
+    monkeypatch.setattr(bundle, "heldout", lambda root, n: {"rag": f"{root}/{n}"})
+    assert main(["heldout", str(tmp_path), "--n", "3", "--generator", "1"]) == 0
+    assert seen == ["1"]

@@ -198,3 +198,19 @@ def test_pointer_attention_is_sdpa_and_its_rows_are_the_eager_attention(generato
     assert 0 < mass < 1
     with pytest.raises(ValueError, match="outside"):
         train_pointer.install(model, layer=cfg.text_config.num_hidden_layers)
+
+
+def test_option_vocabulary_is_scanned_once_per_tokenizer(tok, monkeypatch):
+    """option_targets runs on every training example; the vocabulary scan behind it runs once per tokenizer."""
+    import numpy as np
+
+    from harness.models import train_cells
+
+    train_cells._OPTION_VOCAB.clear()
+    calls = []
+    real = type(tok).get_vocab
+    monkeypatch.setattr(type(tok), "get_vocab", lambda self: calls.append(1) or real(self))
+    ids = np.asarray(tok.encode("Q\nA. 78\nB. 5"), dtype=np.int64)
+    first = train_cells.option_targets(ids, tok)
+    again = train_cells.option_targets(ids, tok)
+    assert len(calls) == 1 and (first == again).all() and len(first) == 2

@@ -242,7 +242,7 @@ def test_redraw_group_forgets_only_that_group_and_keeps_each_experts_scale(tiny_
 def test_v7e_recipe_flags():
     from harness.models.train_recipes import V7D_MID_SHA256
     from harness.models.train_tiny import parse_args
-    from harness.models.v4_init import PRIORS
+    from harness.models.prior_init import PRIORS
 
     v7e = parse_args(["--variant", "v7e", "--out", "x"])
     assert v7e.init == "v7d-mid" and v7e.redraw_group == 3 and v7e.pointer_layer == 2 and v7e.options == 0.5

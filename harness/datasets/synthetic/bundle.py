@@ -11,6 +11,7 @@ three modules imported one another (``shared/notes/layout.md``: ``datasets/synth
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -49,27 +50,23 @@ def heldout(root: str | Path, n: int = 48, seed: int = 0) -> dict[str, Path]:
 def main(argv: list[str] | None = None, prog: str = "harness.datasets.synthetic.bundle") -> int:
     """``bundle [ROOT] [--generator 1|2]``: regenerate and print the data files written; ``heldout ROOT [--n N]
     [--generator 1|2]``: the larger held-out sets."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    version = None
-    if "--generator" in args:
-        i = args.index("--generator")
-        version = args[i + 1]
-        del args[i:i + 2]
-    if args[:1] == ["heldout"] and len(args) >= 2:
-        n = 48
-        if "--n" in args:
-            i = args.index("--n")
-            n = int(args[i + 1])
-            del args[i:i + 2]
-        if version is not None:
-            use_generator(version)
-        for path in heldout(args[1], n).values():
-            print(path)
-        return 0
-    if args[:1] != ["bundle"]:
-        raise SystemExit(f"usage: python -m {prog} bundle [ROOT] [--generator 1|2]\n"
-                         f"       python -m {prog} heldout ROOT [--n N] [--generator 1|2]")
-    for path in bundle(*args[1:2], version=version):
+    ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bundle", help="regenerate the bundled samples (default root: the package's bundled/)")
+    b.add_argument("root", nargs="?", default=None)
+    h = sub.add_parser("heldout", help="write the held-out RAG-IGBench and CCBench sets the sensitivity tests use")
+    h.add_argument("root")
+    h.add_argument("--n", type=int, default=48, help="requests / questions per set")
+    for p in (b, h):
+        p.add_argument("--generator", choices=("1", "2"), default=None, help="task-suite generator version")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "heldout":
+        if args.generator is not None:
+            use_generator(args.generator)
+        paths = list(heldout(args.root, args.n).values())
+    else:
+        paths = bundle(args.root, version=args.generator)
+    for path in paths:
         print(path)
     return 0
 

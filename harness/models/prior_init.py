@@ -1,11 +1,12 @@
 """Earlier committed checkpoints that recipes fine-tune from: v4 for v7–v7c (``--init v4``), v7c-lr2 for v7d
-(``--init v7c-lr2``), once the committed model is no longer the one they start from.
+(``--init v7c-lr2``), v7d-mid for v7e (``--init v7d-mid``), once the committed model is no longer the one they
+start from. (Named ``v4_init`` until session 15, when it held only v4; the old command name still runs it.)
 
-Why: the v7 family starts from v4's weights and v7d from v7c-lr2's, not from scratch, so "retraining is one
+Why: the v7 family starts from v4's weights, v7d from v7c-lr2's and v7e from v7d-mid's, not from scratch, so "retraining is one
 command" needs those files after a later model has been adopted. They are in git history (:data:`PRIORS`: the
 commit whose checkpoint directory holds them, and their SHA-256); this module writes them into ``.v4-init/`` /
-``.v7c-lr2-init/`` at the repository root (git-ignored) and checks the hash. On a machine without the history (the
-GPU machine gets a copy of the working tree, not ``.git``), run ``python -m harness.models.v4_init [--name NAME]``
+``.<name>-init/`` at the repository root (git-ignored) and checks the hash. On a machine without the history (the
+GPU machine gets a copy of the working tree, not ``.git``), run ``python -m harness.models.prior_init [--name NAME]``
 beforehand where the history is and carry that folder with the call.
 """
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INIT_DIR = ROOT / ".v4-init"
 
 
-class V4Unavailable(RuntimeError):
+class PriorUnavailable(RuntimeError):
     """Neither the committed checkpoint, nor the init folder, nor git history holds the prior's weights."""
 
 
@@ -57,11 +58,11 @@ def _from_git(out: Path, name: str = "v4") -> None:
         blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{rel}/{file}"], capture_output=True)
         if blob.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise V4Unavailable(f"git show {commit}:{rel}/{file} failed: {blob.stderr.decode().strip()[:200]}")
+            raise PriorUnavailable(f"git show {commit}:{rel}/{file} failed: {blob.stderr.decode().strip()[:200]}")
         (tmp / file).write_bytes(blob.stdout)
     if not _is_prior(tmp, name):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise V4Unavailable(f"the weights at {commit} do not hash to {name}'s SHA-256")
+        raise PriorUnavailable(f"the weights at {commit} do not hash to {name}'s SHA-256")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -70,7 +71,7 @@ def resolve(out: Path | None = None, name: str = "v4") -> Path:
     """A directory with ``name``'s checkpoint: the committed one while it is that model, else ``out`` (default
     :func:`init_dir`; written from git once)."""
     if name not in PRIORS:
-        raise V4Unavailable(f"no earlier checkpoint named {name!r}; known: {', '.join(PRIORS)}")
+        raise PriorUnavailable(f"no earlier checkpoint named {name!r}; known: {', '.join(PRIORS)}")
     out = init_dir(name) if out is None else out
     if _is_prior(CHECKPOINT, name):
         return CHECKPOINT
@@ -78,7 +79,7 @@ def resolve(out: Path | None = None, name: str = "v4") -> Path:
         try:
             _from_git(out, name)
         except (OSError, subprocess.SubprocessError) as e:  # no git binary, not a repository
-            raise V4Unavailable(f"cannot read git history: {e}") from e
+            raise PriorUnavailable(f"cannot read git history: {e}") from e
     return out
 
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         print(resolve(args.out, args.name))
-    except V4Unavailable as e:
+    except PriorUnavailable as e:
         raise SystemExit(f"{args.name} weights unavailable: {e}") from e
     return 0
 

@@ -6,11 +6,11 @@ import subprocess
 
 import pytest
 
-from harness.models import v4_init
+from harness.models import prior_init
 
 
 def _has_v4_commit() -> bool:
-    probe = subprocess.run(["git", "-C", str(v4_init.ROOT), "cat-file", "-e", f"{v4_init.V4_COMMIT}^{{commit}}"],
+    probe = subprocess.run(["git", "-C", str(prior_init.ROOT), "cat-file", "-e", f"{prior_init.V4_COMMIT}^{{commit}}"],
                            capture_output=True)
     return probe.returncode == 0
 
@@ -22,44 +22,44 @@ needs_history = pytest.mark.skipif(not _has_v4_commit(), reason="no git history 
 @needs_history
 def test_v4_files_come_back_from_git_and_hash_to_v4(tmp_path):
     out = tmp_path / "v4"
-    got = v4_init.resolve(out)
-    assert v4_init._is_v4(got)
+    got = prior_init.resolve(out)
+    assert prior_init._is_v4(got)
     if got == out:  # the committed model is no longer v4: every file the fine-tune loads is there
-        assert all((out / name).is_file() for name in v4_init.CHECKPOINT_FILES)
+        assert all((out / name).is_file() for name in prior_init.CHECKPOINT_FILES)
         assert not (tmp_path / "v4.partial").exists()
 
 
 def test_wrong_weights_are_not_taken_for_v4(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not v4")
-    assert not v4_init._is_v4(tmp_path)
-    assert not v4_init._is_v4(tmp_path / "missing")
+    assert not prior_init._is_v4(tmp_path)
+    assert not prior_init._is_v4(tmp_path / "missing")
 
 
 @needs_history
 def test_a_bad_commit_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(v4_init, "V4_COMMIT", "0000000")
-    with pytest.raises(v4_init.V4Unavailable):
-        v4_init._from_git(tmp_path / "v4")
+    monkeypatch.setattr(prior_init, "V4_COMMIT", "0000000")
+    with pytest.raises(prior_init.PriorUnavailable):
+        prior_init._from_git(tmp_path / "v4")
     assert not (tmp_path / "v4").exists() and not (tmp_path / "v4.partial").exists()
 
 
 def _has_commit(commit: str) -> bool:
-    probe = subprocess.run(["git", "-C", str(v4_init.ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    probe = subprocess.run(["git", "-C", str(prior_init.ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _has_commit(v4_init.PRIORS["v7c-lr2"][0]), reason="no git history with the v7c-lr2 commit")
+@pytest.mark.skipif(not _has_commit(prior_init.PRIORS["v7c-lr2"][0]), reason="no git history with the v7c-lr2 commit")
 def test_v7c_lr2_comes_back_from_git_for_v7d(tmp_path):
     """Recipe v7d starts from v7c-lr2 (``--init v7c-lr2``): after v7d-mid's adoption its files come from git."""
     from harness.models.train_recipes import VARIANTS
 
     assert VARIANTS["v7d-mid"]["init"] == "v7c-lr2" and VARIANTS["v7d-mid"]["pointer_layer"] == 2
     out = tmp_path / "v7c"
-    got = v4_init.resolve(out, "v7c-lr2")
-    assert v4_init._is_prior(got, "v7c-lr2") and not v4_init._is_prior(got, "v4")
-    assert all((got / name).is_file() for name in v4_init.CHECKPOINT_FILES)
+    got = prior_init.resolve(out, "v7c-lr2")
+    assert prior_init._is_prior(got, "v7c-lr2") and not prior_init._is_prior(got, "v4")
+    assert all((got / name).is_file() for name in prior_init.CHECKPOINT_FILES)
 
 
 def test_an_unknown_prior_is_refused(tmp_path):
-    with pytest.raises(v4_init.V4Unavailable, match="no earlier checkpoint"):
-        v4_init.resolve(tmp_path, "v9")
+    with pytest.raises(prior_init.PriorUnavailable, match="no earlier checkpoint"):
+        prior_init.resolve(tmp_path, "v9")
