@@ -83,3 +83,61 @@ def expert_usage(model, tokenizer, pool: dict[str, list[dict]], device, n: int =
         usage[task] = [round(float(x), 4) for x in (counts / counts.sum()).tolist()]
     model.train()
     return usage
+
+
+def _set_top_k(model, k: int) -> None:
+    """Every MoE layer's router keeps its top ``k`` (transformers' Qwen3-VL-MoE router reads ``gate.top_k`` on
+    each call and renormalises over what it keeps, as ``moe.top_k`` does at decode time)."""
+    for layer in model.model.language_model.layers:
+        layer.mlp.gate.top_k = k
+
+
+def routing_concentration(model, examples: list[dict], top_ks: tuple[int, ...] = (2, 1), groups: int = 4) -> dict:
+    """How much of a task's top-k mixture the first experts carry, and what dropping the rest costs, on
+    ``examples`` (encoded text examples, ``train_data.encode``; no images), teacher-forced on their answers.
+
+    Returns ``weight_share`` {j: mean share of the renormalised top-k weight held by the first j experts, over
+    the prompt and answer tokens of every MoE layer}, ``group_share`` (share of top-k slots in each of ``groups``
+    expert groups) and ``answer_logprob`` {k: mean log-probability per answer token with the routers keeping
+    only their top k; the model's own k first}.
+
+    Why (session 15): plain top-2 left the text tasks' greedy answers unchanged on every recipe, even after their
+    expert group was re-drawn as independent experts (v7e). The first two experts of the top-4 hold ~83 % of
+    its weight on those tasks: truncation drops the small rest. How flat a model's top-k weights are decides what
+    plain top-K can cost it, so it is measured, not guessed."""
+    import torch
+
+    k0 = model.config.text_config.num_experts_per_tok
+    n_experts = model.config.text_config.num_experts
+    size = n_experts // groups
+    was_training = model.training
+    model.eval()
+    share = torch.zeros(k0, dtype=torch.float64)
+    slots = torch.zeros(groups, dtype=torch.float64)
+    rows = 0
+    logprob: dict[int, float] = {}
+    try:
+        for k in (k0, *top_ks):
+            _set_top_k(model, k)
+            total = 0.0
+            for e in examples:
+                ids = torch.as_tensor(e["ids"], dtype=torch.long)[None]
+                n = int(e["n_prompt"])
+                with torch.no_grad():
+                    out = model(input_ids=ids, output_router_logits=(k == k0))
+                logp = torch.log_softmax(out.logits[0, n - 1:-1].float(), -1)
+                total += float(logp.gather(1, ids[0, n:, None]).mean())
+                if k == k0:
+                    for lg in out.router_logits:
+                        top = torch.softmax(lg.float(), -1).topk(k0, -1)
+                        w = top.values / top.values.sum(-1, keepdim=True)
+                        share += w.cumsum(-1).sum(0).double()
+                        slots += torch.bincount((top.indices // size).reshape(-1), minlength=groups).double()
+                        rows += w.shape[0]
+            logprob[k] = round(total / max(len(examples), 1), 4)
+    finally:
+        _set_top_k(model, k0)
+        model.train(was_training)
+    return {"weight_share": {j + 1: round(float(share[j] / max(rows, 1)), 4) for j in range(k0)},
+            "group_share": [round(float(x), 4) for x in (slots / max(float(slots.sum()), 1.0)).tolist()],
+            "answer_logprob": logprob, "examples": len(examples)}

@@ -23,6 +23,7 @@ What v1 could not show (docs/embedded_model.md) and what each v2 ingredient is f
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 V1_TASK_WEIGHTS = {"ocr": 0.34, "ocr_mix": 0.14, "mcq": 0.22, "mcq_mix": 0.10, "rag": 0.20}
@@ -233,3 +234,34 @@ def redraw_group_experts(model, group: int, groups: int = 4, seed: int = 0) -> i
             p[members] = fresh * std
             changed += 1
     return changed
+
+
+def topk_flatness_loss(router_logits, attention_mask, k: int):
+    """(loss, mean top-2 share): ``log k − H(w)`` averaged over the real tokens of every MoE layer, where ``w`` is a
+    token's router weight renormalised over its top ``k`` (what the MoE block mixes with). Zero when the top-k
+    experts are weighted equally.
+
+    Why (session 15, ``benchmarks/routing_concentration.py``): on the text tasks the first two of the top-4
+    experts hold ~83 % of the mixture in every recipe so far, so plain top-2 drops only the small rest and the
+    text answers do not change, even with the text group's experts re-drawn apart (v7e). A flatter mixture over
+    distinct experts is what makes truncation cost a model something; the gradient flows through the kept
+    experts' logits only (the top-k choice itself is not differentiable)."""
+    import torch
+
+    m = attention_mask.reshape(-1).bool()
+    total, top2 = 0.0, 0.0
+    for logits in router_logits:
+        p = torch.softmax(logits.reshape(m.numel(), -1)[m].float(), -1)
+        w = p.topk(k, -1).values
+        w = w / w.sum(-1, keepdim=True)
+        entropy = -(w * torch.log(w + 1e-9)).sum(-1)
+        total = total + (math.log(k) - entropy).mean()
+        top2 += float(w[:, :2].sum(-1).mean().detach())
+    return total / len(router_logits), top2 / len(router_logits)
+
+
+# v7f (session 15, prepared, not trained: the session's GPU time went to v7e and the VL serving pair): v7e-text
+# plus ``topk_flat`` on the text steps, so the text tasks' top-4 mixture spreads over the re-drawn, distinct
+# experts of group 3 and plain top-2 drops half of what they compute. Check with
+# ``benchmarks/routing_concentration.py`` (top-2 share; v7e-text: 0.79-0.87) and eval_tiny's text_topk_2
+VARIANTS["v7f"] = {**VARIANTS["v7e-text"], "topk_flat": 0.1}

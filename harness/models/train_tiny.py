@@ -47,7 +47,8 @@ from harness.models.tiny import build_config, build_tokenizer, save_checkpoint
 from harness.models.train_cells import option_loss, CellProbe
 from harness.models.train_data import encode, make_example, PATCH
 from harness.models.train_eval import evaluate, expert_usage
-from harness.models.train_recipes import group_experts, redraw_group_experts, route_prior_loss, task_weights_at, VARIANTS
+from harness.models.train_recipes import (group_experts, redraw_group_experts, route_prior_loss, task_weights_at,
+                                          topk_flatness_loss, VARIANTS)
 from harness.models.train_vision import dedup_vision_positions, pack_vision_attention, FocusProbe
 from harness.models.trained import CHECKPOINT, sha256_file, TRAINED_SPEC, WEIGHTS_LABEL
 from harness.models.prior_init import init_dir, PRIORS, resolve, PriorUnavailable
@@ -152,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redraw-group", type=int, default=None,
                     help="re-draw this expert group's experts independently before a fine-tune "
                          "(train_recipes.redraw_group_experts; v7e: 3, the text tasks' group; -1 = off)")
+    ap.add_argument("--topk-flat", type=float, default=None,
+                    help="weight of the top-k flatness loss on text steps (train_recipes.topk_flatness_loss; before "
+                         "v7f: 0)")
     ap.add_argument("--route-prior", type=float, default=None,
                     help="weight of the routing prior (train_recipes.route_prior_loss; before v7: 0): each task's "
                          "tokens pulled onto its own group of expert copies, so experts specialise by task")
@@ -174,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     recipe = VARIANTS[args.variant]
     for key in ("generator", "curriculum", "expert_groups", "focus", "aux", "cells", "options", "pointer",
-                "route_prior"):
+                "route_prior", "topk_flat"):
         if getattr(args, key) is None:
             setattr(args, key, recipe.get(key, 0.0))
     if args.lr is None:
@@ -379,6 +383,11 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             prior, routed = route_prior_loss(out.router_logits, batch["attention_mask"], task,
                                              model.config.text_config.num_experts)
             loss = loss + args.route_prior * prior
+        top2 = None
+        if args.topk_flat and task.startswith("text_"):  # text steps only: what the OpenCompass table measures
+            flat, top2 = topk_flatness_loss(out.router_logits, batch["attention_mask"],
+                                            model.config.text_config.num_experts_per_tok)
+            loss = loss + args.topk_flat * flat
         cells_acc = None
         if cell_probe is not None and visual:
             cells, cells_acc = cell_probe.loss(batch["cells"])
@@ -403,6 +412,8 @@ def main(argv: list[str] | None = None, pools: tuple[dict, dict] | None = None) 
             logged += [("focus", float(focus)), ("mass", float(mass))]
         if routed is not None:
             logged.append((f"group_mass_{task}", routed))
+        if top2 is not None:
+            logged.append((f"top2_share_{task}", top2))
         if task == "text_mix" and step % 50 == 0:
             with torch.no_grad():
                 logged += [(f"ce_{t}", v) for t, v in per_task_ce(out.logits, batch["labels"], rows).items()]

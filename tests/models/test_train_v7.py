@@ -252,3 +252,48 @@ def test_v7e_recipe_flags():
     assert sum(w for t, w in text.task_weights.items() if t.startswith("text_")) > 0.55
     assert parse_args(["--variant", "v7d-mid", "--out", "x"]).redraw_group == -1
     assert parse_args(["--variant", "v7e", "--out", "x", "--redraw-group", "-1"]).redraw_group == -1
+
+
+def test_routing_concentration_measures_weight_shares_and_the_cost_of_truncation(tiny_batch):
+    from harness.models.train_eval import routing_concentration
+
+    made = tiny_batch(("text_arith", "text_list"))
+    model = made.model
+    got = routing_concentration(model, made.exs)
+    share = got["weight_share"]
+    assert list(share) == [1, 2, 3, 4] and abs(share[4] - 1.0) < 1e-6
+    assert 0.25 - 1e-6 <= share[1] <= share[2] <= share[3] <= share[4]  # cumulative, the largest first
+    assert abs(sum(got["group_share"]) - 1.0) < 1e-3 and len(got["group_share"]) == 4
+    lp = got["answer_logprob"]
+    assert list(lp) == [4, 2, 1] and lp[1] != lp[4]  # truncation changes what the model computes
+    assert all(layer.mlp.gate.top_k == 4 for layer in model.model.language_model.layers)  # restored
+    assert model.training  # the fixture's mode restored too
+
+
+def test_topk_flatness_loss_is_zero_for_an_even_mixture_and_its_gradient_flattens():
+    import math
+
+    import torch
+
+    from harness.models.train_recipes import topk_flatness_loss
+
+    mask = torch.ones(1, 2, dtype=torch.long)
+    even = torch.full((2, 16), -10.0)
+    even[:, :4] = 3.0  # four experts equally: the renormalised top-4 weights are 1/4 each
+    loss, top2 = topk_flatness_loss((even,), mask, 4)
+    assert abs(float(loss)) < 1e-5 and abs(top2 - 0.5) < 1e-5
+    peaked = torch.full((2, 16), -10.0)
+    peaked[:, 0], peaked[:, 1:4] = 4.0, 0.0
+    logits = peaked.clone().requires_grad_(True)
+    loss, top2 = topk_flatness_loss((logits,), mask, 4)
+    assert 0 < float(loss) <= math.log(4) and top2 > 0.9
+    loss.backward()
+    assert bool((logits.grad[:, 0] > 0).all()) and bool((logits.grad[:, 1:4] < 0).all())  # descent evens them out
+
+
+def test_v7f_recipe_adds_the_flatness_loss_to_v7e_text():
+    from harness.models.train_tiny import parse_args
+
+    v7f = parse_args(["--variant", "v7f", "--out", "x"])
+    assert v7f.topk_flat == 0.1 and v7f.redraw_group == 3 and v7f.lr == 2e-3 and v7f.init == "v7d-mid"
+    assert parse_args(["--variant", "v7e-text", "--out", "x"]).topk_flat == 0.0
