@@ -243,9 +243,10 @@ def topk_flatness_loss(router_logits, attention_mask, k: int):
 
     Why (session 15, ``benchmarks/routing_concentration.py``): on the text tasks the first two of the top-4
     experts hold ~83 % of the mixture in every recipe so far, so plain top-2 drops only the small rest and the
-    text answers do not change, even with the text group's experts re-drawn apart (v7e). A flatter mixture over
-    distinct experts is what makes truncation cost a model something; the gradient flows through the kept
-    experts' logits only (the top-k choice itself is not differentiable)."""
+    text answers do not change, even with the text group's experts re-drawn apart (v7e). v7f tested whether a
+    flatter mixture over distinct experts makes truncation cost something: it flattened (top-2 share 0.63) and
+    top-2 still cost nothing (docs/embedded_model_v7.md §11). The gradient flows through the kept experts' logits
+    only (the top-k choice itself is not differentiable)."""
     import torch
 
     m = attention_mask.reshape(-1).bool()
@@ -260,8 +261,7 @@ def topk_flatness_loss(router_logits, attention_mask, k: int):
     return total / len(router_logits), top2 / len(router_logits)
 
 
-# v7f (session 15, prepared, not trained: the session's GPU time went to v7e and the VL serving pair): v7e-text
-# plus ``topk_flat`` on the text steps, so the text tasks' top-4 mixture spreads over the re-drawn, distinct
-# experts of group 3 and plain top-2 drops half of what they compute. Check with
-# ``benchmarks/routing_concentration.py`` (top-2 share; v7e-text: 0.79-0.87) and eval_tiny's text_topk_2
+# v7f (session 15, probed for 1.5 minutes beside a v7e-text control, docs/embedded_model_v7.md §11): v7e-text plus
+# ``topk_flat`` on the text steps. It flattened the text tasks' top-4 mixture (top-2 share 0.63 against 0.82) and
+# plain top-2 still cost them nothing: they depend little on which experts run. Kept as the recipe that shows it
 VARIANTS["v7f"] = {**VARIANTS["v7e-text"], "topk_flat": 0.1}
