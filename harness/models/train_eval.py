@@ -99,7 +99,8 @@ def routing_concentration(model, examples: list[dict], top_ks: tuple[int, ...] =
     Returns ``weight_share`` {j: mean share of the renormalised top-k weight held by the first j experts, over
     the prompt and answer tokens of every MoE layer}, ``group_share`` (share of top-k slots in each of ``groups``
     expert groups) and ``answer_logprob`` {k: mean log-probability per answer token with the routers keeping
-    only their top k; the model's own k first}.
+    only their top k; the model's own k first} with ``answer_logprob_ci95`` (mean ± 1.96 standard errors over
+    the examples).
 
     Why (session 15): plain top-2 left the text tasks' greedy answers unchanged on every recipe, even after their
     expert group was re-drawn as independent experts (v7e). The first two experts of the top-4 hold ~83 % of
@@ -116,17 +117,18 @@ def routing_concentration(model, examples: list[dict], top_ks: tuple[int, ...] =
     slots = torch.zeros(groups, dtype=torch.float64)
     rows = 0
     logprob: dict[int, float] = {}
+    interval: dict[int, list[float]] = {}
     try:
         for k in (k0, *top_ks):
             _set_top_k(model, k)
-            total = 0.0
+            per_item = []
             for e in examples:
                 ids = torch.as_tensor(e["ids"], dtype=torch.long)[None]
                 n = int(e["n_prompt"])
                 with torch.no_grad():
                     out = model(input_ids=ids, output_router_logits=(k == k0))
                 logp = torch.log_softmax(out.logits[0, n - 1:-1].float(), -1)
-                total += float(logp.gather(1, ids[0, n:, None]).mean())
+                per_item.append(float(logp.gather(1, ids[0, n:, None]).mean()))
                 if k == k0:
                     for lg in out.router_logits:
                         top = torch.softmax(lg.float(), -1).topk(k0, -1)
@@ -134,10 +136,14 @@ def routing_concentration(model, examples: list[dict], top_ks: tuple[int, ...] =
                         share += w.cumsum(-1).sum(0).double()
                         slots += torch.bincount((top.indices // size).reshape(-1), minlength=groups).double()
                         rows += w.shape[0]
-            logprob[k] = round(total / max(len(examples), 1), 4)
+            values = torch.tensor(per_item, dtype=torch.float64)
+            mean = float(values.mean()) if len(per_item) else float("nan")
+            half = 1.96 * float(values.std()) / len(per_item) ** 0.5 if len(per_item) > 1 else float("nan")
+            logprob[k] = round(mean, 4)
+            interval[k] = [round(mean - half, 4), round(mean + half, 4)]
     finally:
         _set_top_k(model, k0)
         model.train(was_training)
     return {"weight_share": {j + 1: round(float(share[j] / max(rows, 1)), 4) for j in range(k0)},
             "group_share": [round(float(x), 4) for x in (slots / max(float(slots.sum()), 1.0)).tolist()],
-            "answer_logprob": logprob, "examples": len(examples)}
+            "answer_logprob": logprob, "answer_logprob_ci95": interval, "examples": len(examples)}

@@ -266,6 +266,7 @@ def test_routing_concentration_measures_weight_shares_and_the_cost_of_truncation
     assert abs(sum(got["group_share"]) - 1.0) < 1e-3 and len(got["group_share"]) == 4
     lp = got["answer_logprob"]
     assert list(lp) == [4, 2, 1] and lp[1] != lp[4]  # truncation changes what the model computes
+    assert all(lo <= lp[k] <= hi for k, (lo, hi) in got["answer_logprob_ci95"].items())
     assert all(layer.mlp.gate.top_k == 4 for layer in model.model.language_model.layers)  # restored
     assert model.training  # the fixture's mode restored too
 
