@@ -319,15 +319,15 @@ def fresh_requests(pool: list, n: int, warm: int) -> Callable[[int], list]:
     """Pass ``p``'s requests from ``pool`` with no request sent twice to a server: the warm-up (``p = -1``) takes
     the first ``warm``, pass ``p`` the next ``n`` after the passes before it.
 
-    Why (session 15, H200): with the same 10 VL requests in the warm-up and both passes, the keep 1.0 server hit
-    its processor cache and vLLM's encoder cache (outputs keyed by the images' hashes) from the second pass on, so
-    its TTFT fell from 1,185 to 434 ms between passes while the VisionZip servers (processor cache off, since a
-    bundle cannot be folded from cached items) kept paying the preprocessing: a comparison of caches, not of
-    keep values. A serving workload's images are new; so are the benchmark's."""
+    Why (session 15, H200): with the same 10 VL requests in the warm-up and both passes, the keep 1.0 server could
+    reuse cached work for repeated images from the second pass on — its processor cache (off in the VisionZip
+    servers: a bundle cannot be folded from cached items) and vLLM's encoder cache, keyed by the inputs' hashes —
+    and its TTFT fell from 1,185 to 434 ms between passes: a comparison of caches, not of keep values. A serving
+    workload's images are new; so are the benchmark's."""
     def at(p: int) -> list:
-        start = 0 if p < 0 else warm + p * n
-        part = pool[start:start + (warm if p < 0 else n)]
-        if len(part) < (warm if p < 0 else n):
+        start, size = (0, warm) if p < 0 else (warm + p * n, n)
+        part = pool[start:start + size]
+        if len(part) < size:
             raise ValueError(f"pass {p}: the pool of {len(pool)} requests is too small for warm-up {warm} and "
                              f"{n} per pass")
         return part

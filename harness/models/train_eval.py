@@ -104,8 +104,9 @@ def routing_concentration(model, examples: list[dict], top_ks: tuple[int, ...] =
 
     Why (session 15): plain top-2 left the text tasks' greedy answers unchanged on every recipe, even after their
     expert group was re-drawn as independent experts (v7e). The first two experts of the top-4 hold ~83 % of
-    its weight on those tasks: truncation drops the small rest. How flat a model's top-k weights are decides what
-    plain top-K can cost it, so it is measured, not guessed."""
+    its weight on those tasks, so truncation drops the small rest; yet a recipe that flattened the shares (v7f)
+    left the cost as small (docs/embedded_model_v7.md §11). Both are measured here rather than guessed: the
+    weight shares say how much truncation removes, the teacher-forced log-probability what it costs."""
     import torch
 
     k0 = model.config.text_config.num_experts_per_tok

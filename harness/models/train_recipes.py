@@ -194,12 +194,11 @@ VARIANTS["v7d-mid"] = {**VARIANTS["v7d"], "pointer_layer": 2}
 V7D_MID_SHA256 = "21b74180c2a3ad813579118ca780e9bd0652582938df6f596c095f815f34bd86"
 # v7e (session 15, issue 28 item 2): plain top-2 loses nothing on the text tasks (OpenCompass 86.5 at top-4, top-2,
 # SERE K=2 and K=1 alike). The text tasks route onto group 3 (experts 12-15, 55-70 % of their top-4 slots), whose
-# members are near-copies of one seed expert (``group_experts``): any two of them compute what all four do, so the
-# truncation the seed shows collapsing a real model is free here. A real model's co-selected experts are not
-# copies. v7e fine-tunes v7d-mid with group 3 re-drawn as independent experts (``redraw_group_experts``): the text
-# tasks must be relearnt in four experts that each carry a different part of the function, as in a real MoE, while
-# the image groups keep the redundancy SERE's RAG directions measure. ``v7e-text``: more of the steps on text, at
-# v7c-lr2's learning rate (the re-drawn experts are learnt from scratch).
+# members began as near-copies of one seed expert (``group_experts``). The hypothesis v7e tests: any two of them
+# compute what all four do, so the truncation the seed shows collapsing a real model is free here. v7e fine-tunes
+# v7d-mid with group 3 re-drawn as independent experts (``redraw_group_experts``), the image groups untouched.
+# ``v7e-text``: more of the steps on text, at v7c-lr2's learning rate. Outcome (docs/embedded_model_v7.md §11): the
+# text tasks were relearnt and plain top-2 still cost them nothing; neither recipe was adopted.
 VARIANTS["v7e"] = {**VARIANTS["v7d-mid"], "init": "v7d-mid", "redraw_group": 3}
 V7E_TEXT_TASK_WEIGHTS = {**{t: round(w * 0.8, 4) for t, w in V7D_TASK_WEIGHTS.items() if not t.startswith("text_")},
                          "text_arith": 0.08, "text_list": 0.08, "text_lookup": 0.10, "text_choice": 0.12,
@@ -212,9 +211,9 @@ def redraw_group_experts(model, group: int, groups: int = 4, seed: int = 0) -> i
     independently: Gaussian weights with each expert's own current standard deviation, so the layer's output scale
     (which the router and the residual stream are tuned to) is kept while what the expert computes is forgotten.
     Returns the number of expert tensors changed. Why: ``group_experts`` made a group's members near-copies; after
-    a re-draw the group's members start unrelated and a fine-tune makes each carry its own part of the function,
-    so dropping some of them (plain top-K) costs what it costs in a real model. The router is left as it is: the
-    same tokens keep choosing the group."""
+    a re-draw they start unrelated and a fine-tune has to make each carry its own part of the function (recipe
+    v7e's test of whether near-copies are why plain top-K is free on the text tasks: they were not, §11). The
+    router is left as it is: the same tokens keep choosing the group."""
     import torch
 
     n_experts = model.config.text_config.num_experts
