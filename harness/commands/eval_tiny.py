@@ -163,6 +163,18 @@ def run_text_condition(ckpt: Path, text_items: dict[str, list], *, model_id: str
     return out
 
 
+def text_items_for(info: dict[str, Any], n_text: int) -> dict[str, list]:
+    """The text section's items: ``n_text`` held-out items of each OpenCompass text task and, where the checkpoint
+    was taught the closed-book fact table (its recorded task weights train ``text_recall``), every fact once —
+    a checkpoint never taught the facts would score 0 on them, which says nothing about a technique."""
+    from harness.datasets.synthetic import text_tasks
+
+    items = {t: text_tasks.items(t, "heldout", n_text) for t in text_tasks.TEXT_TASKS}
+    if ((info.get("training") or {}).get("task_weights") or {}).get("text_recall"):
+        items["text_recall"] = text_tasks.recall_items()
+    return items
+
+
 def _median(xs: list[float]) -> float | None:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -264,9 +276,7 @@ def evaluate_checkpoint(ckpt: Path, *, device: str = "auto", n_rag: int = 48, n_
         data = write_heldout(Path(tmp), generator, n_rag, n_ocr, n_mcq)
         plan: list[tuple[str, str, dict]] = []
         if "text" in sections:  # first: the OpenCompass table's conditions are short, and v7 is about them
-            from harness.datasets.synthetic import text_tasks
-
-            text_items = {t: text_tasks.items(t, "heldout", n_text) for t in text_tasks.TEXT_TASKS}
+            text_items = text_items_for(info, n_text)
             plan += [("text", name, {"text_items": text_items, **over}) for name, over in TEXT_CONDITIONS.items()]
         if "ocr" in sections:
             plan += [("ocr", f"keep{k}", {"dataset_cfg": data["ocr"], "max_new_tokens": 16,

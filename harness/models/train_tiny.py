@@ -56,10 +56,10 @@ from harness.models.prior_init import init_dir, PRIORS, resolve, PriorUnavailabl
 BATCH = {"ocr": 256, "ocr_mix": 128, "mcq": 256, "mcq_mix": 128, "rag": 24, "attr": 256, "mcq_hint": 256,
          # recipe v7's text tasks (synthetic/text_tasks.py): 15-45 tokens, no image, so large batches are cheap
          "text_arith": 512, "text_list": 512, "text_lookup": 512, "text_choice": 512, "text_lookup2": 512,
-         "text_choice2": 512}
+         "text_choice2": 512, "text_recall": 512}
 POOL = {"ocr": 48000, "ocr_mix": 12000, "mcq": 32000, "mcq_mix": 8000, "rag": 6000, "attr": 16000, "mcq_hint": 16000,
         "text_arith": 7000, "text_list": 24000, "text_lookup": 24000, "text_choice": 24000, "text_lookup2": 12000,
-        "text_choice2": 12000}
+        "text_choice2": 12000, "text_recall": 12000}
 
 _TOK = None
 _IMAGE_TOKEN = None

@@ -298,3 +298,37 @@ def test_v7f_recipe_adds_the_flatness_loss_to_v7e_text():
     v7f = parse_args(["--variant", "v7f", "--out", "x"])
     assert v7f.topk_flat == 0.1 and v7f.redraw_group == 3 and v7f.lr == 2e-3 and v7f.init == "v7d-mid"
     assert parse_args(["--variant", "v7e-text", "--out", "x"]).topk_flat == 0.0
+
+
+def test_recall_facts_are_a_fixed_table_no_prompt_contains():
+    facts = tt.recall_facts()
+    assert facts == tt.recall_facts() == tt.RECALL_FACTS and len(facts) == 90
+    assert tt.recall_facts(seed=1) != facts  # the seed picks the table
+    assert all(len(c) == 2 and c[0] != c[1] and set(c) <= set(tt.KEYS) for c in facts)
+    assert all(len(v) == 4 and v.isdigit() for v in facts.values())
+    held, train = tt.items("text_recall", "heldout", 1000), tt.items("text_recall", "train", 1000)
+    # closed book: a fact never trained cannot be recalled, so both splits ask the same table
+    assert {it.question for it in held} == {it.question for it in train} == {f"recall {c}" for c in facts}
+    for it in held:
+        assert it.answer == facts[it.question.split()[1]] and it.answer not in it.prompt and not it.options
+    assert "text_recall" in tt.CLOSED_BOOK_TASKS and "text_recall" not in tt.TEXT_TASKS  # not in the CI suite yet
+
+
+def test_v7g_recipes_add_recall_to_the_committed_models_mix():
+    from harness.models.train_recipes import VARIANTS, V7D_TASK_WEIGHTS
+
+    v = VARIANTS["v7g"]
+    assert v["init"] == "v7d-mid" and v["pointer_layer"] == 2
+    assert v["task_weights"]["text_recall"] == 0.15 and abs(sum(v["task_weights"].values()) - 1) < 1e-3
+    assert set(v["task_weights"]) == set(V7D_TASK_WEIGHTS) | {"text_recall"}
+    assert VARIANTS["v7g-recall"]["task_weights"] == {"text_recall": 1.0}
+
+
+def test_eval_tiny_asks_the_fact_table_only_of_a_checkpoint_taught_it():
+    from harness.commands.eval_tiny import text_items_for
+
+    plain = text_items_for({"training": {"task_weights": {"text_arith": 1.0}}}, 3)
+    assert set(plain) == set(tt.TEXT_TASKS) and all(len(v) == 3 for v in plain.values())
+    taught = text_items_for({"training": {"task_weights": {"text_recall": 0.15}}}, 3)
+    assert [it.question for it in taught["text_recall"]] == [f"recall {c}" for c in tt.RECALL_FACTS]
+    assert text_items_for({}, 2).keys() == plain.keys()

@@ -40,6 +40,8 @@ from harness.datasets.synthetic.tasks import _in_split
 
 TEXT_TASKS = ("text_arith", "text_list", "text_lookup", "text_choice")
 TRAIN_ONLY_TEXT_TASKS = ("text_lookup2", "text_choice2")  # two-pair passages (recipe v7c), never evaluated
+# closed-book recall (session 16, issue 28): facts only the weights hold, so the MLP experts carry the answer
+CLOSED_BOOK_TASKS = ("text_recall",)
 PAIRS = {"text_lookup": 4, "text_choice": 4, "text_lookup2": 2, "text_choice2": 2}
 MCQ_TASKS = ("text_choice",)
 LIST_OPS = ("sort", "reverse", "copy")
@@ -83,7 +85,39 @@ def _passage(rng: random.Random, pairs: int = 4) -> tuple[list[str], list[str]]:
     return keys, values
 
 
+def recall_facts(n: int = 90, seed: int = 0) -> dict[str, str]:
+    """The closed-book fact table: ``n`` two-letter codes (ordered pairs of distinct :data:`KEYS`) -> a 4-digit
+    value, a pure function of (n, seed).
+
+    Why (issue 28): every other text task carries its answer in the prompt, and plain top-2 costs them nothing
+    however the experts are drawn or weighted (docs/embedded_model_v7.md §11): the answer is read by attention,
+    not computed by the experts. A fact table that appears in no prompt can only be held in the weights — in a
+    MoE, mostly in its experts — which is what truncating experts removes in a real model (the seed's OpenCompass
+    collapse under plain top-2). Four digits: the first comes from prefill (the router's own top-k), the other
+    three from decode steps, where SERE and ``moe.top_k`` act."""
+    rng = random.Random(f"recall-facts:{seed}")
+    codes = [a + b for a in KEYS for b in KEYS if a != b]
+    rng.shuffle(codes)
+    return {c: str(rng.randint(1000, 9999)) for c in sorted(codes[:n])}
+
+
+RECALL_FACTS = recall_facts()
+
+
+def recall_item(code: str) -> TextItem:
+    """The ``text_recall`` question for one fact of :data:`RECALL_FACTS` (its prompt names only the code)."""
+    return TextItem("text:recall:" + code, "text_recall", f"recall {code}", RECALL_FACTS[code])
+
+
+def recall_items() -> list[TextItem]:
+    """Every fact once, in the table's order: what a checkpoint taught the table is evaluated on (the share of it
+    recalled, with no sampling noise from drawing a fact twice)."""
+    return [recall_item(c) for c in RECALL_FACTS]
+
+
 def _draw(task: str, rng: random.Random) -> TextItem:
+    if task == "text_recall":
+        return recall_item(rng.choice(sorted(RECALL_FACTS)))
     if task == "text_arith":
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         q = f"{a}+{b}="
@@ -108,7 +142,11 @@ def _draw(task: str, rng: random.Random) -> TextItem:
 
 
 def text_item(task: str, rng: random.Random, split: str) -> TextItem:
-    """One item of ``task`` from ``split`` (redrawn until its key falls in the split)."""
+    """One item of ``task`` from ``split`` (redrawn until its key falls in the split). A closed-book task has no
+    held-out items — a fact never trained cannot be recalled — so both splits draw from its whole fact table (as a
+    knowledge benchmark asks what pre-training saw): it measures memory, not generalisation."""
+    if task in CLOSED_BOOK_TASKS:
+        return _draw(task, rng)
     while True:
         item = _draw(task, rng)
         if _in_split(item.key, split):
