@@ -332,3 +332,13 @@ def test_eval_tiny_asks_the_fact_table_only_of_a_checkpoint_taught_it():
     taught = text_items_for({"training": {"task_weights": {"text_recall": 0.15}}}, 3)
     assert [it.question for it in taught["text_recall"]] == [f"recall {c}" for c in tt.RECALL_FACTS]
     assert text_items_for({}, 2).keys() == plain.keys()
+
+
+def test_headline_reports_recall_apart_from_the_text_average():
+    from harness.commands.eval_tiny import headline, TEXT_CONDITIONS
+
+    assert TEXT_CONDITIONS["topk_1"] == {"moe": {"top_k": 1}}
+    h = headline({"text": {"base": {"metrics": {"text_arith": 1.0, "text_recall": 0.5, "average": 1.0}},
+                           "topk_1": {"metrics": {"text_arith": 0.5, "average": 0.5}}}})
+    assert h["text_base"] == 1.0 and h["text_recall_base"] == 0.5 and h["text_topk_1"] == 0.5
+    assert "text_recall_topk_1" not in h
