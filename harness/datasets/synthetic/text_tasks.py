@@ -18,6 +18,10 @@ chance (docs/embedded_model_v7.md §7): both need the induction step (find the k
 two pairs make it a one-bit decision the gradient can find before the four-pair tasks ask for it. The held-out
 evaluation and the OpenCompass suite keep the four-pair tasks.
 
+Closed-book (session 16, not in the OpenCompass suite until a committed model is taught it): ``text_recall``,
+``"recall PK"`` → ``"4817"``, from a fixed fact table (:func:`recall_facts`) that no prompt contains, so the answer
+is held in the weights rather than read from the prompt (docs/embedded_model_v7.md §12).
+
 The QA answers are 2-9 tokens, so most of each answer comes from decode steps, where SERE and ``moe.top_k``
 act (a one-token answer comes from prefill, which keeps the router's own top-k). Digits are single tokens in
 the embedded model's tokenizer, so arithmetic and sorting are digit-wise.
