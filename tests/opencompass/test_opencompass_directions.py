@@ -8,8 +8,11 @@ SERE off — harness_text_qa 100.0 (addition, list operations, key-value lookup:
 What holds and is asserted: the baseline answers both files (recipe v4 scored 0 on the QA file, v7c-lr2 chance on
 the choice file), and SERE K=2 keeps at least 90 % of it. What is not asserted, because it does not hold on these
 tasks: "plain top-2 loses clearly more than SERE K=2" and "protection recovers part of K=1's loss" — at 16 items
-per task every setting (top-4, SERE K=2 / K=1 ρ 0.5, K=1 + protect 4, plain top-2) gives the same 97.9 / 75.0:
-the text tasks route onto one group of near-copy experts, so any of them answers alike.
+per task every setting (top-4, SERE K=2 / K=1 ρ 0.5, K=1 + protect 4, plain top-2) gives the same 97.9 / 75.0.
+Why, measured (docs/embedded_model_v7.md §11-12): not the near-copy experts (re-drawn apart, recipe v7e, top-2 stayed
+free) but the tasks themselves — their answers are read from the prompt, and the first two of the top-4 experts carry
+~83 % of the mixture. A closed-book recall task (§12, not in this suite until a committed model is taught it) is
+where truncation costs: plain top-1 0.544 against SERE K=1 0.989 in a CPU probe.
 """
 
 from __future__ import annotations
