@@ -264,10 +264,12 @@ def topk_flatness_loss(router_logits, attention_mask, k: int):
 # ``topk_flat`` on the text steps. It flattened the text tasks' top-4 mixture (top-2 share 0.63 against 0.82) and
 # plain top-2 still cost them nothing: they depend little on which experts run. Kept as the recipe that shows it
 VARIANTS["v7f"] = {**VARIANTS["v7e-text"], "topk_flat": 0.1}
-# v7g (session 16, issue 28): closed-book recall. Every earlier text task reads its answer from the prompt, which is
-# why no recipe made plain top-2 cost them anything (§11). ``text_recall`` (text_tasks.recall_facts: 90 codes -> 4-digit
-# values that no prompt contains) can only be answered from the weights. v7g fine-tunes the committed v7d-mid with it
-# beside the replayed mix; ``v7g-text`` trains the text tasks alone (a probe: the image tasks are not replayed)
+# v7g (session 16, issue 28): closed-book recall. Every earlier text task reads its answer from the prompt, and no recipe
+# made plain top-2 cost them anything (§11). ``text_recall`` (text_tasks.recall_facts: 90 codes -> 4-digit values that no
+# prompt contains) can only be answered from the weights. Outcome of the CPU probes (§12): recall is the text task that
+# depends most on which experts run (plain top-1 0.54-0.77 of the facts, SERE K=1 0.99-1.00), while plain top-2 still
+# loses only 1-3 of 90. v7g fine-tunes the committed v7d-mid with it beside the replayed mix; ``v7g-text`` trains the
+# text tasks alone (a probe: the image tasks are not replayed)
 V7G_TASK_WEIGHTS = {**{t: round(w * 0.85, 4) for t, w in V7D_TASK_WEIGHTS.items()}, "text_recall": 0.15}
 VARIANTS["v7g"] = {**VARIANTS["v7d-mid"], "init": "v7d-mid", "task_weights": V7G_TASK_WEIGHTS}
 VARIANTS["v7g-text"] = {**VARIANTS["v7g"], "task_weights": {"text_arith": 0.1, "text_list": 0.1, "text_lookup": 0.1,
