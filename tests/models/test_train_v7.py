@@ -342,3 +342,17 @@ def test_headline_reports_recall_apart_from_the_text_average():
                            "topk_1": {"metrics": {"text_arith": 0.5, "average": 0.5}}}})
     assert h["text_base"] == 1.0 and h["text_recall_base"] == 0.5 and h["text_topk_1"] == 0.5
     assert "text_recall_topk_1" not in h
+
+
+def test_text_vs_base_pairs_each_condition_with_the_baseline_per_task():
+    from harness.commands.eval_tiny import text_vs_base
+
+    text = {"base": {"correct": {"text_recall": [1] * 20, "text_arith": [1, 0] * 5}},
+            "topk_1": {"correct": {"text_recall": [0] * 10 + [1] * 10, "text_arith": [1, 0] * 5}},
+            "broken": {"error": "boom"}}
+    d = text_vs_base(text)
+    assert set(d) == {"topk_1"}
+    assert d["topk_1"]["text_recall"]["delta"] == -0.5 and d["topk_1"]["text_recall"]["high"] < 0
+    assert d["topk_1"]["text_recall"]["verdict"] == "−"
+    assert d["topk_1"]["text_arith"]["delta"] == 0 and d["topk_1"]["text_arith"]["verdict"] == "n.s."
+    assert text_vs_base({"topk_1": text["topk_1"]}) == {}
