@@ -36,6 +36,7 @@ from typing import Any
 from harness.datasets import load_samples
 from harness.engines.base import Request
 from harness.engines.hf.engine import HFEngine
+from harness.metrics.paired import paired_delta
 from harness.metrics.scoring import aggregate, Scorer
 from harness.models.load import resolve_device
 from harness.models.trained import checkpoint_info, sha256_file
@@ -328,8 +329,6 @@ def text_vs_base(text: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (:func:`harness.metrics.paired.paired_delta`: bootstrap interval, Wilcoxon p, verdict). Why: a 3-item drop out of
     90 and a 41-item one read alike as "lower" without an interval, and the items are shared, so the pairing removes
     the between-item spread."""
-    from harness.metrics.paired import paired_delta
-
     base = (text.get("base") or {}).get("correct")
     if not base:
         return {}
