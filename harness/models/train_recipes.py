@@ -274,5 +274,9 @@ V7G_TASK_WEIGHTS = {**{t: round(w * 0.85, 4) for t, w in V7D_TASK_WEIGHTS.items(
 VARIANTS["v7g"] = {**VARIANTS["v7d-mid"], "init": "v7d-mid", "task_weights": V7G_TASK_WEIGHTS}
 VARIANTS["v7g-text"] = {**VARIANTS["v7g"], "task_weights": {"text_arith": 0.1, "text_list": 0.1, "text_lookup": 0.1,
                                                             "text_choice": 0.1, "text_recall": 0.6}, "lr": 2e-3}
+# v7g at half the learning rate (session 17): the CPU run g2 of v7g kept recall's shape but lost two held-out RAG directions
+# (protection, SERE K=1 over top-1), and g1 at twice the rate lost RAG placement outright: the fine-tune drifts the
+# image tasks in proportion to its step size. Trained beside v7g on the H200 to see which keeps every direction
+VARIANTS["v7g-lo"] = {**VARIANTS["v7g"], "lr": 5e-4}
 # the recall task alone (the CPU probe of session 16: does top-2 cost a closed-book answer what SERE K=2 does not?)
 VARIANTS["v7g-recall"] = {**VARIANTS["v7g"], "task_weights": {"text_recall": 1.0}, "text_mix": False, "lr": 2e-3}
