@@ -1,6 +1,6 @@
 """Earlier committed checkpoints that recipes fine-tune from: v4 for v7–v7c (``--init v4``), v7c-lr2 for v7d
-(``--init v7c-lr2``), v7d-mid for v7e (``--init v7d-mid``), once the committed model is no longer the one they
-start from. (Named ``v4_init`` until session 15, when it held only v4; the old command name still runs it.)
+(``--init v7c-lr2``), v7d-mid for v7e–v7g (``--init v7d-mid``; v7g is committed since session 17), once the
+committed model is no longer the one they start from. (Named ``v4_init`` until session 15, when it held only v4; the old command name still runs it.)
 
 Why: the v7 family starts from v4's weights, v7d from v7c-lr2's and v7e from v7d-mid's, not from scratch, so "retraining is one
 command" needs those files after a later model has been adopted. They are in git history (:data:`PRIORS`: the

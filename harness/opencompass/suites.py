@@ -12,8 +12,12 @@ so the set is chosen once, by name (``opencompass.suite``), and recorded in ``su
   *held-out* split of the text tasks the embedded model is trained on (recipe v7,
   :mod:`harness.datasets.synthetic.text_tasks`): ``harness_text_qa`` (two-digit addition, list operations,
   key-value lookup, interleaved; exact match) and ``harness_text_choice`` (multiple choice over a short passage,
-  options A-D). Two files, not one per task: OpenCompass starts an evaluation process per dataset, and CI runs
-  the suite three times on two cores. A pure function of the seed; no item was trained on.
+  options A-D), plus ``harness_text_recall`` (closed-book recall of the trained fact table,
+  ``text_tasks.recall_facts``; exact match): the seed's knowledge column. A fact cannot be held out — one never
+  trained cannot be recalled — so that file asks distinct facts of the whole table, as a knowledge benchmark asks
+  what pre-training saw; it is where truncating experts costs (docs/embedded_model_v7.md §12-13). Few files, not
+  one per task: OpenCompass starts an evaluation process per dataset, and CI runs the suite three times on two
+  cores. A pure function of the seed; no item of the other files was trained on.
 
 Real datasets are read offline from OpenCompass's data cache (``COMPASS_DATA_CACHE``): :func:`check_staged`
 refuses, before any model loads, a dataset whose files are not there, naming it and where to stage it
@@ -50,9 +54,14 @@ SUMMARY_GROUPS: dict[str, list[tuple[str, str, str]]] = {
     "ci_sample": [],
 }
 
-# file -> the text tasks whose held-out rows it holds (interleaved, ``n`` of each)
+# file -> the text tasks whose held-out rows it holds (interleaved, ``n`` of each; a closed-book task's file holds
+# CLOSED_BOOK_SCALE * n distinct facts). The multiple-choice file stays last (tests read it as [-1])
 CI_SAMPLE_TASKS = {"harness_text_qa.jsonl": ("text_arith", "text_list", "text_lookup"),
+                   "harness_text_recall.jsonl": ("text_recall",),
                    "harness_text_choice.jsonl": ("text_choice",)}
+#: facts asked per ``n``: one fact is right or wrong as a whole and plain top-1 keeps about half of them, so the
+#: ``n`` = 4 of CI's other files could not tell a collapse from chance; 24 facts can (docs/embedded_model_v7.md §13)
+CLOSED_BOOK_SCALE = 6
 CI_SAMPLE_FILES = tuple(CI_SAMPLE_TASKS)
 
 
@@ -70,12 +79,28 @@ def write_ci_sample(out_dir: str | Path, n: int = 8, seed: int = 0) -> list[Path
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, tasks in CI_SAMPLE_TASKS.items():
-        per_task = [text_tasks.items(task, "heldout", n, seed) for task in tasks]
+        per_task = [closed_book_items(task, CLOSED_BOOK_SCALE * n, seed) if task in text_tasks.CLOSED_BOOK_TASKS
+                    else text_tasks.items(task, "heldout", n, seed) for task in tasks]
         rows = [it.row() for group in zip(*per_task) for it in group]
         path = out / name
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def closed_book_items(task: str, n: int, seed: int = 0) -> list:
+    """``n`` distinct facts of a closed-book task's table, a seeded sample without replacement (``text_tasks.items``
+    draws with replacement: a fact asked twice would count twice)."""
+    import random
+
+    from harness.datasets.synthetic import text_tasks
+
+    if task != "text_recall":
+        raise ValueError(f"no fact table for {task!r}")
+    every = text_tasks.recall_items()
+    if n > len(every):
+        raise ValueError(f"{n} facts asked of a table of {len(every)}")
+    return random.Random(f"ci:{task}:{seed}").sample(every, n)
 
 
 def staged_path(dataset_path: str, cache_dir: str) -> str:

@@ -60,6 +60,19 @@ def test_v7c_lr2_comes_back_from_git_for_v7d(tmp_path):
     assert all((got / name).is_file() for name in prior_init.CHECKPOINT_FILES)
 
 
+@pytest.mark.skipif(not _has_commit(prior_init.PRIORS["v7d-mid"][0]), reason="no git history with the v7d-mid commit")
+def test_v7d_mid_comes_back_from_git_for_v7g(tmp_path):
+    """Recipe v7g (the committed model since session 17) starts from v7d-mid (``--init v7d-mid``): with v7g
+    committed, v7d-mid's files come from git, hash-checked."""
+    from harness.models.train_recipes import VARIANTS
+
+    assert VARIANTS["v7g"]["init"] == "v7d-mid"
+    assert not prior_init._is_prior(prior_init.CHECKPOINT, "v7d-mid")  # the committed checkpoint is another model
+    got = prior_init.resolve(tmp_path / "v7d-mid", "v7d-mid")
+    assert got != prior_init.CHECKPOINT and prior_init._is_prior(got, "v7d-mid")
+    assert all((got / name).is_file() for name in prior_init.CHECKPOINT_FILES)
+
+
 def test_an_unknown_prior_is_refused(tmp_path):
     with pytest.raises(prior_init.PriorUnavailable, match="no earlier checkpoint"):
         prior_init.resolve(tmp_path, "v9")

@@ -55,13 +55,18 @@ def test_correct_follows_opencompass_rules():
 
 
 def test_ci_sample_is_held_out_text_rows(tmp_path):
-    from harness.opencompass.suites import CI_SAMPLE_TASKS, write_ci_sample
+    from harness.opencompass.suites import CI_SAMPLE_TASKS, CLOSED_BOOK_SCALE, write_ci_sample
 
     paths = write_ci_sample(tmp_path, n=5, seed=0)
     assert [p.name for p in paths] == list(CI_SAMPLE_TASKS)
     every = []
     for p in paths:
         rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines()]
+        if p.name == "harness_text_recall.jsonl":  # closed book: distinct facts of the trained table, no split
+            assert len(rows) == CLOSED_BOOK_SCALE * 5 == len({r["question"] for r in rows})
+            assert all(tt.RECALL_FACTS[r["question"].split()[-1]] == r["answer"] for r in rows)
+            assert all(r["question"] == f"recall {r['question'].split()[-1]}" for r in rows)
+            continue
         want = [it.row() for task in CI_SAMPLE_TASKS[p.name] for it in tt.items(task, "heldout", 5, 0)]
         assert sorted(map(json.dumps, rows)) == sorted(map(json.dumps, want))
         assert all(is_heldout("text:" + ("choice:" if "A" in r else "") + r["question"]) for r in rows)

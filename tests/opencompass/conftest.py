@@ -2,8 +2,8 @@
 ``opencompass`` package is installed. In the main venv (no OpenCompass) nothing here is collected.
 
 End-to-end runs start ``python -m harness.opencompass`` in a subprocess (OpenCompass itself starts a process
-per task), ~30-60 s each on two cores: the three settings the lane must cover (SERE off, ``sere.k=2``, ``moe.top_k=1``) run
-once per session and every test reads their run directories.
+per task), ~30-60 s each on two cores: the five settings of the seed's table (SERE off, ``sere.k=2``, ``sere.k=1``, ``moe.top_k=2``,
+``moe.top_k=1``) run once per session and every test reads their run directories.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ else:
     os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py sets it for the kernel tests; nothing here needs it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# SERE at the seed table's rho 0.5. Plain top-1, not top-2: the committed model (v7d-mid, as v7c-lr2 before it)
-# answers the held-out items of this suite alike at top-4 and top-2 (docs/embedded_model_v7.md §9-10), so only top-1 shows in its answers
-# that the truncation hook is in OpenCompass's path. test_opencompass_directions.py asserts what holds (baseline
-# high, SERE K=2 keeps it); "plain top-2 loses more than SERE K=2" does not hold on these text tasks, so no test says it
-SETTINGS = {"off": [], "sere_k2": ["sere.k=2", "sere.rho=0.5"], "top_k1": ["moe.top_k=1"]}
+# The seed's table (baseline / SERE K=2 / SERE K=1 / plain truncation) at the seed table's rho 0.5. In proportion:
+# the seed truncates its top-8 to 2 (a quarter), which is plain top-1 of the embedded model's top-4; top-2 is the
+# half. The recall file (closed book, recipe v7g) is where truncation costs; the prompt-reading files are answered
+# alike by every setting (test_opencompass_directions.py)
+SETTINGS = {"off": [], "sere_k2": ["sere.k=2", "sere.rho=0.5"], "sere_k1": ["sere.k=1", "sere.rho=0.5"],
+            "top_k2": ["moe.top_k=2"], "top_k1": ["moe.top_k=1"]}
 
 
 def run_harness_opencompass(run_dir: Path, overrides: list[str], timeout: int = 420) -> subprocess.CompletedProcess:

@@ -18,8 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import CI_ITEMS, MAX_NEW_TOKENS
 
-DATASETS = ("harness_text_qa", "harness_text_choice")
-N_ROWS = {"harness_text_qa": 3 * CI_ITEMS, "harness_text_choice": CI_ITEMS}  # the QA file: three tasks
+from harness.opencompass.suites import CLOSED_BOOK_SCALE, closed_book_items
+
+DATASETS = ("harness_text_qa", "harness_text_recall", "harness_text_choice")
+# the QA file: three tasks; the recall file: CLOSED_BOOK_SCALE distinct facts per CI item
+N_ROWS = {"harness_text_qa": 3 * CI_ITEMS, "harness_text_recall": CLOSED_BOOK_SCALE * CI_ITEMS,
+          "harness_text_choice": CI_ITEMS}
 
 
 @pytest.mark.parametrize("setting", ["off", "sere_k2", "top_k1"])
@@ -86,6 +90,7 @@ def test_prompts_are_the_trained_ones(oc_runs):
     run_dir, _ = oc_runs["off"]
     trace = [json.loads(line) for line in (run_dir / "opencompass" / "harness_trace.jsonl").read_text().splitlines()]
     want = {it.prompt for t in text_tasks.TEXT_TASKS for it in text_tasks.items(t, "heldout", CI_ITEMS, 0)}
+    want |= {it.prompt for it in closed_book_items("text_recall", CLOSED_BOOK_SCALE * CI_ITEMS, 0)}
     assert {t["prompt"] for t in trace} == want
 
 

@@ -1,23 +1,22 @@
 """Does the harness *detect* a quality regression? Directions with margins, on the trained embedded model
-(model=tiny, ``trained-synthetic``, recipe v7d-mid), CPU, in CI.
+(model=tiny, ``trained-synthetic``, recipe v7g), CPU, in CI.
 
-Margins are about half of what was measured (2026-12-03, 2-core CPU, float32 greedy, HF batch 4;
-docs/embedded_model_v7.md §10 has the tables). Never an exact score.
+Margins are about half of what was measured (2026-12-04, 2-core CPU, float32 greedy, HF batch 4 unless a test says
+otherwise; docs/embedded_model_v7.md §13 has the tables). Never an exact score.
 
 - **Bundled samples** (the 12 RAG requests of ``rag_igbench_sample``, OCRBench, the OCR+CC mix): RAG baseline edit
-  0.799 / Kendall 0.558; VisionZip keep 0.5: edit 0.476. OCRBench sample: accuracy 0.6 at keep 1.0 (the 6 held-out
+  0.757 / Kendall 0.569; VisionZip keep 0.5: edit 0.483. OCRBench sample: accuracy 0.6 at keep 1.0 (the 6 held-out
   rows right, the 4 format rows it was never trained on wrong), 0.0 at keep 0.25.
 - **The MoE directions on 48 held-out RAG requests** (the generator's held-out split, seed 0, written at test time
-  in the RAG-IGBench row format): 12 requests proved too few to carry them. On the 12 bundled ones the committed
-  model's SERE K=2 led plain top-2 by +0.035, on these 48 by +0.129 (the model before, v7c-lr2: +0.132 on the 12,
-  +0.123 on the 48; its SERE K=1 led top-1 by +0.111 on the 12 but +0.028 on the 48). Measured: baseline 0.712 /
-  0.441 (0 of 48 invalid); SERE K=1 ρ=0 0.069 / 0.051 (17 invalid), + protect=4 0.156 / 0.118; plain top-1 0.000;
-  SERE K=2 ρ=0 0.530 against plain top-2's 0.401.
-- **CCBench on 48 held-out questions** (issue 28 item 3): circular accuracy 0.583 at keep 1.0 (chance ≈ 0.004),
-  0.313 at keep 0.25; per-row 0.783 / 0.582.
+  in the RAG-IGBench row format; 12 requests proved too few to carry them). Measured: baseline 0.701 / 0.445 (0 of
+  48 invalid); SERE K=1 ρ=0 0.014 / 0.011 (28 invalid), + protect=4 0.137 / 0.119 (13 invalid). SERE against
+  plain top-K at one decode batch of 48 (SERE's premise is a batch; the test says why): K=1 0.408 vs top-1 0.010,
+  K=2 0.698 vs top-2 0.300.
+- **CCBench on 48 held-out questions** (issue 28 item 3): circular accuracy 0.958 at keep 1.0 (chance ≈ 0.004),
+  0.729 at keep 0.25; per-row 0.967 / 0.859.
 
-(Recipe v7c-lr2, the model before, on the bundled 12: baseline 0.660 / 0.533, VisionZip keep 0.5 0.336; CCBench at
-chance.)
+(Recipe v7d-mid, the model before, on the same sets at batch 4: bundled baseline 0.799, keep 0.5 0.476; held-out
+baseline 0.712, SERE K=1 0.069, + protect 0.156, top-1 0.000, SERE K=2 0.530, top-2 0.401; CCBench 0.583 / 0.313.)
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def test_keep_one_is_exactly_the_baseline_and_pruning_costs_edit_score(tmp_path_
     assert records(same) == records(base)[:first]
     half = run(tmp_path_factory, "visionzip.keep=0.5")
     assert half["visionzip"]["keep_rate"] == pytest.approx(0.5, abs=0.02)
-    assert half["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.15  # measured −0.323 (v7c-lr2: −0.324)
+    assert half["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.15  # measured −0.274 (v7d-mid: −0.323)
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +119,19 @@ def test_sere_k1_rho0_is_below_top_k(tmp_path_factory, heldout_rag):
     base = run(tmp_path_factory, *heldout_rag)
     sere = run(tmp_path_factory, *heldout_rag, "sere.k=1", "sere.rho=0.0")
     assert sere["sere"]["moved_fraction"] > 0.5  # ρ = 0 re-routes every secondary slot outside the union
-    assert sere["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.3  # measured −0.643
-    assert sere["metrics"]["kendall"] < base["metrics"]["kendall"] - 0.2  # measured −0.390
-    assert sere["metrics"]["format_invalid"] > base["metrics"]["format_invalid"]  # measured 17 vs 0
+    assert sere["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.3  # measured −0.687
+    assert sere["metrics"]["kendall"] < base["metrics"]["kendall"] - 0.2  # measured −0.434
+    assert sere["metrics"]["format_invalid"] > base["metrics"]["format_invalid"]  # measured 28 vs 0
     # protecting the 4 experts per layer whose re-routing does the most damage recovers part of the loss
     prot = run(tmp_path_factory, *heldout_rag, "sere.k=1", "sere.rho=0.0", "sere.protect=4")
-    assert prot["metrics"]["edit_score"] > sere["metrics"]["edit_score"] + 0.04  # measured +0.087 (v7c-lr2: +0.224)
-    assert prot["metrics"]["kendall"] > sere["metrics"]["kendall"] + 0.03  # measured +0.067 (v7c-lr2: +0.143)
+    assert prot["metrics"]["edit_score"] > sere["metrics"]["edit_score"] + 0.04  # measured +0.123 (v7d-mid: +0.087)
+    assert prot["metrics"]["kendall"] > sere["metrics"]["kendall"] + 0.03  # measured +0.108 (v7d-mid: +0.067)
 
 
 def test_request_budget_favours_text_images_and_per_image_ratio_does_not(tmp_path_factory):
     """OCR+CC mix, keep 0.5 — the seed's OCRBench + CCBench competition with learned attention: under one
     request-wide budget the text-dense (OCRBench) images keep a larger share of their tokens than the sparse
-    (CCBench) ones; the per-image ratio gives both the same. Measured: gap +0.533 (v7c-lr2: request scope OCRBench 0.824 vs CCBench
+    (CCBench) ones; the per-image ratio gives both the same. Measured: gap +0.533 (v7g and v7d-mid alike; v7c-lr2: request scope OCRBench 0.824 vs CCBench
     0.276; v4: 0.815 / 0.282); image scope 0.500 / 0.500. (Generator 2 fills 75-100 % of a text image's cells and 6-33 % of a shape
     image's, and the focus-trained tower attends to content cells.)"""
     common = ("dataset=ocr_cc_mix_sample", "generation.max_new_tokens=2", "visionzip.keep=0.5")
@@ -147,25 +146,33 @@ def test_request_budget_favours_text_images_and_per_image_ratio_does_not(tmp_pat
 @pytest.mark.slow
 def test_plain_top_k_truncation_loses_more_than_sere_at_the_same_k(tmp_path_factory, heldout_rag):
     """The seed's "fixed top-2" row: plain top-K truncation (``moe.top_k``, decode only like SERE) drops the
-    secondary experts, SERE re-routes them to the most similar expert already active in the batch. Measured (48
-    held-out requests, edit score): K=1 — SERE ρ=0 0.069 vs top-1 0.000; K=2 — SERE ρ=0 0.530 vs top-2 0.401.
-    (The experts start as noisy copies in 4 groups, so similar experts exist: the redundancy SERE exploits.)"""
+    secondary experts, SERE re-routes them to the most similar expert already active in the decode batch.
+
+    Both at one decode batch of 48 (the held-out set at once, as the H200 evaluation runs it), because SERE's
+    premise is a batch: at K=1 it re-routes each token's three secondaries among the experts the batch's tokens
+    chose first, and HF batch 4 leaves it at most four per layer. Measured with recipe v7g (48 held-out requests,
+    edit score, baseline 0.701): batch 48 — SERE K=1 ρ=0 0.408 vs top-1 0.010, SERE K=2 ρ=0 0.698 vs top-2 0.300;
+    at batch 4 SERE K=1 fell to the floor with top-1 (0.014 vs 0.010). Truncation is per token, so its figures do
+    not depend on the batch. (v7d-mid, before: batch 4 — K=1 0.069 vs 0.000, K=2 0.530 vs 0.401; batch 48 — K=1
+    0.394, K=2 0.618.)"""
     base = run(tmp_path_factory, *heldout_rag)
-    for k, margin in ((1, 0.03), (2, 0.06)):  # measured +0.069 / +0.129 (v7c-lr2: +0.028 / +0.123)
-        plain = run(tmp_path_factory, *heldout_rag, f"moe.top_k={k}")
-        sere = run(tmp_path_factory, *heldout_rag, f"sere.k={k}", "sere.rho=0.0")
+    batch = ("engine.batch_size=48",)
+    for k, margin in ((1, 0.2), (2, 0.2)):  # measured +0.398 / +0.398
+        plain = run(tmp_path_factory, *heldout_rag, *batch, f"moe.top_k={k}")
+        sere = run(tmp_path_factory, *heldout_rag, *batch, f"sere.k={k}", "sere.rho=0.0")
+        assert int(sere["run"]["engine_settings"]["batch_size"]) == 48
         assert plain["moe"]["expert_union_after"] < plain["moe"]["expert_union_before"]
-        assert plain["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.05  # truncation costs quality
+        assert plain["metrics"]["edit_score"] < base["metrics"]["edit_score"] - 0.2  # truncation costs quality
         assert sere["metrics"]["edit_score"] > plain["metrics"]["edit_score"] + margin
 
 
 @pytest.mark.slow
 def test_ccbench_is_answered_and_pruning_costs_accuracy(tmp_path_factory, heldout_ccbench):
-    """Issue 28 item 3: circular accuracy ≥ 0.4 on the 48 held-out questions (measured 0.583; every rotation of a
-    question must be right, chance ≈ 0.004), and VisionZip keep 0.25 costs accuracy (measured 0.313)."""
+    """Issue 28 item 3: circular accuracy ≥ 0.4 on the 48 held-out questions (measured 0.958; every rotation of a
+    question must be right, chance ≈ 0.004), and VisionZip keep 0.25 costs accuracy (measured 0.729)."""
     full = run(tmp_path_factory, *heldout_ccbench)["metrics"]
     small = run(tmp_path_factory, *heldout_ccbench, "visionzip.keep=0.25")["metrics"]
     assert full["n_questions"] == 48
     assert full["mcq_accuracy"] >= 0.4
-    assert full["mcq_row_accuracy"] > 0.5  # measured 0.783 (chance ≈ 0.26)
-    assert small["mcq_accuracy"] < full["mcq_accuracy"] - 0.13  # measured −0.271
+    assert full["mcq_row_accuracy"] > 0.5  # measured 0.967 (chance ≈ 0.26)
+    assert small["mcq_accuracy"] < full["mcq_accuracy"] - 0.13  # measured −0.229
