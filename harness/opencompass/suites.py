@@ -55,7 +55,7 @@ SUMMARY_GROUPS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 # file -> the text tasks whose held-out rows it holds (interleaved, ``n`` of each; a closed-book task's file holds
-# CLOSED_BOOK_SCALE * n distinct facts). The multiple-choice file stays last (tests read it as [-1])
+# closed_book_count(n) distinct facts). The multiple-choice file stays last (tests read it as [-1])
 CI_SAMPLE_TASKS = {"harness_text_qa.jsonl": ("text_arith", "text_list", "text_lookup"),
                    "harness_text_recall.jsonl": ("text_recall",),
                    "harness_text_choice.jsonl": ("text_choice",)}
@@ -79,13 +79,21 @@ def write_ci_sample(out_dir: str | Path, n: int = 8, seed: int = 0) -> list[Path
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, tasks in CI_SAMPLE_TASKS.items():
-        per_task = [closed_book_items(task, CLOSED_BOOK_SCALE * n, seed) if task in text_tasks.CLOSED_BOOK_TASKS
+        per_task = [closed_book_items(task, closed_book_count(n), seed) if task in text_tasks.CLOSED_BOOK_TASKS
                     else text_tasks.items(task, "heldout", n, seed) for task in tasks]
         rows = [it.row() for group in zip(*per_task) for it in group]
         path = out / name
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def closed_book_count(n: int) -> int:
+    """Facts the CI sample asks for ``opencompass.ci_items = n``: ``CLOSED_BOOK_SCALE * n``, at most the whole table
+    (90 facts from n = 15 on: a table cannot be asked more distinct facts than it holds)."""
+    from harness.datasets.synthetic import text_tasks
+
+    return min(CLOSED_BOOK_SCALE * n, len(text_tasks.RECALL_FACTS))
 
 
 def closed_book_items(task: str, n: int, seed: int = 0) -> list:

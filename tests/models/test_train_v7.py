@@ -75,6 +75,21 @@ def test_ci_sample_is_held_out_text_rows(tmp_path):
     assert len(every) == 5 * len(tt.TEXT_TASKS)
 
 
+def test_the_recall_file_asks_distinct_facts_and_at_most_the_whole_table(tmp_path):
+    """``opencompass.ci_items=16`` (the README's table) would ask 96 facts of a 90-fact table: the file holds all 90,
+    each once, instead of refusing the run."""
+    from harness.opencompass.suites import closed_book_count, closed_book_items, write_ci_sample
+
+    assert closed_book_count(4) == 24 and closed_book_count(15) == 90 and closed_book_count(16) == 90
+    path = next(p for p in write_ci_sample(tmp_path, n=16, seed=0) if p.name == "harness_text_recall.jsonl")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert sorted(r["question"] for r in rows) == sorted(f"recall {c}" for c in tt.RECALL_FACTS)
+    assert closed_book_items("text_recall", 24, 0) == closed_book_items("text_recall", 24, 0)  # seeded
+    assert closed_book_items("text_recall", 24, 0) != closed_book_items("text_recall", 24, 1)
+    with pytest.raises(ValueError, match="table of 90"):
+        closed_book_items("text_recall", 91)
+
+
 def test_text_examples_encode_and_collate_without_pixels():
     from harness.models.tiny import build_tokenizer
     from harness.models.train_data import collate, encode, make_example
