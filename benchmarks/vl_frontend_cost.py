@@ -75,8 +75,8 @@ def main() -> None:
         "images": args.images, "px": args.px, "repeats": args.repeats, "payload_MiB_per_request": round(payload_mb, 2),
         "visual_tokens": tokens, "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
         "transformers": transformers.__version__, "torch": torch.__version__,
-        **{k: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
-           for k, v in rows.items()},
+        **{k: {"median": round(statistics.median(v), 1), "spread": [round(min(v), 1), round(max(v), 1)]}
+           for k, v in rows.items()},  # spread: min-max over the repeats (5 by default: too few for an interval)
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
