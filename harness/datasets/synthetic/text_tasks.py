@@ -18,7 +18,8 @@ chance (docs/embedded_model_v7.md §7): both need the induction step (find the k
 two pairs make it a one-bit decision the gradient can find before the four-pair tasks ask for it. The held-out
 evaluation and the OpenCompass suite keep the four-pair tasks.
 
-Closed-book (session 16, not in the OpenCompass suite until a committed model is taught it): ``text_recall``,
+Closed-book (session 16; taught by recipe v7g, the committed model since session 17, and the OpenCompass CI suite's
+``harness_text_recall`` file): ``text_recall``,
 ``"recall PK"`` → ``"4817"``, from a fixed fact table (:func:`recall_facts`) that no prompt contains, so the answer
 is held in the weights rather than read from the prompt (docs/embedded_model_v7.md §12).
 
