@@ -72,6 +72,14 @@ def cli_args(engine_args: dict[str, Any]) -> list[str]:
     return out
 
 
+#: how often :meth:`VLLMServer.start` picks a new port when the server found its free port taken
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited because its port was bound by someone else between :func:`free_port` and its own bind."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -136,6 +144,16 @@ def _tail(path: Path, n: int = 40) -> str:
     return "\n".join(head + lines[-n:])
 
 
+def _port_was_taken(log_path: Path, offset: int) -> bool:
+    """Whether this attempt's part of the log (from ``offset``) ends in the bind error (errno 98, EADDRINUSE)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return b"Address already in use" in f.read()
+    except OSError:
+        return False
+
+
 class VLLMServer:
     """A ``vllm serve`` the harness started (``proc`` set) or found (``proc`` None). See the module doc."""
 
@@ -152,8 +170,24 @@ class VLLMServer:
     def start(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
               timeout_s: float = 900.0, host: str = "127.0.0.1", port: int | None = None,
               python: str | None = None) -> "VLLMServer":
-        """``python``: the vLLM venv's interpreter (default: this one)."""
-        port = port or free_port(host)
+        """``python``: the vLLM venv's interpreter (default: this one). A port the harness picked is only free when
+        it is picked: another process (a second server started at the same time, CI's lanes) can bind it before
+        this server does, which then exits with "Address already in use". So a picked port that turns out taken
+        is picked again, up to :data:`PORT_ATTEMPTS` times; a port the caller named is not."""
+        attempts = 1 if port else PORT_ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                return cls._start_on(model_path, engine_args, techniques_env, log_dir, timeout_s, host,
+                                     port or free_port(host), python)
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_on(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
+                  timeout_s: float, host: str, port: int, python: str | None) -> "VLLMServer":
+        """One start on ``port``; :class:`PortTaken` when the server exited because the port was bound."""
         cmd = [python or sys.executable, "-m", "harness.engines.vllm.serve_main", "serve", str(model_path), "--host", host,
                "--port", str(port), "--generation-config", "vllm", *cli_args(engine_args)]
         log_dir = Path(log_dir)
@@ -164,11 +198,17 @@ class VLLMServer:
         with open(log_path, "ab") as log:
             log.write(log_header(cmd, env, techniques_env).encode())
             log.flush()
+            offset = log.tell()  # this attempt's output starts here (a retry appends to the same log)
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://{host}:{port}", proc, log_path, cmd, api_key=env[API_KEY_ENV])
         try:
             server.wait_healthy(timeout_s)
+        except RuntimeError as e:
+            server.stop()
+            if _port_was_taken(log_path, offset):
+                raise PortTaken(f"port {port} was taken before vllm serve bound it") from e
+            raise
         except BaseException:
             server.stop()
             raise
