@@ -103,8 +103,8 @@ def closed_book_items(task: str, n: int, seed: int = 0) -> list:
 
     from harness.datasets.synthetic import text_tasks
 
-    if task != "text_recall":
-        raise ValueError(f"no fact table for {task!r}")
+    if task not in text_tasks.CLOSED_BOOK_TASKS:
+        raise ValueError(f"no fact table for {task!r}; closed-book tasks: {text_tasks.CLOSED_BOOK_TASKS}")
     every = text_tasks.recall_items()
     if n > len(every):
         raise ValueError(f"{n} facts asked of a table of {len(every)}")

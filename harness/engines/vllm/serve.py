@@ -174,15 +174,15 @@ class VLLMServer:
         it is picked: another process (a second server started at the same time, CI's lanes) can bind it before
         this server does, which then exits with "Address already in use". So a picked port that turns out taken
         is picked again, up to :data:`PORT_ATTEMPTS` times; a port the caller named is not."""
-        attempts = 1 if port else PORT_ATTEMPTS
-        for attempt in range(attempts):
+        attempts_left = 1 if port else PORT_ATTEMPTS
+        while True:
             try:
                 return cls._start_on(model_path, engine_args, techniques_env, log_dir, timeout_s, host,
                                      port or free_port(host), python)
             except PortTaken:
-                if attempt == attempts - 1:
+                attempts_left -= 1
+                if attempts_left == 0:
                     raise
-        raise AssertionError("unreachable")
 
     @classmethod
     def _start_on(cls, model_path: str, engine_args: dict[str, Any], techniques_env: dict[str, str], log_dir: Path,
