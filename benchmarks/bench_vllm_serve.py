@@ -375,6 +375,7 @@ def measure_pairs(kind: str, pairs: list[list[str]], make, requests: Callable[[i
                         stats[name].append({"info": {k: info.get(k) for k in ("duration_s", "achieved_qps",
                                                                                "completed", "num_requests")},
                                             "routing": server_stats(eng, reset=False),
+                                            "server_phases": info.get("server_phases"),
                                             "outputs": output_diversity(gens)})
                 for name in pair:
                     key = f"{name}@{qps:g}"
@@ -426,6 +427,48 @@ def hf_figures() -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def pooled_phases(block: dict[str, Any]) -> dict[str, float | None] | None:
+    """A point's server-side phases over its passes: each pass's means weighted by the requests it covered."""
+    runs = [r["server_phases"] for r in block.get("runs", []) if (r.get("server_phases") or {}).get("requests")]
+    if not runs:
+        return None
+    keys = ("client_ttft_ms", "front_end_ms", "queue_ms", "prefill_ms", "decode_ms")
+    out: dict[str, float | None] = {}
+    for k in keys:
+        got = [(r[k], r["requests"]) for r in runs if r.get(k) is not None]
+        out[k] = sum(v * n for v, n in got) / sum(n for _, n in got) if got else None
+    out["requests"] = sum(r["requests"] for r in runs)
+    return out
+
+
+def phase_table(data: dict[str, Any]) -> list[str]:
+    """Where the client's TTFT goes, from each server's ``/metrics`` (:mod:`harness.engines.vllm.server_phases`)."""
+    rows = []
+    order = {"text": lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0])
+                                if k.split("@")[0] in VARIANTS else len(VARIANTS)),
+             "vl": lambda k: (float(k.split("@")[1]), -float(k.split("@")[0].replace("keep", "")))}
+    for kind in ("text", "vl"):
+        part = data.get(kind) or {}
+        for key in sorted(part, key=order[kind]):
+            for block in part[key]:
+                ph = pooled_phases(block)
+                if ph is None:
+                    continue
+                label = LABELS.get(block["variant"], block["variant"]).replace("keep", "keep ")
+                rows.append(f"| {kind} | {block['qps']:g} | {label} | {ph['requests']} | {fmt(ph['client_ttft_ms'])} | "
+                            f"{fmt(ph['front_end_ms'])} | {fmt(ph['queue_ms'])} | {fmt(ph['prefill_ms'])} | "
+                            f"{fmt(ph['decode_ms'])} |")
+    if not rows:
+        return []
+    return ["## Where the TTFT goes: each server's own `/metrics` histograms (means over the point's requests)", "",
+            "front end = client TTFT − engine queue − prefill: the upload, the API server's parsing, image decoding "
+            "and multimodal processing, the hand-over to the engine core and the first chunk's way back. queue = "
+            "queued in the engine core → scheduled; prefill = scheduled → first token (the vision encoder and the "
+            "prefill on the GPU); decode = first → last token.", "",
+            "| part | QPS | variant | requests | client TTFT ms | front end | engine queue | prefill | decode |",
+            "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def report(data: dict[str, Any]) -> str:
@@ -504,6 +547,7 @@ def report(data: dict[str, Any]) -> str:
                              f"{cell(block, 'ttft_ms', 'p50', 1)} | {cell(block, 'ttft_ms', 'p99', 1)} | "
                              f"{mean_cell(block, 'ttft_ms', 1)} | {vs} | {block.get('lse_source') or '–'} |")
         lines.append("")
+    lines += phase_table(data)
     lines += ["## The HF engine at the same shapes (for comparison; not the same protocol)", "",
               "From `results/benchmarks/run_path.md` (HF engine, `python -m harness`, compiled decode, static "
               "batch B, no serving load): TPOT p50 at B = 1 / 16 / 64: stock 3.65 / 12.44 / 18.30 ms, SERE K=2 "

@@ -64,3 +64,20 @@ def test_vl_requests_have_distinct_images():
     reqs = b.vl_requests(3, images=2, px=8)
     blobs = [im.tobytes() for r in reqs for im in r.images]
     assert len(set(blobs)) == len(blobs)
+
+
+def test_server_phases_pool_over_passes_by_requests_and_print_where_ttft_goes():
+    """Each pass's /metrics means are weighted by the requests they cover; a pass whose phases could not be read
+    (an ``error`` instead of figures) is left out of the pool rather than counted as zero."""
+    runs = [{"server_phases": {"requests": 1, "client_ttft_ms": 100.0, "front_end_ms": 60.0, "queue_ms": 10.0,
+                               "prefill_ms": 30.0, "decode_ms": 5.0}},
+            {"server_phases": {"requests": 3, "client_ttft_ms": 200.0, "front_end_ms": 120.0, "queue_ms": 20.0,
+                               "prefill_ms": 60.0, "decode_ms": 9.0}},
+            {"server_phases": {"error": "URLError: refused"}}]
+    block = {"variant": "keep0.5", "qps": 0.5, "runs": runs}
+    got = b.pooled_phases(block)
+    assert got["requests"] == 4 and got["client_ttft_ms"] == 175.0 and got["prefill_ms"] == 52.5
+    assert b.pooled_phases({"runs": [runs[2]]}) is None
+    md = "\n".join(b.phase_table({"vl": {"keep0.5@0.5": [block]}}))
+    assert "| vl | 0.5 | keep 0.5 | 4 | 175.0 | 105.0 | 17.5 | 52.5 | 8.0 |" in md
+    assert b.phase_table({"text": {}}) == []

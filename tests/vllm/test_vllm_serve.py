@@ -86,6 +86,15 @@ def test_load_timings_as_vllm_bench_serve(served, requests_text_images):
             assert math.isclose(g.tpot_ms, (g.e2e_ms - g.ttft_ms) / (g.output_tokens - 1), rel_tol=1e-9)
     sent = [g.extra["sent_at_s"] for g in gens]
     assert sent == sorted(sent)
+    # where the TTFT went, from the server's own /metrics histograms over exactly these requests: the engine
+    # core's queue and prefill lie inside the client's TTFT, and the rest (upload, rendering, images) is > 0
+    ph = info["server_phases"]
+    assert "error" not in ph and ph["missing"] == [] and ph["requests"] == N, ph
+    assert ph["queue_ms"] >= 0 and ph["prefill_ms"] > 0 and ph["decode_ms"] > 0
+    client_ttft = sum(g.ttft_ms for g in gens) / N
+    assert ph["client_ttft_ms"] == pytest.approx(client_ttft)
+    assert ph["queue_ms"] + ph["prefill_ms"] < ph["ttft_server_ms"] <= client_ttft
+    assert ph["front_end_ms"] == pytest.approx(client_ttft - ph["queue_ms"] - ph["prefill_ms"]) and ph["front_end_ms"] > 0
     stats = served.engine.technique_stats()
     if served.setting == "stock":
         assert stats == {}

@@ -282,6 +282,13 @@ class VLLMServer:
                 return None
             raise
 
+    def metrics_text(self, timeout: float = 30.0) -> str:
+        """``GET /metrics``: the server's Prometheus exposition (:mod:`harness.engines.vllm.server_phases` reads
+        its request-phase histograms)."""
+        req = urllib.request.Request(self.url + "/metrics", headers=auth_headers(self.api_key))
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read().decode("utf-8", errors="replace")
+
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "started_by_harness": self.started_here, "log": str(self.log_path) if
                 self.log_path else None, "command": mask_argv(self.command) if self.command else None,

@@ -18,6 +18,9 @@ in-process ``AsyncLLM``, so the API server's own overhead is inside TTFT/TPOT.
 
 Requests, streaming and timing: :mod:`harness.engines.vllm.client` + :func:`harness.engines.vllm.load.
 drive_load` (the same arrivals and metric definitions as the in-process load mode, ``vllm bench serve``'s).
+Every load run also records ``server_phases``: the server's own mean queue / prefill / decode times over exactly
+that run's requests and the client TTFT's remainder (:mod:`harness.engines.vllm.server_phases`), which says whether
+a technique's saving on the GPU is visible at the client at all.
 """
 
 from __future__ import annotations
@@ -199,9 +202,38 @@ class ServeMode:
 
             return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT)
 
+        before = self._phase_totals()
         gens, info = asyncio.run(self._with_session(main))
         info["server"] = self._server.describe()
+        info["server_phases"] = self._server_phases(before, gens, info)
         return gens, info
+
+    def _phase_totals(self) -> dict | str:
+        """The server's histogram totals now, or why they cannot be read (a server started with
+        ``--disable-log-stats`` exports none; a proxy may not forward ``/metrics``)."""
+        from harness.engines.vllm.server_phases import histogram_totals
+
+        try:
+            return histogram_totals(self._server.metrics_text())
+        except Exception as e:  # noqa: BLE001 - recorded in the result instead of failing the measured run
+            return f"{type(e).__name__}: {str(e)[:200]}"
+
+    def _server_phases(self, before: dict | str, gens: list[Generation], info: dict[str, Any]) -> dict[str, Any]:
+        """Mean queue / prefill / decode per request from the server's own timestamps over this run, and the
+        client TTFT's remainder (:mod:`harness.engines.vllm.server_phases`)."""
+        from harness.engines.vllm.server_phases import front_end_ms, phase_means, wait_for_requests
+
+        if isinstance(before, str):
+            return {"error": before}
+        try:
+            after = wait_for_requests(self._server.metrics_text, before, int(info.get("completed") or 0))
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        phases = phase_means(before, after)
+        ttfts = [g.ttft_ms for g in gens if not g.error and g.ttft_ms is not None]
+        phases["client_ttft_ms"] = sum(ttfts) / len(ttfts) if ttfts else None
+        phases["front_end_ms"] = front_end_ms(phases["client_ttft_ms"], phases)
+        return phases
 
     def _server_stats(self, reset: bool, key: str) -> list[dict[str, Any]]:
         got = self._server.stats(reset=reset) or {}
