@@ -34,6 +34,7 @@ from harness.config.access import setting as _get
 from harness.engines.base import Generation, Request
 from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, sample_seed, stream_chat
 from harness.engines.vllm.load import drive_load, load_settings
+from harness.engines.vllm.server_phases import front_end_ms, histogram_totals, phase_means, wait_for_requests
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 from harness.engines.vllm.techniques import plugin_env, SereSetup
 
@@ -211,8 +212,6 @@ class ServeMode:
     def _phase_totals(self) -> dict | str:
         """The server's histogram totals now, or why they cannot be read (a server started with
         ``--disable-log-stats`` exports none; a proxy may not forward ``/metrics``)."""
-        from harness.engines.vllm.server_phases import histogram_totals
-
         try:
             return histogram_totals(self._server.metrics_text())
         except Exception as e:  # noqa: BLE001 - recorded in the result instead of failing the measured run
@@ -221,8 +220,6 @@ class ServeMode:
     def _server_phases(self, before: dict | str, gens: list[Generation], info: dict[str, Any]) -> dict[str, Any]:
         """Mean queue / prefill / decode per request from the server's own timestamps over this run, and the
         client TTFT's remainder (:mod:`harness.engines.vllm.server_phases`)."""
-        from harness.engines.vllm.server_phases import front_end_ms, phase_means, wait_for_requests
-
         if isinstance(before, str):
             return {"error": before}
         try:
