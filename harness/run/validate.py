@@ -244,8 +244,9 @@ CROSS_RULES: tuple[CrossRule, ...] = (
               "null with an engine other than hf or vllm (shapes models are built by the HF engine, or loaded by "
               "vLLM with dummy weights)"),
     CrossRule("load.endpoint", lambda cfg: _shapes(cfg) and _vllm(cfg) and cfg.load.get("endpoint") is not None,
-              lambda cfg: False, "null with model.shapes.arch (vllm serve loads a checkpoint directory; load.qps "
-              "alone runs the shapes model in AsyncLLM)"),
+              lambda cfg: cfg.load.get("endpoint") == "auto",
+              "auto or null with model.shapes.arch (a running server serves its own model; auto starts `vllm serve` "
+              "on the shapes model's config with dummy weights)"),
     CrossRule("model.weights", _shapes, lambda cfg: cfg.model.weights == "random-init",
               "random-init with model.shapes.arch set (its weights are random)"),
     CrossRule("engine.device_map", lambda cfg: _shapes(cfg) and _select(cfg, "engine.device_map", None) is not None,

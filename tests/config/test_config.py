@@ -353,7 +353,8 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((SHP, LOAD, "engine=vllm"), None),  # the text shapes model with vLLM's dummy weights (docs/vllm.md)
     ((SHP, LOAD, "engine=vllm", "sere.k=2", "moe.top_k=3"), None),
     ((SHP, LOAD, "engine=vllm", "load.qps=4"), None),  # AsyncLLM in process
-    ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=auto"), "load.endpoint"),  # vllm serve: a checkpoint
+    ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=auto"), None),  # vllm serve on the shapes config
+    ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=http://127.0.0.1:8000"), "load.endpoint"),  # its model
     ((SHPVL, LOAD, "engine=vllm"), "model.shapes.arch"),  # the VL shapes model needs a processor in vLLM
     ((LOAD, "generation=synthetic_load", "engine=vllm"), "dataset.name"),  # token ids: shapes models only
     ((SHP, LOAD, "engine.device_map=auto"), "engine.device_map"),

@@ -1,7 +1,9 @@
 """``python -m harness model=qwen3_30b_a3b_shapes_tiny engine=vllm dataset=synthetic_load`` end to end: the shapes
 config written to the run directory, vLLM's dummy weights, token-id prompts of exact lengths, exactly
 ``dataset.output_tokens`` decoded, the latency protocol (warm-up per shape, repeats), ``weights: random-init``;
-SERE (with ``moe.top_k``) engaged on it; load mode (AsyncLLM) on it. One engine start per run (subprocess)."""
+SERE (with ``moe.top_k``) engaged on it; load mode (AsyncLLM) on it; and ``load.endpoint=auto``: ``vllm serve`` started
+on the written config (dummy weights, no tokenizer), the exact token-id prompts sent to its completions API. One
+engine start per run (subprocess)."""
 
 from __future__ import annotations
 
@@ -106,3 +108,31 @@ def test_load_mode_on_the_shapes_model(tmp_path):
     assert summary["load"]["completed"] == 4 and summary["latency"]["failed"] == 0
     assert all(r["itl_ms"] and len(r["itl_ms"]) <= OUTPUT - 1 for r in records)  # streamed: one gap per chunk
     assert summary["run"]["engine_settings"]["shapes"]["weights"] == "random-init"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shapes") / "served"
+    return (d, *run(d, "load.qps=8", "load.endpoint=auto", "sere.k=2", "sere.rho=0"))
+
+
+def test_shapes_model_served_by_vllm_serve_with_exact_prompts(served):
+    """The seed's serving experiment through the product's own command: ``model=<arch>_shapes engine=vllm
+    load.endpoint=auto``. The server loads the written config with dummy weights and no tokenizer; every request
+    prefills exactly ``dataset.prompt_tokens`` ids and decodes exactly ``dataset.output_tokens``; SERE runs in the server's workers; the run records where the TTFT went."""
+    from harness.engines.vllm.serve_mode import CLIENT
+
+    run_dir, summary, records = served
+    _exact_shapes(records)
+    load = summary["load"]
+    assert load["client"] == CLIENT and load["server"]["started_by_harness"] is True and load["completed"] == N
+    command = (run_dir / "vllm_serve.log").read_text().splitlines()[0]
+    assert str(run_dir / "vllm_shapes_model") in command
+    assert "--load-format dummy" in command and "--skip-tokenizer-init" in command
+    run_info = summary["run"]
+    assert run_info["weights"] == "random-init" and run_info["engine_settings"]["mode"] == "serve"
+    assert run_info["engine_settings"]["shapes"]["load_format"] == "dummy"
+    sere = summary["sere"]  # read from the server's workers
+    assert sere["k_primary"] == 2 and sere["steps"] > 0 and sere["expert_union_after"] < sere["expert_union_before"]
+    phases = load["server_phases"]
+    assert "error" not in phases and phases["requests"] >= N and phases["prefill_ms"] > 0

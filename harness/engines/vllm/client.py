@@ -92,8 +92,20 @@ def chat_payload(model: str, messages: list[dict[str, Any]], max_tokens: int, se
             "stream_options": {"include_usage": True}, "return_token_ids": True}
 
 
+def completion_payload(model: str, prompt_ids: list[int], max_tokens: int, seed: int,
+                       temperature: float = 0.0) -> dict[str, Any]:
+    """A real-shape model's request (``model=<arch>_shapes``): its exact prompt ids to ``/v1/completions``, which
+    takes a token-id prompt as it is — no chat template, no tokenizer on the server (``--skip-tokenizer-init``) —
+    so the server prefills exactly the ids the in-process engines prefill. The same sampling fields and stream
+    options as :func:`chat_payload`."""
+    return {"model": model, "prompt": [int(i) for i in prompt_ids], "max_tokens": int(max_tokens),
+            "temperature": float(temperature), "seed": int(seed), "repetition_penalty": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+
+
 async def stream_chat(session: Any, url: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """POST ``payload`` to ``url`` (``…/v1/chat/completions``) and read the stream (module doc). Returns
+    """POST ``payload`` to ``url`` (``…/v1/chat/completions``, or ``…/v1/completions`` for a token-id prompt:
+    its chunks carry ``text`` and their ``prompt_token_ids`` in the choice) and read the stream (module doc). Returns
     ``{"sent", "chunks", "ids", "prompt_ids", "text", "finish_reason", "output_tokens", "prompt_tokens"}``;
     raises on an HTTP error (its body in the message)."""
     chunks: list[float] = []
@@ -120,8 +132,10 @@ async def stream_chat(session: Any, url: str, payload: dict[str, Any]) -> dict[s
             if choices := msg.get("choices"):
                 chunks.append(now)
                 choice = choices[0]
+                if choice.get("prompt_token_ids"):  # the completions API puts them in the first choice
+                    prompt_ids = list(choice["prompt_token_ids"])
                 ids.extend(choice.get("token_ids") or [])
-                text.append((choice.get("delta") or {}).get("content") or "")
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
                 finish = choice.get("finish_reason") or finish
             elif msg.get("usage"):
                 usage = msg["usage"]

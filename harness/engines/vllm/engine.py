@@ -98,9 +98,9 @@ class VLLMEngine(ServeMode, LoadMode):
         self.visionzip = None if remote else resolve_visionzip(visionzip_cfg)
         self.shapes = None  # model.shapes.arch: a config.json + vLLM's dummy weights (harness/engines/vllm/shapes.py)
         if shapes_cfg is not None and _get(shapes_cfg, "arch"):
-            if self.endpoint is not None:
-                raise NotImplementedError("model.shapes.arch with load.endpoint: the vllm serve mode loads a "
-                                          "checkpoint directory; use load.qps without load.endpoint (AsyncLLM)")
+            if remote:  # load.endpoint=auto serves the written config (serve_mode: token-id prompts)
+                raise ValueError("model.shapes.arch with load.endpoint=URL: a running server serves its own model; "
+                                 "load.endpoint=auto starts one on the shapes model")
             if self.visionzip is not None:
                 raise NotImplementedError("visionzip.keep < 1 with the text-only shapes model in engine=vllm")
 

@@ -32,7 +32,8 @@ from typing import Any
 
 from harness.config.access import setting as _get
 from harness.engines.base import Generation, Request
-from harness.engines.vllm.client import auth_headers, chat_messages, chat_payload, sample_seed, stream_chat
+from harness.engines.vllm.client import (auth_headers, chat_messages, chat_payload, completion_payload, sample_seed,
+                                         stream_chat)
 from harness.engines.vllm.load import drive_load, load_settings
 from harness.engines.vllm.server_phases import front_end_ms, histogram_totals, phase_means, wait_for_requests
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
@@ -163,18 +164,27 @@ class ServeMode:
         self.server_report, self.techniques_source = report, "server (its workers, GET /harness/techniques)"
 
     # -- requests -----------------------------------------------------------------------------------
+    @property
+    def _request_url(self) -> str:
+        """Chat completions; a real-shape model's token-id prompts go to the completions API."""
+        return self._server.url + ("/v1/completions" if getattr(self, "shapes", None) is not None
+                                   else "/v1/chat/completions")
+
     def _payload(self, request: Request, max_tokens: int | None = None, index: int = 0,
                  load_cfg: Any = None) -> dict[str, Any]:
         # generation.do_sample: temperature 1 and a seed per request (one shared seed would make every request
         # draw the same tokens wherever their logits agree, as a random-weight model's nearly always do)
         sample = bool(getattr(self.gen_cfg, "do_sample", False))
-        load = load_cfg if load_cfg is not None else getattr(self, "load_cfg", None)  # the run's, else the engine's
-        messages = chat_messages(request, _get(load, "image_format", "png") or "png",
-                                 int(_get(load, "jpeg_quality", 90) or 90))
-        payload = chat_payload(self._server.model, messages,
-                               int(max_tokens or self.gen_cfg.max_new_tokens),
-                               sample_seed(self.seed, index) if sample else self.seed,
-                               temperature=1.0 if sample else 0.0)
+        n_out = int(max_tokens or self.gen_cfg.max_new_tokens)
+        seed = sample_seed(self.seed, index) if sample else self.seed
+        if getattr(self, "shapes", None) is not None:  # the in-process engines' exact ids (engines/vllm/shapes.py)
+            payload = completion_payload(self._server.model, self.shapes.prompt(request)["prompt_token_ids"], n_out,
+                                         seed, temperature=1.0 if sample else 0.0)
+        else:
+            load = load_cfg if load_cfg is not None else getattr(self, "load_cfg", None)  # the run's, else the engine's
+            messages = chat_messages(request, _get(load, "image_format", "png") or "png",
+                                     int(_get(load, "jpeg_quality", 90) or 90))
+            payload = chat_payload(self._server.model, messages, n_out, seed, temperature=1.0 if sample else 0.0)
         if getattr(self, "ignore_eos", False):  # generation.ignore_eos (synthetic_load): exact output lengths, as offline
             payload["ignore_eos"] = True
         return payload
@@ -188,7 +198,7 @@ class ServeMode:
             return await fn(session)
 
     def _serve_warmup(self, request: Request) -> None:
-        url = self._server.url + "/v1/chat/completions"
+        url = self._request_url
         asyncio.run(self._with_session(lambda s: stream_chat(s, url, self._payload(request, 2))))
 
     def run_load(self, requests: list[Request], load_cfg: Any = None,
@@ -196,7 +206,7 @@ class ServeMode:
         if self._server is None:
             return super().run_load(requests, load_cfg, timeout_s)  # type: ignore[misc]
         settings = load_settings(load_cfg if load_cfg is not None else self.load_cfg, requests)
-        url = self._server.url + "/v1/chat/completions"
+        url = self._request_url
         payloads = [self._payload(r, index=i, load_cfg=load_cfg) for i, r in enumerate(requests)]
 
         async def main(session):

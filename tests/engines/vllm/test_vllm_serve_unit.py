@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -160,6 +161,34 @@ def test_stream_parser_stamps_chunks_as_vllm_bench_serve():
     assert r["finish_reason"] == "length" and r["output_tokens"] == 3 and r["prompt_tokens"] == 3
     with pytest.raises(RuntimeError, match="HTTP 400"):
         asyncio.run(client.stream_chat(_Session(_Resp([], status=400)), "http://x", {}))
+
+
+def test_a_shapes_model_sends_its_exact_ids_to_the_completions_api_and_its_stream_is_read():
+    """model=<arch>_shapes with load.endpoint=auto: the server has no tokenizer (--skip-tokenizer-init), so the
+    request is the in-process engines' token-id prompt, as it is, to /v1/completions; its chunks carry ``text``
+    and the prompt ids inside the first choice."""
+    from harness.engines.vllm.shapes import VllmShapes
+    from harness.models.real_shapes import shapes_config
+
+    config = shapes_config("qwen3_30b_a3b", 2, {"vocab_size": 2048, "hidden_size": 64, "num_experts": 16,
+                                               "num_experts_per_tok": 4})
+    mode = serve_mode.ServeMode.__new__(serve_mode.ServeMode)
+    mode.shapes = VllmShapes("qwen3_30b_a3b", config, Path("/nowhere"), temporary=False)
+    mode._server = SimpleNamespace(model="/runs/vllm_shapes_model", url="http://h:1")
+    mode.seed, mode.load_cfg, mode.ignore_eos = 3, None, True
+    mode.gen_cfg = SimpleNamespace(max_new_tokens=6, do_sample=False)
+    req = Request("r", [{"type": "synthetic_tokens", "n": 48, "seed": 5}])
+    payload = mode._payload(req)
+    assert mode._request_url == "http://h:1/v1/completions"
+    assert payload["prompt"] == mode.shapes.prompt(req)["prompt_token_ids"] and len(payload["prompt"]) == 48
+    assert payload["max_tokens"] == 6 and payload["ignore_eos"] is True and payload["temperature"] == 0.0
+    assert payload["return_token_ids"] is True and "messages" not in payload
+    lines = [_sse({"choices": [{"text": "", "token_ids": [7], "prompt_token_ids": payload["prompt"]}]}),
+             _sse({"choices": [{"text": "", "token_ids": [8], "finish_reason": "length"}]}),
+             _sse({"choices": [], "usage": {"prompt_tokens": 48, "completion_tokens": 2}}), b"data: [DONE]\n"]
+    r = asyncio.run(client.stream_chat(_Session(_Resp(lines)), mode._request_url, payload))
+    assert len(r["chunks"]) == 2 and r["ids"] == [7, 8] and r["prompt_ids"] == payload["prompt"]
+    assert r["output_tokens"] == 2 and r["finish_reason"] == "length"
 
 
 def test_config_must_name_the_servers_techniques():
