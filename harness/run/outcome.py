@@ -117,6 +117,12 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
         out.append(f"latency partial: {_n(lat.get('n_measured'))} requests timed, {_n(lat.get('n_cached'))} "
                    "replayed from the generation cache (no timings)")
     out.extend(latency_warnings(lat))
+    load = summary.get("load") or {}
+    sent, distinct = _n(load.get("num_requests")), _n(load.get("distinct_requests"))
+    if distinct and sent > distinct:
+        out.append(f"load: {sent} requests cycle over {distinct} distinct prompts: a repeated prompt's prefill can "
+                   "come from vLLM's prefix cache (on by default), so its TTFT is a cache hit's; make the dataset as "
+                   "large as the load (dataset.num_requests for synthetic_load) for prefills that are all computed")
     for tech in ("sere", "moe"):
         block = summary.get(tech) or {}
         if block.get("partial"):

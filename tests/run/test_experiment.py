@@ -325,6 +325,17 @@ def test_console_never_headlines_a_metric_of_random_init_scorers():
 
 
 @pytest.mark.slow
+def test_a_load_that_cycles_its_prompts_is_warned_about_the_prefix_cache():
+    """load.num_requests beyond the dataset sends prompts again, and vLLM's prefix cache then serves their
+    prefill: the TTFT is a cache hit's. Said in the run's warnings; a load of distinct prompts says nothing."""
+    from harness.run.outcome import run_warnings
+
+    cycled = {"load": {"num_requests": 1000, "distinct_requests": 8}}
+    assert any(w.startswith("load: 1000 requests cycle over 8 distinct prompts") for w in run_warnings(cycled))
+    for load in ({"num_requests": 8, "distinct_requests": 8}, {"num_requests": 1000}, {}):
+        assert not any(w.startswith("load:") for w in run_warnings({"load": load}))
+
+
 def test_a_plain_run_prints_no_warning_logs_to_its_file_and_ends_with_a_summary(tmp_path):
     """Old code: every run printed Hydra's 'SweepProgress ... MissingMandatoryValue' warning, cli.log stayed empty
     and the run ended with a JSON dump."""

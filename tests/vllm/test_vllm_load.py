@@ -41,8 +41,9 @@ def test_every_request_completes(result, requests_text_images):
     assert len(gens) == N and info["num_requests"] == N and info["completed"] == N
     assert all(g.error is None for g in gens), [g.error for g in gens if g.error]
     assert info["warmup"] == WARMUP and info["qps"] == QPS
-    # cycling through the dataset: uids stay unique, the source is recorded
+    # cycling through the dataset: uids stay unique, the source is recorded, and the run knows it repeated prompts
     assert len({g.uid for g in gens}) == N
+    assert info["distinct_requests"] == len(text + images)
     srcs = [g.extra["source_uid"] for g in gens]
     assert srcs == [r.uid for r in (text + images) * (N // len(text + images) + 1)][:N]
 

@@ -191,7 +191,8 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
     duration = time.perf_counter() - start
     sent = [g.extra.get("sent_at_s") for g in gens if g.extra.get("sent_at_s") is not None]
     completed = sum(1 for g in gens if not g.error)
-    info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "warmup": n_warm, "seed": seed,
+    info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "distinct_requests": len(requests),
+            "warmup": n_warm, "seed": seed,
             "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
             "scheduled_last_send_s": float(offsets[-1]),
             # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly
