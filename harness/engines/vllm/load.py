@@ -144,19 +144,24 @@ def load_settings(load_cfg: Any, requests: list) -> tuple[float, float, int, int
 
 async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int, str], Awaitable[dict]],
                      qps: float, burstiness: float, n: int, n_warm: int, seed: int, *,
-                     timeout_s: float | None = None, client: str = "") -> tuple[list[Generation], dict[str, Any]]:
+                     timeout_s: float | None = None, client: str = "",
+                     after_warmup: Callable[[], Any] | None = None) -> tuple[list[Generation], dict[str, Any]]:
     """The load test proper, for any client: ``load.warmup`` requests one by one (discarded), then ``n`` sent
     at :func:`arrival_offsets`, request ``i`` being ``requests[i % len]``. ``stream(i, kind)`` sends it and
     returns ``{"sent", "chunks" (perf_counter of each streamed chunk), "ids", "prompt_ids", "finish_reason"}``
     and optionally ``"output_tokens"`` (the server's count, as ``vllm bench serve`` takes it from ``usage``);
     the metrics are ``vllm bench serve``'s: TTFT = first chunk − send, ITL = gaps between chunks, E2E =
     last chunk − send, TPOT = (E2E − TTFT)/(output tokens − 1). ``engine`` decodes the ids and counts visual
-    tokens (``decode``, ``_count_visual``, ``visionzip_stats``)."""
+    tokens (``decode``, ``_count_visual``, ``visionzip_stats``). ``after_warmup`` is called once the warm-up is
+    done and before the first measured request is sent (the serve mode reads the server's counters there, so
+    that its phases cover the measured requests only)."""
     for i in range(n_warm):  # one by one, discarded
         try:
             await stream(i, "warmup")
         except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
             engine._sere_partial = True  # its decode rows may be counted without its tokens (SERE canary)
+    if after_warmup is not None:
+        after_warmup()
     offsets = arrival_offsets(n, qps, burstiness, seed)
 
     async def one(i: int, delay: float, start: float):

@@ -215,12 +215,13 @@ class ServeMode:
                 self._decode_tokens += max(len(r["ids"]) - 1, 0)  # the SERE canary's count (engine._engagement)
                 return r
 
-            return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT)
+            return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT,
+                                    after_warmup=lambda: before.append(self._phase_totals()))
 
-        before = self._phase_totals()
+        before: list[dict | str] = []  # the server's counters after the warm-up (load.warmup requests)
         gens, info = asyncio.run(self._with_session(main))
         info["server"] = self._server.describe()
-        info["server_phases"] = self._server_phases(before, gens, info)
+        info["server_phases"] = self._server_phases(before[0], gens, info)
         return gens, info
 
     def _phase_totals(self) -> dict | str:
