@@ -64,7 +64,6 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-EMBEDDED = REPO / "harness" / "models" / "checkpoints" / "tiny-trained-synthetic"
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 64
 VARIANTS = {"off": {}, "sere2": {"sere": {"k": 2}}, "sere1": {"sere": {"k": 1}}, "top2": {"moe": {"top_k": 2}}}
 LABELS = {"off": "SERE off (stock)", "sere2": "SERE K=2 (ρ 0)", "sere1": "SERE K=1 (ρ 0)", "top2": "plain top-2"}
@@ -100,48 +99,19 @@ def register_entry_points(site: Path) -> str:
     return f"dist-info written to {site}"
 
 
-# Qwen3-VL's image processor pixel range (its preprocessor_config.json ``size``; patch 16, merge 2 as the embedded
-# one): a 448 px image stays 448 px, 28 × 28 patches, 196 visual tokens
-QWEN3_VL_IMAGE_SIZE = {"shortest_edge": 65536, "longest_edge": 16777216}
-
-
 def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]]:
-    """The served directory (module doc): shapes config + the embedded tokenizer padded to the vocabulary."""
+    """The served directory (module doc): shapes config + the embedded tokenizer padded to the vocabulary
+    (:func:`harness.engines.vllm.served_shapes.write_served_model`, which ``load.endpoint=auto`` serves too)."""
+    from harness.engines.vllm.served_shapes import write_served_model
     from harness.models.real_shapes import shapes_config
 
     vl = "vl" in arch
     config = shapes_config(arch, 2 if tiny else None, TINY_TEXT if tiny else None,
                            {"depth": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128,
                             "deepstack_visual_indexes": [0]} if (tiny and vl) else None)
-    tok = json.loads((EMBEDDED / "tokenizer.json").read_text())
-    special = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
-    text = config.get("text_config", config)
-    vocab = int(text["vocab_size"])
-    used = set(tok["model"]["vocab"].values()) | set(special.values())
-    if max(used) >= vocab:
-        raise ValueError(f"vocab_size {vocab} is smaller than the embedded tokenizer ({max(used) + 1})")
-    for content, i in special.items():  # the special tokens in the model vocabulary too: the tokenizers library
-        tok["model"]["vocab"][content] = i  # otherwise renumbers them after a vocabulary with holes
-    for i in range(vocab):  # inert entries: never produced by encoding text, decodable as "<pad_i>"
-        if i not in used:
-            tok["model"]["vocab"][f"<pad_{i}>"] = i
-    text.update(eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"], norm_topk_prob=True)
-    if vl:
-        config.update(image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
-                      vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"])
-    config["torch_dtype"] = "bfloat16"
     out = root / arch
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(EMBEDDED / name, out / name)
-    processor = json.loads((EMBEDDED / "processor_config.json").read_text())
-    if vl and not tiny:  # the real model's pixel range: the embedded one's (128² at most) made a 448 px image 16 tokens
-        processor["image_processor"]["size"] = dict(QWEN3_VL_IMAGE_SIZE)
-    (out / "processor_config.json").write_text(json.dumps(processor, indent=1))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": text["eos_token_id"]}))
-    return out, config
+    # tiny: the embedded processor's range (128² at most) keeps CPU smoke tests small
+    return out, write_served_model(config, out, real_pixel_range=not tiny)
 
 
 def write_similarity(root: Path, layers: int, experts: int) -> str:

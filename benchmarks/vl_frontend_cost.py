@@ -49,8 +49,9 @@ def main() -> None:
     import transformers
     from PIL import Image
 
-    from benchmarks.bench_vllm_serve import QWEN3_VL_IMAGE_SIZE, vl_requests
+    from benchmarks.bench_vllm_serve import vl_requests
     from harness.engines.vllm.client import image_url  # the data URL the harness client sends
+    from harness.engines.vllm.served_shapes import QWEN3_VL_IMAGE_SIZE
     from harness.latency.stats import bootstrap_ci
 
     variants = [tuple(v.split(":")) for v in args.variants.split(",")]

@@ -235,12 +235,13 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
               "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
     # --- real-shape models and synthetic load (issue 17) ---
-    # engine=vllm: the text shapes model only, from a written config.json with vLLM's dummy weights (the VL one
-    # needs a multimodal processor inside vLLM: not implemented); not through vllm serve (load.endpoint)
+    # engine=vllm: the text shapes model from a written config.json with vLLM's dummy weights; the VL one only
+    # through vllm serve (load.endpoint=auto: written with the embedded tokenizer and processor, chat requests)
     CrossRule("model.shapes.arch", _shapes,
-              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and _text_only_shapes(cfg)),
-              lambda cfg: ("a text-only arch with engine=vllm (vLLM dummy weights; the VL shapes model runs with "
-                           "engine=hf)") if _vllm(cfg) else
+              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and (
+                  _text_only_shapes(cfg) or cfg.load.get("endpoint") == "auto")),
+              lambda cfg: ("a text-only arch with engine=vllm in process (the VL shapes model runs in vLLM through "
+                           "load.qps=… load.endpoint=auto, or with engine=hf)") if _vllm(cfg) else
               "null with an engine other than hf or vllm (shapes models are built by the HF engine, or loaded by "
               "vLLM with dummy weights)"),
     CrossRule("load.endpoint", lambda cfg: _shapes(cfg) and _vllm(cfg) and cfg.load.get("endpoint") is not None,

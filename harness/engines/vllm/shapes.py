@@ -12,8 +12,11 @@ ids (:func:`harness.models.real_shapes.synthetic_ids`), text parts → the byte-
 :class:`~harness.models.real_shapes.ShapesTokenizer`; no chat template. Output ids
 are decoded with the same tokenizer (the answer text is the ids).
 
-Only the text model: the Qwen3-VL shapes model needs a multimodal processor inside vLLM (placeholder expansion,
-image patches), which a tokenizer-free config directory does not give; it is refused with that reason.
+In process only the text model: the Qwen3-VL shapes model needs a multimodal processor inside vLLM (placeholder
+expansion, image patches), which a tokenizer-free config directory does not give; it is refused with that reason.
+Served (``load.endpoint=auto``) it runs: the directory then also holds a tokenizer and a processor
+(:mod:`harness.engines.vllm.served_shapes`), requests go through the chat API with their images, and a
+``synthetic_tokens`` part becomes that many single-token words (:meth:`VllmShapes.chat_text`).
 
 Weights: random, and *not* the HF engine's random weights (vLLM's dummy loader, not ``normal_(0, 0.02)``); routing
 of random weights is near-uniform, unlike a trained model. ``summary.json`` says ``weights: random-init``.
@@ -30,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from harness.engines.vllm.served_shapes import TOKENIZER_NOTE, one_token_words, words_of_length, write_served_model
 from harness.models.real_shapes import (ARCHS, ShapesProcessor, ShapesTokenizer, config_special_ids, shapes_config,
                                        synthetic_ids, text_parameters)
 
@@ -89,22 +93,46 @@ def prompt_token_ids(request: Any, config: dict[str, Any], tokenizer: ShapesToke
 
 @dataclass
 class VllmShapes:
-    """The shapes model of one vLLM engine: its config, where it was written, its tokenizer."""
+    """The shapes model of one vLLM engine: its config, where it was written, its tokenizer. ``served``: the VL
+    model in a directory with a tokenizer and a processor (:mod:`harness.engines.vllm.served_shapes`)."""
 
     arch: str
     config: dict[str, Any]
     directory: Path
     temporary: bool
-    tokenizer: ShapesTokenizer = field(init=False)
-    processor: ShapesProcessor = field(init=False)
+    served: bool = False
+    tokenizer: Any = field(init=False)
+    processor: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        self.processor = ShapesProcessor(int(self.config["vocab_size"]), config_special_ids(self.config))
+        if self.served:  # the written tokenizer + Qwen3-VL processor, read back as any checkpoint's
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(str(self.directory))
+            self._words: list[str] | None = None
+        else:
+            self.processor = ShapesProcessor(int(self.config["vocab_size"]), config_special_ids(self.config))
         self.tokenizer = self.processor.tokenizer
 
+    @property
+    def _text(self) -> dict[str, Any]:
+        return self.config.get("text_config", self.config)
+
+    @property
+    def multimodal(self) -> bool:
+        return "vision_config" in self.config
+
     def engine_args(self) -> dict[str, Any]:
-        """What ``LLM(...)`` / ``AsyncEngineArgs`` get on top of the engine's usual arguments."""
+        """What ``LLM(...)`` / ``AsyncEngineArgs`` / ``vllm serve`` get on top of the engine's usual arguments."""
+        if self.served:
+            return {"model": str(self.directory), "load_format": "dummy"}
         return {"model": str(self.directory), "load_format": "dummy", "skip_tokenizer_init": True}
+
+    def chat_text(self, part: dict[str, Any]) -> str:
+        """A ``synthetic_tokens`` part of a served request as text of exactly ``n`` tokens (seeded by the part)."""
+        if self._words is None:
+            self._words = one_token_words(self.tokenizer)
+        return words_of_length(self.tokenizer, self._words, int(part["n"]), int(part.get("seed", 0)))
 
     def prompt(self, request: Any) -> dict[str, Any]:
         return {"prompt_token_ids": prompt_token_ids(request, self.config, self.tokenizer)}
@@ -114,9 +142,12 @@ class VllmShapes:
         spec = ARCHS[self.arch]
         return {"arch": self.arch, "checkpoint_shapes_of": spec["checkpoint"], "family": spec["family"],
                 **({"note": spec["note"]} if spec.get("note") else {}),
-                "num_layers": self.config["num_hidden_layers"], "hidden_size": self.config["hidden_size"],
+                "num_layers": self._text["num_hidden_layers"], "hidden_size": self._text["hidden_size"],
                 "parameters": text_parameters(self.config), "weights": "random-init", "init": DUMMY_INIT,
-                "load_format": "dummy", "tokenizer": "ShapesTokenizer (byte-level; skip_tokenizer_init)"}
+                "load_format": "dummy", "tokenizer": TOKENIZER_NOTE if self.served else
+                "ShapesTokenizer (byte-level; skip_tokenizer_init)",
+                **({"served": "vllm serve, chat API (images as data URLs; synthetic tokens as single-token words)"}
+                   if self.served else {})}
 
     def cleanup(self) -> None:
         if self.temporary:
@@ -133,20 +164,26 @@ def hydra_run_dir() -> str | None:
         return None
 
 
-def shapes_for_vllm(shapes_cfg: Any, run_dir: str | None = None) -> VllmShapes:
+def shapes_for_vllm(shapes_cfg: Any, run_dir: str | None = None, serve: bool = False) -> VllmShapes:
     """Write the config of ``model.shapes`` where vLLM will load it: ``<run dir>/vllm_shapes_model`` (the given
-    run directory, else the Hydra run's), else a temporary directory removed when the engine closes."""
+    run directory, else the Hydra run's), else a temporary directory removed when the engine closes. ``serve``
+    (``load.endpoint=auto``): the VL model is written with a tokenizer and a processor for the chat API; the text
+    model stays a bare config (token-id prompts to the completions API)."""
     config = config_from_cfg(shapes_cfg)
     arch = str(shapes_cfg.get("arch") if isinstance(shapes_cfg, dict) else shapes_cfg.arch)
-    if "text_config" in config:
+    vl = "text_config" in config
+    if vl and not serve:
         raise NotImplementedError(
-            f"model.shapes.arch={arch} with engine=vllm: the VL shapes model needs a multimodal processor inside "
-            "vLLM, which a tokenizer-free config directory does not give (not implemented); use engine=hf, or "
-            "model=qwen3_30b_a3b_shapes for its text model (docs/vllm.md)")
+            f"model.shapes.arch={arch} with engine=vllm in process: the VL shapes model needs a multimodal processor "
+            "inside vLLM, which a tokenizer-free config directory does not give; load.endpoint=auto serves it (with "
+            "the embedded tokenizer and processor), engine=hf runs it in process (docs/vllm.md)")
     base = run_dir or hydra_run_dir()
     if base:
         directory, temporary = Path(base) / CONFIG_DIR_NAME, False
     else:
         directory, temporary = Path(tempfile.mkdtemp(prefix="harness-vllm-shapes-")), True
+    if vl:
+        config = write_served_model(config, directory)
+        return VllmShapes(arch=arch, config=config, directory=directory, temporary=temporary, served=True)
     write_config_dir(config, directory)
     return VllmShapes(arch=arch, config=config, directory=directory, temporary=temporary)
