@@ -1,6 +1,6 @@
 """``report.md`` of ``python -m harness.report``: warnings first (random-init weights or scorers, malformed
-summaries skipped, unfinished sweeps, partial latency, no baseline), then one row per run, the plots, the Pareto
-fronts, VisionZip keep rates per source and SERE decode statistics. Rows come from ``harness.report.build.load_rows``.
+summaries skipped, unfinished sweeps, partial latency, no baseline), then one row per run, where the TTFT of the
+``vllm serve`` runs went, the plots, the Pareto fronts, VisionZip keep rates per source and SERE decode statistics. Rows come from ``harness.report.build.load_rows``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.report.rows import _fmt, pareto_front, LATENCY_AXES, QUALITY
+from harness.report.rows import _fmt, pareto_front, LATENCY_AXES, PHASE_KEYS, QUALITY
 from harness.report.status import unfinished_lines
 
 
@@ -65,6 +65,26 @@ def _passes(r: Mapping[str, Any]) -> str:
                              (f"{r.get('latency_excluded_batches')} excl.", r.get("latency_excluded_batches")))
              if on]
     return text + (" " + " ".join(flags) if flags else "")
+
+
+def phase_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where the TTFT of each ``vllm serve`` run went (``load.server_phases``: the server's own means). Why: a
+    technique that shortens the GPU's prefill (VisionZip) can vanish inside a client TTFT dominated by the front
+    end; this section shows the prefill beside it, per run."""
+    served = [r for r in rows if r.get("phase_prefill") is not None]
+    if not served:
+        return []
+    out = ["## Where the TTFT went (vllm serve runs, the server's /metrics means)", "",
+           "| run | technique | client TTFT (ms) | front end | engine queue | prefill | decode |", "|---|---|---|---|---|---|---|"]
+    for r in served:
+        out.append("| " + " | ".join(_md_escape(c) for c in [
+            f"`{r['run_dir']}`", r.get("label") or r.get("family") or "–",
+            *(_fmt(r.get(f"phase_{k}")) for k in PHASE_KEYS)]) + " |")
+    return out + ["", "Means over each run's measured requests, from the server's own histograms "
+                  "(harness/engines/vllm/server_phases.py): prefill = scheduled → first token (vision encoder and "
+                  "prefill on the GPU), engine queue = waiting for a batch slot, front end = client TTFT − queue − "
+                  "prefill (upload, parsing, image decoding and processing, hand-over). Across runs, without "
+                  "intervals: read them as where the time goes, not as speed-ups.", ""]
 
 
 def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: Sequence[Path], *, title: str,
@@ -176,6 +196,7 @@ def markdown(rows: Sequence[dict[str, Any]], all_panels: Sequence[Any], plots: S
               "within the runs, their intervals of the mean overlap (bootstrap over requests; several "
               "baselines: the hull of their intervals). `partial/full`: one side's latency covers only the "
               "requests timed after a resume (docs/latency.md).", ""]
+    lines += phase_lines(rows)
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     fronts = []

@@ -49,6 +49,8 @@ FAMILY_COLOR = {"baseline": "black", "visionzip": "tab:blue", "sere": "tab:orang
                 "visionzip+top-k+sere": "tab:olive", "vz-baseline": "tab:cyan", "vz-baseline+sere": "tab:gray",
                 "vz-baseline+top-k": "tab:gray", "vz-baseline+top-k+sere": "tab:gray", "routing-baseline": "tab:green",
                 "visionzip+routing-baseline": "tab:gray", "vz-baseline+routing-baseline": "tab:gray"}
+#: ``load.server_phases`` means a vllm serve run records (ms), in the report's order
+PHASE_KEYS = ("client_ttft", "front_end", "queue", "prefill", "decode")
 LATENCY_AXES = (("ttft", "TTFT", "time to first token"), ("tpot", "TPOT", "time per output token"))
 
 
@@ -227,6 +229,9 @@ def load_row(path: Path, root: Path | None = None) -> dict[str, Any]:
     row["sere_experts_after"] = _num(sere.get("expert_union_after"))
     row["sere_moved_fraction"] = _num(sere.get("moved_fraction"))
     row["moe_union_after"] = _num(_get(s, "moe", "expert_union_after"))  # routing baselines: where they land
+    phases = _get(s, "load", "server_phases") or {}  # vllm serve runs: where the TTFT went (engines/vllm/server_phases)
+    for key in PHASE_KEYS:
+        row[f"phase_{key}"] = _num(phases.get(f"{key}_ms")) if isinstance(phases, Mapping) else None
     row["comparisons"] = within_run_comparisons(s.get("comparisons"))
     row["_comparisons_all"] = [c for c in s.get("comparisons") or [] if isinstance(c, Mapping)]  # vs trivial ones too
     row["_samples"] = str(run_dir / "samples.jsonl")  # for paired quality intervals against the baseline

@@ -465,3 +465,24 @@ def test_quality_deltas_get_paired_intervals_from_the_runs_samples(tmp_path):
     assert s["rouge1_delta_ci"][0] < 0 < s["rouge1_delta_ci"][1] and s["rouge1_delta_significant"] is False
     md = res.markdown.read_text(encoding="utf-8")
     assert "| -0.100 [-0.100, -0.100] |" in md and "n.s." in md
+
+
+def test_served_runs_show_where_their_ttft_went(tmp_path):
+    """A vllm serve run's ``load.server_phases`` (the server's /metrics means) becomes a row of the "Where the TTFT
+    went" section: the prefill VisionZip can shorten beside the front end it cannot. Runs without phases (HF, in
+    process) have no row there, and a report of none has no section."""
+    base = _summary(tmp_path, "base", ttft=1000.0)
+    vz = _summary(tmp_path, "vz", keep=0.5, ttft=990.0)
+    s = json.loads((vz / "summary.json").read_text())
+    s["load"] = {"server_phases": {"client_ttft_ms": 990.0, "front_end_ms": 700.0, "queue_ms": 20.0,
+                                   "prefill_ms": 270.0, "decode_ms": 0.0, "requests": 20}}
+    (vz / "summary.json").write_text(json.dumps(s))
+    out = tmp_path / "out"
+    rp.build_report([base, vz], out)
+    text = (out / "report.md").read_text()
+    assert "## Where the TTFT went" in text
+    section = text.split("## Where the TTFT went", 1)[1].split("\n## ", 1)[0]
+    assert "| 990.0 | 700.0 | 20.0 | 270.0 | 0.0 |" in section and "`base`" not in section
+    out2 = tmp_path / "out2"
+    rp.build_report([base], out2)
+    assert "Where the TTFT went" not in (out2 / "report.md").read_text()
