@@ -44,6 +44,12 @@ def test_every_request_completes(result, requests_text_images):
     # cycling through the dataset: uids stay unique, the source is recorded, and the run knows it repeated prompts
     assert len({g.uid for g in gens}) == N
     assert info["distinct_requests"] == len(text + images)
+    # where each TTFT went, from the engine core's own timestamps (RequestStateStats): inside the client's TTFT
+    phases = info["server_phases"]
+    assert phases["requests"] == N and phases["prefill_ms"] > 0 and phases["front_end_ms"] is not None
+    for g in gens:
+        p = g.extra["phases"]
+        assert 0 <= p["queue_ms"] and 0 < p["prefill_ms"] and p["queue_ms"] + p["prefill_ms"] <= g.ttft_ms
     srcs = [g.extra["source_uid"] for g in gens]
     assert srcs == [r.uid for r in (text + images) * (N // len(text + images) + 1)][:N]
 

@@ -22,6 +22,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from harness.engines.base import Generation, Request
+from harness.engines.vllm.server_phases import front_end_ms, mean_request_phases, request_phases
 from harness.config.access import setting as _get  # one accessor for config groups in any form
 
 
@@ -93,7 +94,7 @@ class LoadMode:
         chunks: list[float] = []
         ids: list[int] = []
         text: list[str] = []
-        final = None
+        final = stats = None
         prompt_ids: list[int] = []
         async for out in self._async.generate(prompt, params, request_id):
             now = time.perf_counter()
@@ -106,9 +107,11 @@ class LoadMode:
                 prompt_ids = list(out.prompt_token_ids)
             if out.finished:
                 final = comp
+                stats = getattr(out, "metrics", None)  # RequestStateStats (the engine is built with stats on)
         self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (engine._engagement)
         return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
-                "finish_reason": getattr(final, "finish_reason", None)}
+                "finish_reason": getattr(final, "finish_reason", None),
+                "phases": request_phases(stats) if final is not None else None}
 
     def run_load(self, requests: list[Request], load_cfg: Any = None,
                  timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
@@ -127,8 +130,15 @@ class LoadMode:
         def stream(i: int, kind: str):
             return self._stream_one(prompts[i % len(prompts)], params, f"{kind}-{tag}-{i}")
 
-        return self._loop.run(drive_load(self, requests, stream, *settings, timeout_s=timeout_s,
-                                         client="AsyncLLM in process"))
+        gens, info = self._loop.run(drive_load(self, requests, stream, *settings, timeout_s=timeout_s,
+                                               client="AsyncLLM in process"))
+        # where the TTFT went, from the engine core's own timestamps per request (vllm serve: its /metrics)
+        phases = mean_request_phases([g.extra.get("phases") for g in gens if not g.error])
+        ttfts = [g.ttft_ms for g in gens if not g.error and g.ttft_ms is not None]
+        phases["client_ttft_ms"] = sum(ttfts) / len(ttfts) if ttfts else None
+        phases["front_end_ms"] = front_end_ms(phases["client_ttft_ms"], phases)
+        info["server_phases"] = phases
+        return gens, info
 
 
 def load_settings(load_cfg: Any, requests: list) -> tuple[float, float, int, int, int]:
@@ -188,6 +198,7 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
             extra={"itl_ms": [(b - a) * 1e3 for a, b in zip(chunks[:-1], chunks[1:])],
                    "sent_at_s": r["sent"] - start, "source_uid": src.uid,
                    "finish_reason": r["finish_reason"], "chunks": len(chunks), "token_ids": ids,
+                   **({"phases": r["phases"]} if r.get("phases") else {}),
                    **({"visionzip": vz} if (vz := engine.visionzip_stats(src)) else {})},
         )
 

@@ -22,6 +22,11 @@ percentiles: a histogram's buckets are too coarse for percentiles of a few dozen
 observed by the API server's output loop, which may run a moment after the client read the last chunk, so
 :func:`wait_for_requests` polls until the counts reach the run's requests. Parsing uses ``prometheus_client``
 (a dependency of vLLM, so present wherever a server is driven); it is imported when a run asks for phases.
+
+The in-process load mode (``AsyncLLM``) has no ``/metrics``; it reads the same engine-core timestamps from each
+finished request's ``RequestStateStats`` (:func:`request_phases`, :func:`mean_request_phases`) and records the
+same keys, so ``load.server_phases`` means the same in both load modes (in process, "front end" is the input
+processing and the hand-over to the engine core).
 """
 
 from __future__ import annotations
@@ -88,6 +93,29 @@ def wait_for_requests(scrape: Callable[[], str], before: Totals, expected: int, 
         if done >= expected or time.monotonic() >= deadline:
             return after
         time.sleep(poll_s)
+
+
+def request_phases(stats: Any) -> dict[str, float] | None:
+    """One request's queue / prefill / decode (ms) from vLLM's ``RequestStateStats`` (``RequestOutput.metrics`` of
+    a finished request when stats are on): the same engine-core timestamps the server's histograms are built from,
+    for the in-process load mode (``AsyncLLM``), which has no ``/metrics``. None when a timestamp is missing."""
+    ts = [getattr(stats, k, None) for k in ("queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts")]
+    if not all(isinstance(t, (int, float)) and t > 0 for t in ts):
+        return None
+    queued, scheduled, first, last = ts
+    return {"queue_ms": 1000.0 * (scheduled - queued), "prefill_ms": 1000.0 * (first - scheduled),
+            "decode_ms": 1000.0 * (last - first)}
+
+
+def mean_request_phases(per_request: list[dict[str, float] | None]) -> dict[str, Any]:
+    """The in-process counterpart of :func:`phase_means`: means of :func:`request_phases` over the requests that
+    have them (``requests`` says how many)."""
+    got = [p for p in per_request if p]
+    out: dict[str, Any] = {"source": "AsyncLLM RequestStateStats (engine-core timestamps, mean over the run's "
+                                     "requests)", "missing": [], "requests": len(got)}
+    for key in ("queue_ms", "prefill_ms", "decode_ms"):
+        out[key] = sum(p[key] for p in got) / len(got) if got else None
+    return out
 
 
 def front_end_ms(client_ttft_ms: float | None, phases: dict[str, Any]) -> float | None:

@@ -91,3 +91,19 @@ def test_a_scrape_before_the_server_observed_the_last_request_is_waited_out():
     assert sp.phase_means(before, after)["requests"] == 2 and len(calls) == 3
     late = sp.wait_for_requests(srv.text, before, expected=5, timeout_s=0.05, poll_s=0.01)
     assert sp.phase_means(before, late)["requests"] == 2  # gives up, and says how many it covers
+
+
+def test_in_process_phases_come_from_each_requests_engine_core_timestamps():
+    """The in-process load mode has no /metrics: each finished request's ``RequestStateStats`` gives the same
+    phases (queued → scheduled → first token → last token), averaged over the requests that have them."""
+    from types import SimpleNamespace
+
+    stats = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.002, first_token_ts=10.052, last_token_ts=10.552)
+    one = sp.request_phases(stats)
+    assert one == pytest.approx({"queue_ms": 2.0, "prefill_ms": 50.0, "decode_ms": 500.0})
+    assert sp.request_phases(SimpleNamespace(queued_ts=10.0, scheduled_ts=0.0, first_token_ts=0.0,
+                                             last_token_ts=0.0)) is None  # a request that never ran
+    assert sp.request_phases(None) is None
+    got = sp.mean_request_phases([one, None, {"queue_ms": 4.0, "prefill_ms": 30.0, "decode_ms": 100.0}])
+    assert got["requests"] == 2 and got["queue_ms"] == pytest.approx(3.0) and got["prefill_ms"] == pytest.approx(40.0)
+    assert sp.mean_request_phases([])["prefill_ms"] is None
