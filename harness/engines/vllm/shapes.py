@@ -103,13 +103,13 @@ class VllmShapes:
     served: bool = False
     tokenizer: Any = field(init=False)
     processor: Any = field(init=False)
+    _words: list[str] | None = field(init=False, default=None)  # chat_text's single-token words, found once
 
     def __post_init__(self) -> None:
         if self.served:  # the written tokenizer + Qwen3-VL processor, read back as any checkpoint's
             from transformers import AutoProcessor
 
             self.processor = AutoProcessor.from_pretrained(str(self.directory))
-            self._words: list[str] | None = None
         else:
             self.processor = ShapesProcessor(int(self.config["vocab_size"]), config_special_ids(self.config))
         self.tokenizer = self.processor.tokenizer
