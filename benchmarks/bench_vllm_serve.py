@@ -419,6 +419,13 @@ def hf_figures() -> dict[str, Any]:
         return {}
 
 
+#: table order of a result key ``variant@qps``: by QPS, then text variants as VARIANTS lists them, keeps high to low
+POINT_ORDER: dict[str, Callable[[str], tuple]] = {
+    "text": lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0])),
+    "vl": lambda k: (float(k.split("@")[1]), -float(k.split("@")[0].replace("keep", ""))),
+}
+
+
 def pooled_phases(block: dict[str, Any]) -> dict[str, float | None] | None:
     """A point's server-side phases over its passes: each pass's means weighted by the requests it covered."""
     runs = [r["server_phases"] for r in block.get("runs", []) if (r.get("server_phases") or {}).get("requests")]
@@ -436,12 +443,9 @@ def pooled_phases(block: dict[str, Any]) -> dict[str, float | None] | None:
 def phase_table(data: dict[str, Any]) -> list[str]:
     """Where the client's TTFT goes, from each server's ``/metrics`` (:mod:`harness.engines.vllm.server_phases`)."""
     rows = []
-    order = {"text": lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0])
-                                if k.split("@")[0] in VARIANTS else len(VARIANTS)),
-             "vl": lambda k: (float(k.split("@")[1]), -float(k.split("@")[0].replace("keep", "")))}
     for kind in ("text", "vl"):
         part = data.get(kind) or {}
-        for key in sorted(part, key=order[kind]):
+        for key in sorted(part, key=POINT_ORDER[kind]):
             for block in part[key]:
                 ph = pooled_phases(block)
                 if ph is None:
@@ -483,7 +487,7 @@ def report(data: dict[str, Any]) -> str:
                   "ITL p50 ms | ITL p99 | failed | experts/layer/step before → after (decode rows/step) | "
                   "distinct output tokens (per position) | vs stock (TPOT mean) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for key in sorted(text, key=lambda k: (float(k.split("@")[1]), list(VARIANTS).index(k.split("@")[0]))):
+        for key in sorted(text, key=POINT_ORDER["text"]):
             for block in text[key]:
                 qps = block["qps"]
                 base = next((b for b in text.get(f"off@{qps:g}", []) if b["variant"] != block["variant"]
@@ -525,7 +529,7 @@ def report(data: dict[str, Any]) -> str:
                   f"token, VisionZip request scope, QPS {data['vl_qps']:g}", "",
                   "| keep | requests | prompt tokens (visual) | TTFT p50 ms | TTFT p99 | TTFT mean (CI) | vs keep 1.0 | "
                   "scoring-block LSE |", "|---|---|---|---|---|---|---|---|"]
-        for key in sorted(vl, key=lambda k: -float(k.split("@")[0].replace("keep", ""))):
+        for key in sorted(vl, key=POINT_ORDER["vl"]):
             for block in vl[key]:
                 base = next(iter(vl.get(f"keep1.0@{block['qps']:g}", [])), None)
                 vs = "–"

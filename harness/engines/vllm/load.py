@@ -22,7 +22,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from harness.engines.base import Generation, Request
-from harness.engines.vllm.server_phases import front_end_ms, mean_request_phases, request_phases
+from harness.engines.vllm.server_phases import mean_request_phases, request_phases, with_client_ttft
 from harness.config.access import setting as _get  # one accessor for config groups in any form
 
 
@@ -133,11 +133,8 @@ class LoadMode:
         gens, info = self._loop.run(drive_load(self, requests, stream, *settings, timeout_s=timeout_s,
                                                client="AsyncLLM in process"))
         # where the TTFT went, from the engine core's own timestamps per request (vllm serve: its /metrics)
-        phases = mean_request_phases([g.extra.get("phases") for g in gens if not g.error])
-        ttfts = [g.ttft_ms for g in gens if not g.error and g.ttft_ms is not None]
-        phases["client_ttft_ms"] = sum(ttfts) / len(ttfts) if ttfts else None
-        phases["front_end_ms"] = front_end_ms(phases["client_ttft_ms"], phases)
-        info["server_phases"] = phases
+        info["server_phases"] = with_client_ttft(
+            mean_request_phases([g.extra.get("phases") for g in gens if not g.error]), gens)
         return gens, info
 
 

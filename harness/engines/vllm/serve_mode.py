@@ -35,7 +35,7 @@ from harness.engines.base import Generation, Request
 from harness.engines.vllm.client import (auth_headers, chat_messages, chat_payload, completion_payload, sample_seed,
                                          stream_chat)
 from harness.engines.vllm.load import drive_load, load_settings
-from harness.engines.vllm.server_phases import front_end_ms, histogram_totals, phase_means, wait_for_requests
+from harness.engines.vllm.server_phases import histogram_totals, phase_means, wait_for_requests, with_client_ttft
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 from harness.engines.vllm.techniques import plugin_env, SereSetup
 
@@ -248,11 +248,7 @@ class ServeMode:
             after = wait_for_requests(self._server.metrics_text, before, int(info.get("completed") or 0))
         except Exception as e:  # noqa: BLE001
             return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        phases = phase_means(before, after)
-        ttfts = [g.ttft_ms for g in gens if not g.error and g.ttft_ms is not None]
-        phases["client_ttft_ms"] = sum(ttfts) / len(ttfts) if ttfts else None
-        phases["front_end_ms"] = front_end_ms(phases["client_ttft_ms"], phases)
-        return phases
+        return with_client_ttft(phase_means(before, after), gens)
 
     def _server_stats(self, reset: bool, key: str) -> list[dict[str, Any]]:
         got = self._server.stats(reset=reset) or {}

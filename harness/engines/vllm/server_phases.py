@@ -118,6 +118,15 @@ def mean_request_phases(per_request: list[dict[str, float] | None]) -> dict[str,
     return out
 
 
+def with_client_ttft(phases: dict[str, Any], gens: list[Any]) -> dict[str, Any]:
+    """``phases`` plus the client's mean TTFT over the load's answered requests and the front end it leaves
+    (:func:`front_end_ms`): the part both load modes add the same way."""
+    ttfts = [g.ttft_ms for g in gens if not g.error and g.ttft_ms is not None]
+    phases["client_ttft_ms"] = sum(ttfts) / len(ttfts) if ttfts else None
+    phases["front_end_ms"] = front_end_ms(phases["client_ttft_ms"], phases)
+    return phases
+
+
 def front_end_ms(client_ttft_ms: float | None, phases: dict[str, Any]) -> float | None:
     """Client TTFT − engine queue − prefill: the request's upload, the API server's parsing, image decoding and
     multimodal processing, the hand-over to the engine core and the first chunk's way back (means)."""
