@@ -7,7 +7,7 @@ between training recipes. This module measures exactly the quantities those test
 draw of the checkpoint's own generator version, with the same code paths the run uses — the loaders
 (``load_samples``), :class:`~harness.engines.hf.engine.HFEngine` with VisionZip / SERE / ``moe.top_k`` installed from
 the config dataclasses, :class:`~harness.metrics.scoring.Scorer` + :func:`~harness.metrics.scoring.aggregate`, and
-:func:`~harness.engines.hf.visionzip.keep_rate_by_source` for the budget competition:
+:func:`~harness.techniques.visionzip.stats.keep_rate_by_source` for the budget competition:
 
 - OCR accuracy at keep 1.0 / 0.5 / 0.25 (the "OCR falls at a small keep" test);
 - OCR+CC mix at keep 0.5: per-source keep rate under ``scope=request`` vs ``scope=image``;
@@ -36,6 +36,7 @@ from typing import Any
 from harness.datasets import load_samples
 from harness.engines.base import Request
 from harness.engines.hf.engine import HFEngine
+from harness.techniques.visionzip.stats import keep_rate_by_source
 from harness.metrics.paired import paired_delta
 from harness.metrics.scoring import aggregate, Scorer
 from harness.models.load import resolve_device
@@ -100,7 +101,6 @@ def run_condition(ckpt: Path, dataset_cfg: Any, *, model_id: str, device: str, b
                   moe: dict | None = None) -> dict[str, Any]:
     """One harness run in-process (no Hydra): load → generate → score → aggregate, plus technique statistics."""
     from harness.config.schema import EngineConfig, GenerationConfig, MoeConfig, SereConfig, VisionZipConfig
-    from harness.engines.hf.visionzip import keep_rate_by_source
 
     vz_cfg = VisionZipConfig(**(visionzip or {}))
     samples = list(load_samples(dataset_cfg))
@@ -122,7 +122,7 @@ def run_condition(ckpt: Path, dataset_cfg: Any, *, model_id: str, device: str, b
         out["metrics"] = score(samples, records)
     except ImportError as e:
         out["scoring_error"] = f"{type(e).__name__}: {e} (rescore: python -m harness.commands.eval_tiny --rescore JSON)"
-    if vz_cfg.keep < 1.0:  # the same per-source reading as harness.run.experiment.visionzip_summary
+    if vz_cfg.keep < 1.0:  # the same per-source reading as harness.run.summary_blocks.visionzip_summary
         per = [(r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]]
                 * len(r["visionzip"]["tokens_per_image"]), r["visionzip"]["tokens_per_image"],
                 r["visionzip"]["kept_per_image"]) for r in records if r["visionzip"]]

@@ -4,7 +4,9 @@ Definitions follow the paper (NeurIPS 2025 D&B, arXiv 2512.05119) and its public
 (zry13/RAG-IGBench ``score/eval.py``, "the reference" below); /work/shared/notes/benchmarks.md has the summary.
 A model answer is JSON ``{"reason", "category", "answer"}`` whose ``answer`` is markdown: image ``k`` of the
 candidates (1-based over all notes' images, flattened) is placed as ``![...](IMG#k)``, a citation is
-``<sup>[n](DOC#n)</sup>``.
+``<sup>[n](DOC#n)</sup>``. Reading that answer — the markdown out of the model's raw, often malformed JSON
+(``parse_answer``), and the image numbers, Rouge text and image contexts out of the markdown (``image_ids``,
+``clean_text``, ``image_contexts``) — is :mod:`harness.metrics.rag_igbench_answer`; this module scores it.
 
 Per sample (:func:`score_sample`): Rouge-1 on the text without citations and image tags; edit and Kendall
 scores on the lists of image numbers; CLIP score (each placed image against the text around it) and alignment
@@ -38,10 +40,8 @@ Where this module deliberately differs from the public scorer, and why:
   lists empty → edit 1.0 and Kendall 1.0 (identical, empty lists); reference without images but the model
   placed some → Kendall 0.0, edit 0.0; no words left after stopwords on either side → Rouge-1 0.0; a CLIP
   text over 77 tokens is truncated (see :mod:`harness.metrics.encoders`).
-* **Answer extraction** is more lenient (``"answer":"`` without a space, single quotes, trailing commas, text
-  around the object, several code fences) and keeps the answer text as written: the public ``fix_json`` turns
-  newlines into ``<br>`` and inner ``"`` into ``'`` in the model answer only, which lengthens the model's
-  context windows and adds ``br`` to its Rouge words but not to the reference's.
+* **Answer extraction** is more lenient than the public ``fix_json`` and keeps the answer text as written
+  (:mod:`harness.metrics.rag_igbench_answer` says how, and what ``fix_json``'s rewriting changes).
 * **Stopwords**: the public list by default (:data:`PUBLIC_STOPWORDS`); the project's list is an option
   (:data:`PROJECT_STOPWORDS`). **Rouge F1** is exact ``2|A∩B|/(|A|+|B|)``; the ``rouge``
   package used by the reference adds 1e-8 to the denominator of ``2PR/(P+R)`` (difference < 1e-8).
@@ -52,29 +52,20 @@ encoders are imported on first use.
 
 from __future__ import annotations
 
-import ast
 import functools
-import json
 import logging
 import math
 import os
-import re
 import threading
-import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from harness.metrics.encoders import (
     DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, DEFAULT_EMBED_MODEL, get_clip_scorer, get_text_embedder)
+from harness.metrics.rag_igbench_answer import CONTEXT_WINDOW, clean_text, image_contexts, image_ids, parse_answer
 
 METRICS = ("rouge1", "edit_score", "kendall", "alignment", "clip_score")
 
-#: ``![anything](IMG#k)`` as the reference matches it (lazy alt text, no line break inside).
-IMAGE_TAG = re.compile(r"!\[.*?\]\(IMG#(\d+)\)")
-#: ``<sup>[n](DOC#n)</sup>`` citations, removed from the text before anything else.
-CITATION = re.compile(r"<sup>\[.*?\]\(.*?\)</sup>")
-#: Characters taken on each side of an image tag for its context (reference: ``context_length = 20``).
-CONTEXT_WINDOW = 20
 #: Characters of the context given to CLIP (reference: ``context[:25]``).
 CLIP_TEXT_CHARS = 25
 #: Kendall scaling weight (reference: ``beta = 0.5``).
@@ -133,166 +124,6 @@ def resolve_stopwords(choice: str | os.PathLike | None) -> frozenset[str]:
         raise FileNotFoundError(f"scoring.stopwords={path!r}: no such file (expected public, project, none or "
                                 "the path of a stopword list, one word per line)")
     return load_stopwords(path)
-
-
-# ---------------------------------------------------------------------------------------------------- answer
-
-_FENCED = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n?(.*?)(?:```|\Z)", re.S)
-_TRAILING_COMMA = re.compile(r",(\s*[}\]])")
-_ANSWER_KEY = re.compile(r"""(["'])answer\1\s*:\s*(["'])""", re.I)
-_NEXT_FIELD = re.compile(r"""\s*,\s*["'][\w -]+["']\s*:""")
-_CLOSE = re.compile(r"\s*(?:}|(?:```)?\s*\Z)")
-_DECODER = json.JSONDecoder(strict=False)  # strict=False: raw newlines/tabs inside strings are accepted
-_MISSING = object()
-
-
-def _answer_of(obj: Any) -> Any:
-    """The ``answer`` field of a parsed object (key matched case-insensitively), or _MISSING."""
-    if not isinstance(obj, dict):
-        return _MISSING
-    if "answer" in obj:
-        return obj["answer"]
-    for key, value in obj.items():
-        if isinstance(key, str) and key.strip().lower() == "answer":
-            return value
-    return _MISSING
-
-
-def _from_json(text: str) -> tuple[Any, bool]:
-    """(answer or _MISSING, whether any JSON object parsed) scanning every ``{`` of the text."""
-    parsed_any, i = False, text.find("{")
-    while i != -1:
-        try:
-            obj, end = _DECODER.raw_decode(text, i)
-        except (ValueError, RecursionError):
-            i = text.find("{", i + 1)
-            continue
-        parsed_any = parsed_any or isinstance(obj, dict)
-        answer = _answer_of(obj)
-        if answer is not _MISSING:
-            return answer, True
-        i = text.find("{", max(end, i + 1))
-    return _MISSING, parsed_any
-
-
-def _from_python_literal(text: str) -> Any:
-    """The answer of a Python-literal dict (single quotes, trailing commas) between the outer braces."""
-    start, end = text.find("{"), text.rfind("}")
-    if start == -1 or end <= start:
-        return _MISSING
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # invalid escape sequences in model text
-            return _answer_of(ast.literal_eval(text[start : end + 1]))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return _MISSING
-
-
-def _unescape(value: str, quote: str) -> str:
-    """Decode a string literal's body whose inner quotes may be unescaped."""
-    if quote == '"':
-        escaped = re.sub(r'(?<!\\)((?:\\\\)*)"', r'\1\\"', value)
-        try:
-            return json.loads(f'"{escaped}"', strict=False)
-        except ValueError:
-            pass
-    table = {"n": "\n", "t": "\t", "r": "\r"}
-    return re.sub(r"\\(.)", lambda m: table.get(m.group(1), m.group(1)), value, flags=re.S)
-
-
-def _from_field(text: str) -> Any:
-    """Last resort: the text after ``"answer": "`` up to the quote that closes the field.
-
-    The closing quote is the first unescaped one followed by another quoted key, else the last one followed
-    by ``}`` or the end of the text. Without either the output was cut (e.g. by the token limit) and the
-    answer runs to the end of the text, as the reference's ``fix_json`` also accepts.
-    """
-    m = _ANSWER_KEY.search(text)
-    if not m:
-        return _MISSING
-    quote, start = m.group(2), m.end()
-    closing = None
-    for j in (i for i in range(start, len(text)) if text[i] == quote):
-        body = text[start:j]
-        if (len(body) - len(body.rstrip("\\"))) % 2:
-            continue  # an escaped quote
-        if _NEXT_FIELD.match(text, j + 1):
-            return _unescape(body, quote)
-        if _CLOSE.match(text, j + 1):
-            closing = body
-    if closing is None:
-        closing = text[start:].rstrip().removesuffix("```").rstrip().rstrip("\\")
-    return _unescape(closing, quote)
-
-
-def parse_answer(raw: str | None) -> str | None:
-    """The ``answer`` markdown of a model's JSON output, or None when the format is invalid.
-
-    Reference: strip code fences, repair the JSON, take ``answer``. Tried in order, first on the whole text
-    and then on each fenced block: strict JSON at every ``{`` (raw newlines in strings allowed); the same
-    with trailing commas removed; a Python literal (single quotes); and, only if no JSON object parsed at all,
-    the raw ``answer`` field (unescaped inner quotes, output cut before the closing quote). None when nothing
-    yields an ``answer``, when a JSON object parses but has no ``answer`` key, or when the answer is not a
-    string (null, a number, a list).
-    """
-    if not isinstance(raw, str):
-        return None
-    text = raw.strip()
-    candidates = [text] + ([m.group(1) for m in _FENCED.finditer(text)] if "```" in text else [])
-    answer, parsed_any = _MISSING, False
-    for stage in ("json", "commas", "literal"):
-        for cand in candidates:
-            if stage == "json":
-                answer, parsed = _from_json(cand)
-                parsed_any = parsed_any or parsed
-            elif stage == "commas":
-                answer, _ = _from_json(_TRAILING_COMMA.sub(r"\1", cand))
-            else:
-                answer = _from_python_literal(cand)
-            if answer is not _MISSING:
-                return answer if isinstance(answer, str) else None
-    if not parsed_any:
-        for cand in candidates:
-            answer = _from_field(cand)
-            if answer is not _MISSING:
-                return answer
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- markdown
-
-
-def image_ids(markdown: str | None) -> list[int]:
-    """The ``k`` of every ``![...](IMG#k)`` in order of appearance, repeats kept (reference: ``images``)."""
-    return [int(k) for k in IMAGE_TAG.findall(markdown)] if isinstance(markdown, str) else []
-
-
-def clean_text(markdown: str | None) -> str:
-    """The answer text for Rouge: citations removed, then image tags removed, then stripped."""
-    if not isinstance(markdown, str):
-        return ""
-    return IMAGE_TAG.sub("", CITATION.sub("", markdown)).strip()
-
-
-def image_contexts(markdown: str | None, window: int = CONTEXT_WINDOW, unique: bool = True
-                   ) -> list[tuple[int, str]]:
-    """(k, text around image k) for the placed images, as the reference defines the context.
-
-    Citations are removed first; the context is the ``window`` characters before the tag's start and after
-    its end in that text (fewer at the edges), with the complete image tags inside it removed (so it may
-    hold fewer than 2·window characters). With ``unique`` (the reference, which keys a dict by ``k``) each
-    image appears once, in order of first appearance, with the context of its **last** occurrence; without
-    it every occurrence is listed. CLIP reads the first :data:`CLIP_TEXT_CHARS` characters of a context,
-    i.e. mostly the text just before the image.
-    """
-    if not isinstance(markdown, str):
-        return []
-    text, window = CITATION.sub("", markdown), max(0, int(window))
-    pairs = [
-        (int(m.group(1)), IMAGE_TAG.sub("", text[max(0, m.start() - window) : m.end() + window]))
-        for m in IMAGE_TAG.finditer(text)
-    ]
-    return list(dict(pairs).items()) if unique else pairs
 
 
 # ------------------------------------------------------------------------------------------------- Rouge-1
@@ -482,7 +313,8 @@ def clip_score(images: Sequence[Any], contexts: Sequence[str], scorer: Any = Non
                n_chars: int = CLIP_TEXT_CHARS) -> float:
     """Mean over placed images of :func:`clip_map` (cosine(image, first ``n_chars`` of its context)); 0 if none.
 
-    ``images[i]`` (PIL image or path) goes with ``contexts[i]`` (from :func:`image_contexts`). ``scorer`` is a
+    ``images[i]`` (PIL image or path) goes with ``contexts[i]`` (from
+    :func:`~harness.metrics.rag_igbench_answer.image_contexts`). ``scorer`` is a
     :class:`~harness.metrics.encoders.ClipScorer` (or anything with ``cosines(images, texts)``, or a callable
     of the same signature); without one, the shared scorer for ``model_name``/``pretrained`` (default OpenAI
     ViT-L/14, the reference's weights) is loaded on first use.
@@ -514,8 +346,8 @@ def alignment_score(pred_markdown: str | None, ref_markdown: str | None, embed: 
     """Mean over images placed in both answers of :func:`align_map` (cosine of their contexts' embeddings).
 
     For each image k in both answers (model order), the model's ±``window``-character context of k and the
-    reference's (:func:`image_contexts`, full contexts, not cut to 25) are embedded and compared; 0 if no
-    image is shared. ``embed`` maps a list of texts to a [n, d] array (a
+    reference's (:func:`~harness.metrics.rag_igbench_answer.image_contexts`, full contexts, not cut to 25) are
+    embedded and compared; 0 if no image is shared. ``embed`` maps a list of texts to a [n, d] array (a
     :class:`~harness.metrics.encoders.TextEmbedder` does); without one the shared embedder for
     ``model_name`` (default ``TencentBAC/Conan-embedding-v1``, the reference's) is loaded on first use.
     """
@@ -566,7 +398,7 @@ def score_sample(raw_answer: str | None, gt_clean_answer: str | None, n_candidat
     the model's ``hallucinated_image``); with ``reference_faults="score"`` (default, the public scorer's
     treatment) such a sample is flagged ``reference_fault`` (``reference_fault_reason`` says why) and scored
     by the rules below with the reference as written; the answer
-    cannot be parsed (:func:`parse_answer`) → ``format_invalid``; it places an image k > N, or k < 1 with
+    cannot be parsed (:func:`~harness.metrics.rag_igbench_answer.parse_answer`) → ``format_invalid``; it places an image k > N, or k < 1 with
     ``image_zero="hallucination"`` → ``hallucinated_image`` (with ``image_zero="score"``, the default and the
     public scorer's rule, ``IMG#0`` is scored and CLIP reads the last candidate); an image is missing or an encoder raises → ``error``. Never raises for bad data.
     """

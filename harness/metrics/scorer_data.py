@@ -3,7 +3,7 @@
 Why a module of its own: the pairs decide what the trained ``clip_score`` and ``alignment`` *mean*, so they are
 written once, read by the trainer (:mod:`harness.metrics.scorer_training`) and by the tests, and documented in
 docs/scoring.md. Everything comes from :mod:`harness.datasets.synthetic.tasks` (read only) and the scorer's own
-context extraction (:func:`harness.metrics.rag_igbench.image_contexts`), never from the embedded VLM.
+context extraction (:func:`harness.metrics.rag_igbench_answer.image_contexts`), never from the embedded VLM.
 
 What the generator allows a scorer to learn, and so what the targets are:
 
@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from harness.metrics.rag_igbench import image_contexts
+from harness.metrics.rag_igbench_answer import image_contexts
 
 CLIP_POS = 0.5  # cosine a placeable image must reach (0.4 is score 1)
 CLIP_NEG = 0.0  # cosine a scene image must stay under (0.1 is score 0)

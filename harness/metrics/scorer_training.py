@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.metrics import rag_igbench as rb, scorer_data as sd
+from harness.metrics.rag_igbench_answer import image_contexts
 from harness.metrics.encoders import _features, _pool, TextEmbedder, TransformersClipScorer
 from harness.metrics.scorer_checkpoints import (
     record_hashes, sha256_file, CLIP_CHECKPOINT, CLIP_WEIGHT_FILES, EMBEDDER_CHECKPOINT, EMBEDDER_WEIGHT_FILES,
@@ -188,7 +189,7 @@ def evaluate_clip(path: str | Path, cfg: TrainConfig = TrainConfig()) -> dict[st
         flat = [im for ims in item.images for im in ims]
         ref, shuf = item.answer, shuffled_placement(item.answer, len(flat), rng)
         for answer, acc in ((ref, correct), (shuf, shuffled)):
-            placed = rb.image_contexts(answer)
+            placed = image_contexts(answer)
             acc.append(rb.clip_score([flat[k - 1] for k, _ in placed], [c for _, c in placed], scorer))
     return {"n_items": len(items), "n_pairs": len(pairs),
             "score_placeable_image": round(statistics.mean(pos), 4), "score_scene_image": round(statistics.mean(neg), 4),

@@ -6,4 +6,4 @@ from harness import _moved as _moved
 
 
 def __getattr__(name: str):  # the old module harness.report (before issue 24's folder moves): its names, for one release
-    return _moved.forward_attribute(__name__, name, ('__main__', 'build', 'markdown', 'plots', 'rows', 'status', 'wandb_report'))
+    return _moved.forward_attribute(__name__, name, ('__main__', 'build', 'deltas', 'markdown', 'panels', 'plots', 'rows', 'status', 'wandb_report'))

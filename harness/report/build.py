@@ -28,9 +28,9 @@ W&B. Writes into ``--out`` (default: ``<first path>/report``):
   came from several sources (the OCRBench + CCBench mix). Plots: harness/report/plots.py.
 
 Quality metric: ``--metric`` (repeatable), else per dataset the first whose scorers are meaningful for the runs
-(a random-init scorer's metric is never the default: harness/report/rows.py ``quality_metrics_for``). Speed-ups:
+(a random-init scorer's metric is never the default: harness/report/deltas.py ``quality_metrics_for``). Speed-ups:
 ``across runs`` (never significant: drift between runs is unseen), ``n.s.``, or a paired within-run comparison
-with its interval (``summary.json`` ``comparisons``; harness/report/rows.py ``compare_latency`` /
+with its interval (``summary.json`` ``comparisons``; harness/report/deltas.py ``compare_latency`` /
 ``compare_quality`` — where issue 31's paired A/B timing and paired quality intervals plug in).
 
 A malformed ``summary.json`` (not JSON, not an object, a block of the wrong type) is skipped with a warning naming
@@ -67,28 +67,20 @@ from harness.report.wandb_report import build_wandb_report, wandb_report_spec, w
 log = logging.getLogger("harness.report")  # the report's logger (its name before the folder move)
 
 from harness.report.rows import (  # noqa: E402,F401 (the rows, harness/report/rows.py: re-exported here)
-    _add_baseline_deltas,
     _by_source,
     FAMILY_COLOR,
     FAMILY_ORDER,
     find_summaries,
     _fmt,
     _get,
-    _interval,
     _label_setups,
     LATENCY_AXES,
     latency_protocol_columns,
     load_row,
     load_rows,
     MalformedSummary,
-    _mean,
     _num,
-    Panel,
-    panels,
-    pareto_front,
     QUALITY,
-    quality_metrics_for,
-    RAG_METRICS,
     RANDOM_SCORER_METRICS,
     random_scorers,
     _short,
@@ -96,6 +88,14 @@ from harness.report.rows import (  # noqa: E402,F401 (the rows, harness/report/r
     _sweep_of,
     _technique,
 )
+from harness.report.deltas import (  # noqa: E402,F401 (the baseline comparisons, harness/report/deltas.py: re-exported)
+    _add_baseline_deltas,
+    _interval,
+    _mean,
+    quality_metrics_for,
+    RAG_METRICS,
+)
+from harness.report.panels import Panel, panels, pareto_front  # noqa: E402,F401 (harness/report/panels.py: re-exported)
 
 
 # the plots live in harness/report/plots.py (re-exported here: callers use harness.report.build.plot_*)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.metrics.paired import read_samples, stratified_paired_metrics
-from harness.report.rows import paired_on, QUALITY
+from harness.report.deltas import paired_on
+from harness.report.rows import QUALITY
 
 log = logging.getLogger("harness.report")
 

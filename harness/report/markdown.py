@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.report.rows import _fmt, pareto_front, LATENCY_AXES, PHASE_KEYS, QUALITY
+from harness.report.panels import pareto_front
+from harness.report.rows import _fmt, LATENCY_AXES, PHASE_KEYS, QUALITY
 from harness.report.status import unfinished_lines
 
 

@@ -20,7 +20,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from harness.report.rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY, pareto_front
+from harness.report.panels import pareto_front
+from harness.report.rows import FAMILY_COLOR, FAMILY_ORDER, LATENCY_AXES, QUALITY
 
 # offsets (points) tried for a point's label, nearest first: right/left, above/below, then further out
 _OFFSETS = [(dx, dy) for dy in (4, -12, 14, -22, 24, -32, 34, -42) for dx in (6, -6)]

@@ -8,7 +8,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from harness.report.rows import LATENCY_AXES, QUALITY, Panel
+from harness.report.panels import Panel
+from harness.report.rows import LATENCY_AXES, QUALITY
 
 
 def wandb_summary_key(metric: str) -> str:

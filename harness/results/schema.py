@@ -60,7 +60,7 @@ class Distribution(TypedDict, total=False):
 
 
 class Latency(TypedDict, total=False):
-    """``summary.json`` ``latency`` (harness/run/experiment.py ``run_latency``; OpenCompass: the trace or the
+    """``summary.json`` ``latency`` (harness/run/summary_blocks.py ``run_latency``; OpenCompass: the trace or the
     vLLM server's histograms)."""
 
     ttft_ms: Distribution
@@ -124,7 +124,7 @@ class Comparison(TypedDict, total=False):
     a reference timed or scored in the same process on the same requests (A/B interleaved, paired over
     requests). This is what lets the report call a difference significant: intervals of two runs taken at
     different times cannot see the drift between them (issue 25). Written by the paired A/B timing and the
-    paired quality intervals of issue 31; the report reads it (harness/report/rows.py ``compare``)."""
+    paired quality intervals of issue 31; the report reads it (harness/report/deltas.py ``within_run_comparisons``)."""
 
     metric: str  # a latency distribution (``ttft_ms``, ``tpot_ms``) or a quality metric (``comprehensive``, …)
     against: str  # the reference: ``baseline`` or a technique label

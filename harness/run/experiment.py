@@ -22,9 +22,7 @@ from harness.latency.device_lock import device_key, DeviceLock
 from harness.latency.paired import PairedTiming
 from harness.latency.runner import TimedBatches
 from harness.latency.shapes import technique_state
-from harness.latency.stats import repeat_summary
 from harness.latency.variants import paired_variants
-from harness.metrics.latency import latency_summary, summarize
 from harness.metrics.scoring import aggregate, Scorer
 from harness.results.schema import run_block, utc_now, write_summary, SamplesLog
 from harness.results.tracking import log_run, start_run, sweep_info
@@ -33,6 +31,7 @@ from harness.run.logs import run_logging
 from harness.run.outcome import parsed_answer, prompt_record, run_warnings
 from harness.run.rerun import archive_if_changed
 from harness.run.rules_files import validate_files, validate_model_files
+from harness.run.summary_blocks import run_latency, visionzip_summary
 from harness.run.state import (
     begin_attempt, check_storage, mark_failed, mark_finished, mark_wandb_logged, read_state, storage_error,
     wandb_pending, RunLock, WRITE_ERRNOS)
@@ -53,77 +52,6 @@ def _check_sere_engaged(run_dir: Path, state: dict[str, Any], technique_stats: d
         mark_failed(run_dir, state, str(e), sere_engagement=technique_stats["sere"]["engagement"])
         log.error("SERE not engaged: %s", e)
         raise
-
-
-def visionzip_summary(vz_cfg: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """``summary.json`` ``visionzip``: tokens in/kept, per-image keep-rate distribution, per-source keep rate
-    (the OCRBench+CCBench budget competition) and the time spent on importance. Requests without per-image
-    counts (``kept_per_image`` None: vLLM with ``scope=request``, whose split stays in the worker) count in
-    the totals, not in the per-image and per-source rates (``requests_with_per_image_counts``)."""
-    from harness.engines.hf.visionzip import keep_rate_by_source
-
-    per_request = []
-    tokens_in = kept = n_requests = 0
-    for r in records:
-        v = r.get("visionzip")
-        if not v:
-            continue
-        n_requests += 1
-        tokens_in += sum(v["tokens_per_image"])
-        # engines record the request's total; a block with only the per-image split (written before the total
-        # was recorded) sums it
-        kept += v["visual_tokens_after"] if "visual_tokens_after" in v else sum(v["kept_per_image"])
-        if v.get("kept_per_image") is None:  # vLLM scope=request: the split between images stays in the worker
-            continue
-        sources = r["meta"].get("image_sources") or [r["meta"].get("source") or r["dataset"]] * len(
-            v["tokens_per_image"])
-        per_request.append((sources, v["tokens_per_image"], v["kept_per_image"]))
-    image_rates = [k / t for _, ts, ks in per_request for t, k in zip(ts, ks) if t]
-    return {
-        "keep": vz_cfg.keep, "contextual": vz_cfg.contextual, "scope": vz_cfg.scope, "layer": vz_cfg.layer,
-        "min_per_image": vz_cfg.min_per_image,
-        # attention = VisionZip, else a trivial baseline at the same kept count (issue 31); seed: method=random's
-        "method": vz_cfg.get("method", "attention") if hasattr(vz_cfg, "get") else getattr(vz_cfg, "method", "attention"),
-        "seed": vz_cfg.get("seed", 0) if hasattr(vz_cfg, "get") else getattr(vz_cfg, "seed", 0),
-        "requests": n_requests,
-        "requests_with_per_image_counts": len(per_request),
-        "visual_tokens_in": tokens_in, "visual_tokens_kept": kept,
-        "keep_rate": kept / tokens_in if tokens_in else None,
-        "image_keep_rate": summarize(image_rates),
-        "by_source": keep_rate_by_source(per_request),
-        # each request carries its share of its batch's importance time: the sum is the run's total
-        "importance_ms_total": sum(r["visionzip"]["importance_ms"] or 0.0 for r in records
-                                   if r.get("visionzip") and not r.get("cached")),
-        # token counts cover every request (replayed ones carry their visionzip block from the cache); the
-        # importance time only the requests generated in this attempt
-        "importance_ms_requests": sum(1 for r in records if r.get("visionzip") and not r.get("cached")),
-        "requests_replayed": sum(1 for r in records if r.get("visionzip") and r.get("cached")),
-        "importance_ms_partial": any(r.get("visionzip") and r.get("cached") for r in records),
-    }
-
-
-def run_latency(records: list[dict[str, Any]], gen_s: float, timer: Any = None, latency_cfg: Any = None,
-                seed: int = 0) -> dict[str, Any]:
-    """``summary.json`` ``latency`` over the requests generated and timed in this run (never the cache's).
-
-    ``partial`` is true when some requests were replayed from the generation cache; ``n_measured`` counts the
-    timed requests, ``n_cached`` the replayed ones. With the measurement protocol's ``timer``
-    (:class:`harness.latency.runner.TimedBatches`) the TTFT/TPOT/ITL/E2E distributions cover every timed pass
-    minus the excluded batches, with their interval, spread and ``noisy`` flag (harness/latency/stats.py), and
-    ``protocol`` says how they were taken; counts and throughput stay those of the first pass."""
-    measured = [r for r in records if not r.get("cached")]
-    n_cached = len(records) - len(measured)
-    out = latency_summary(measured, duration_s=gen_s if measured else None)
-    out.update({"partial": n_cached > 0, "n_measured": sum(1 for r in measured if not r.get("error")),
-                "n_cached": n_cached})
-    if timer is not None and timer.samples:
-        stats = repeat_summary(timer.samples, confidence=float(getattr(latency_cfg, "confidence", 0.95)),
-                               n_resamples=int(getattr(latency_cfg, "bootstrap_resamples", 2000)),
-                               max_cv=getattr(latency_cfg, "max_cv", None), seed=seed)
-        out.update(stats)
-        out.update({"repeats": timer.repeats, "max_cv": getattr(latency_cfg, "max_cv", None),
-                    "noisy": [m for m, block in stats.items() if block["noisy"]], "protocol": timer.protocol_block()})
-    return out
 
 
 class NothingScored(DatasetError):
@@ -276,16 +204,6 @@ def run_paired(cfg: Any, engine: Any, runnable: list[tuple[Any, Any]], progress:
         paired.warm_up(batches)
         paired.run(batches, bar)
     return paired
-
-
-def mark_partial(technique_stats: dict[str, Any], n_generated: int, n_replayed: int) -> dict[str, Any]:
-    """Technique statistics gathered by the engine (``summary.json`` ``sere``) cover only the requests generated
-    in this attempt: say so, with the counts, when some were replayed from the generation cache."""
-    for block in technique_stats.values():
-        if isinstance(block, dict):
-            block.update({"partial": n_replayed > 0, "requests_covered": n_generated,
-                          "requests_replayed": n_replayed})
-    return technique_stats
 
 
 def _run(cfg: Any, run_dir: Path, config: dict[str, Any], started: str, read_cache: bool, progress: Any,

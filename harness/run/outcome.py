@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping
 
-from harness.metrics.rag_igbench import parse_answer
+from harness.metrics.rag_igbench_answer import parse_answer
 
 # quality keys shown on the console, per benchmark (the first present of each group)
 CONSOLE_METRICS = (("comprehensive", "rouge1", "edit_score", "kendall", "clip_score", "alignment"),

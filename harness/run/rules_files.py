@@ -242,7 +242,7 @@ def clip_model_problem(value: str, cfg: Any) -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("open_clip") is None:
-        return None  # validate.py's CROSS_RULES refuse it, naming the [clip] extra
+        return None  # rules_cross.py's CORE_CROSS_RULES refuse it, naming the [clip] extra
     if name.startswith("hf-hub:"):
         return None if _HUB_ID.fullmatch(name[len("hf-hub:"):]) else "hf-hub: needs a hub id org/name"
     if name.startswith("local-dir:"):
@@ -330,7 +330,7 @@ def validate_files(cfg: Any) -> None:
 
 
 def validate_model_files(cfg: Any, facts: Any) -> None:
-    """The files against the checkpoint's numbers (:class:`harness.run.validate.ModelFacts`), before weights
+    """The files against the checkpoint's numbers (:class:`harness.run.rules_model.ModelFacts`), before weights
     load. Call after :func:`validate_files` (a file that failed there never reaches here)."""
     if facts is None:
         return

@@ -130,7 +130,7 @@ def merge_replayed(technique_stats: dict[str, Any], replayed: list[Any], n_gener
     block's sums are those batches' plus every replayed batch's, once each — the same sums an uninterrupted run
     gives (``partial: false``) — when every replayed request carried its batch's sums and every batch was
     replayed whole. Otherwise, and for the other blocks, the engine's counts of this attempt, ``partial`` when
-    requests were replayed (as :func:`harness.run.experiment.mark_partial`)."""
+    requests were replayed."""
     n_replayed = len(replayed)
     for name, block in technique_stats.items():
         if not isinstance(block, dict):

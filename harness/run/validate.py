@@ -12,37 +12,38 @@ what is allowed:
    ``+unknown.key=1`` are force-added by Hydra's ``+`` even in struct mode, so they are refused here);
 2. :func:`validate_config` — :data:`RULES` (one key each) then :data:`CROSS_RULES` (keys that depend on each
    other), plus :data:`NORMALIZE` (``sere.k=0`` is SERE off, the reference's identity: recorded as null);
-3. :func:`validate_model` — :data:`MODEL_RULES`: values the checkpoint decides (vision depth, number of
-   experts, experts per token), checked right after the checkpoint's ``config.json`` is read, before weights load.
+3. :func:`validate_model` — :data:`~harness.run.rules_model.MODEL_RULES`: values the checkpoint decides (vision
+   depth, number of experts, experts per token), checked right after the checkpoint's ``config.json`` is read,
+   before weights load.
 
 A rule whose key does not exist in the config is inert (``moe.top_k`` is checked once a ``moe`` group exists).
-The vocabulary (checks, rules, the refusal) is in validate_checks.py; the offload and latency groups' rows in
-validate_offload.py and validate_latency.py, appended to the tables here.
+The vocabulary (checks, rules, the refusal) is in harness/config/checks.py. The rows live beside this module: the
+core groups' rules between keys in rules_cross.py (first in :data:`CROSS_RULES`), the offload and latency groups'
+rows in rules_offload.py and rules_latency.py (appended to the tables here), the checkpoint's numbers and the rows
+checked against them in rules_model.py.
 Only the standard library and omegaconf are imported at module level.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from harness.datasets import LOADERS, register_from_config  # light registries (names → "module:attr"), nothing heavy imported
 from harness.engines import ENGINES
 from harness.models.real_shapes import ARCHS  # the shapes archs (a table; torch and transformers stay unimported)
 from harness.config.checks import (
-    _select, _sere_on, _vllm, _vz_on, at_least, existing_file, number, one_of, optional, pattern, registered, Check,
-    ConfigError, CrossRule, NONEMPTY, Rule, _MISSING)
-from harness.metrics.scoring import clip_backend, Scorer
+    _select, at_least, existing_file, number, one_of, optional, pattern, registered, Check, ConfigError, CrossRule,
+    NONEMPTY, Rule, _MISSING)
+from harness.run.rules_cross import CORE_CROSS_RULES
 from harness.run.rules_latency import LATENCY_CROSS_RULES, LATENCY_RULES
+from harness.run.rules_model import MODEL_RULES, ModelFacts, model_facts, read_model_config
 from harness.run.rules_offload import (
-    _offload_caches, LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES, PREFETCH_RULES)
+    LEASE_CROSS_RULES, LEASE_RULES, OFFLOAD_CROSS_RULES, OFFLOAD_RULES, PREFETCH_RULES)
 
 def _loader_target_ok(value: Any) -> bool:
     """``dataset.loader``: ``package.module:function`` with a module Python can find (not imported here)."""
@@ -167,145 +168,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _clip_needs_open_clip(cfg: Any) -> bool:
-    return bool(cfg.scoring.clip_model) and clip_backend(cfg.scoring.clip_model) == "open_clip"
-
-
-def _random_scorers(cfg: Any) -> list[str]:
-    d = Scorer(cfg.scoring).describe()
-    # trained-synthetic scorers (the default) learnt the embedded data's images and notes only: on a real
-    # model's answers they mean no more than random ones
-    return [k for k in ("clip", "embed") if d[f"{k}_weights"] in ("random-init", "trained-synthetic")]
-
-
-#: Engines that implement the techniques (VisionZip, SERE, plain top-K); any other registered engine (a user's,
-#: a test's scripted one) would run them as stock, so they are refused there rather than silently ignored.
-TECHNIQUE_ENGINES = ("hf", "vllm")
-
-
-def _shapes(cfg: Any) -> bool:
-    return _select(cfg, "model.shapes.arch", None) is not None
-
-
-def _text_only_shapes(cfg: Any) -> bool:
-    arch = _select(cfg, "model.shapes.arch", None)
-    return arch in ARCHS and ARCHS[arch]["vision"] is None
-
-
-def _technique_engine(cfg: Any) -> bool:
-    return cfg.engine.name in TECHNIQUE_ENGINES
-
-
-#: Rules between keys (what one engine or one model can do with another key's value).
-CROSS_RULES: tuple[CrossRule, ...] = (
-    CrossRule("visionzip.keep", _vz_on, _technique_engine,
-              lambda cfg: f"1.0 with engine={cfg.engine.name} (VisionZip is implemented in {', '.join(TECHNIQUE_ENGINES)})"),
-    CrossRule("sere.k", _sere_on, _technique_engine,
-              lambda cfg: f"null with engine={cfg.engine.name} (SERE is implemented in {', '.join(TECHNIQUE_ENGINES)})"),
-    CrossRule("moe.top_k", lambda cfg: _moe_top_k(cfg) is not None, _technique_engine,
-              lambda cfg: f"null with engine={cfg.engine.name} (moe.top_k is implemented in "
-              f"{', '.join(TECHNIQUE_ENGINES)})"),
-    # SERE re-routes the experts ranked k+1..top-K of each token; with sere.k >= moe.top_k it has none, and the
-    # run used to go on as plain top-K labelled "SERE" (moved_fraction=None): refused (issue 26)
-    CrossRule("sere.k", lambda cfg: _sere_on(cfg) and _moe_top_k(cfg) is not None,
-              lambda cfg: cfg.sere.k < _moe_top_k(cfg),
-              lambda cfg: f"an integer below moe.top_k={_moe_top_k(cfg)} (SERE keeps k of the top-"
-              f"{_moe_top_k(cfg)} experts and re-routes the rest; 0 or null = off, which leaves plain top-"
-              f"{_moe_top_k(cfg)})"),
-    # the baselines keep tokens without merging: contextual tokens are VisionZip's own (issue 31)
-    CrossRule("visionzip.contextual", lambda cfg: _select(cfg, "visionzip.method", "attention") != "attention",
-              lambda cfg: cfg.visionzip.contextual == 0,
-              lambda cfg: f"0 with visionzip.method={cfg.visionzip.method} (only method=attention merges "
-              "contextual tokens)"),
-    CrossRule("moe.routing", lambda cfg: _vllm(cfg) and _select(cfg, "moe.routing", None) == "random_p",
-              lambda cfg: bool(_select(cfg, "engine.enforce_eager", False)) or cfg.engine.device == "cpu",
-              "top_p with engine=vllm and CUDA graphs (random_p draws on the device in its torch routing function, "
-              "which a CUDA graph would replay with frozen draws: set engine.enforce_eager=true)"),
-    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None, _technique_engine,
-              lambda cfg: f"null with engine={cfg.engine.name} (moe.routing is implemented in "
-              f"{', '.join(TECHNIQUE_ENGINES)})"),
-    CrossRule("visionzip.method", lambda cfg: _vllm(cfg) and _vz_on(cfg)
-              and _select(cfg, "visionzip.method", "attention") != "attention",
-              lambda cfg: cfg.visionzip.scope == "request",
-              "attention with engine=vllm visionzip.scope=image (the baselines ride on the request bundle: "
-              "visionzip.scope=request)"),
-    CrossRule("moe.routing", lambda cfg: _select(cfg, "moe.routing", None) is not None,
-              lambda cfg: _moe_top_k(cfg) is None and not _sere_on(cfg),
-              "null with moe.top_k or sere.k set (a routing baseline replaces the routing: run it alone)"),
-    CrossRule("model.path", lambda cfg: not cfg.model.embedded and not _shapes(cfg), lambda cfg: bool(cfg.model.path),
-              "a checkpoint directory or hub id (required unless model.embedded=true or model.shapes.arch is set)"),
-    # --- real-shape models and synthetic load (issue 17) ---
-    # engine=vllm: the text shapes model from a written config.json with vLLM's dummy weights; the VL one only
-    # through vllm serve (load.endpoint=auto: written with the embedded tokenizer and processor, chat requests)
-    CrossRule("model.shapes.arch", _shapes,
-              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and (
-                  _text_only_shapes(cfg) or cfg.load.get("endpoint") == "auto")),
-              lambda cfg: ("a text-only arch with engine=vllm in process (the VL shapes model runs in vLLM through "
-                           "load.qps=… load.endpoint=auto, or with engine=hf)") if _vllm(cfg) else
-              "null with an engine other than hf or vllm (shapes models are built by the HF engine, or loaded by "
-              "vLLM with dummy weights)"),
-    CrossRule("load.endpoint", lambda cfg: _shapes(cfg) and _vllm(cfg) and cfg.load.get("endpoint") is not None,
-              lambda cfg: cfg.load.get("endpoint") == "auto",
-              "auto or null with model.shapes.arch (a running server serves its own model; auto starts `vllm serve` "
-              "on the shapes model's config with dummy weights)"),
-    CrossRule("model.weights", _shapes, lambda cfg: cfg.model.weights == "random-init",
-              "random-init with model.shapes.arch set (its weights are random)"),
-    CrossRule("engine.device_map", lambda cfg: _shapes(cfg) and _select(cfg, "engine.device_map", None) is not None,
-              lambda cfg: False, "null with model.shapes.arch (a shapes model is built on engine.device)"),
-    CrossRule("dataset.name", lambda cfg: cfg.dataset.name == "synthetic_load",
-              lambda cfg: cfg.engine.name == "hf" or (_vllm(cfg) and _shapes(cfg)),
-              "not synthetic_load with an engine other than hf, except engine=vllm with a shapes model (its "
-              "token-id prompts need a tokenizer-free path)"),
-    CrossRule("dataset.n_images", lambda cfg: cfg.dataset.name == "synthetic_load" and _text_only_shapes(cfg),
-              lambda cfg: cfg.dataset.n_images == 0,
-              lambda cfg: f"0 with a text-only model (model.shapes.arch={cfg.model.shapes.arch})"),
-    CrossRule("generation.ignore_eos", lambda cfg: cfg.dataset.name == "synthetic_load",
-              lambda cfg: bool(_select(cfg, "generation.ignore_eos", False)),
-              "true with dataset=synthetic_load (add generation=synthetic_load: a fixed output length)"),
-    CrossRule("generation.max_new_tokens", lambda cfg: cfg.dataset.name == "synthetic_load",
-              lambda cfg: cfg.generation.max_new_tokens == cfg.dataset.output_tokens,
-              lambda cfg: f"dataset.output_tokens={cfg.dataset.output_tokens} with dataset=synthetic_load (add "
-              "generation=synthetic_load, or set dataset.output_tokens instead)"),
-    CrossRule("load.qps", lambda cfg: cfg.load.qps is not None, _vllm,
-              "null with engine=hf (load mode needs engine=vllm)"),
-    CrossRule("load.endpoint", lambda cfg: cfg.load.get("endpoint") is not None,
-              lambda cfg: _vllm(cfg) and cfg.load.qps is not None,
-              "null unless engine=vllm and load.qps is set (the vllm serve mode is a load test)"),
-    # the data URLs the vllm serve client writes; every other path hands the engine PIL images
-    CrossRule("load.image_format", lambda cfg: _select(cfg, "load.image_format", "png") != "png",
-              lambda cfg: _vllm(cfg) and cfg.load.get("endpoint") is not None,
-              "png unless engine=vllm with load.endpoint set (only the vllm serve client encodes images; every "
-              "other path hands the engine the decoded pixels)"),
-    # only the vllm serve load client samples (temperature 1, a seed per request: a random-weight load test needs
-    # it, docs/vllm.md); the engines' own generate paths decode greedily, so anywhere else the key would do nothing
-    CrossRule("generation.do_sample", lambda cfg: bool(_select(cfg, "generation.do_sample", False)),
-              lambda cfg: _vllm(cfg) and cfg.load.get("endpoint") is not None,
-              "false unless engine=vllm with load.endpoint set (the vllm serve load client samples with "
-              "temperature 1 and a seed per request; every other path decodes greedily)"),
-    # --- VisionZip in vLLM (branch vllm-budget): scope=request (the bundle) is available; the per-image
-    # fixed ratio keeps its two limits
-    CrossRule("visionzip.contextual", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
-              lambda cfg: cfg.visionzip.contextual == 0,
-              "0 with engine=vllm visionzip.scope=image (contextual tokens need scope=request: docs/vllm.md)"),
-    CrossRule("visionzip.min_per_image", lambda cfg: _vllm(cfg) and _vz_on(cfg) and cfg.visionzip.scope == "image",
-              lambda cfg: cfg.visionzip.min_per_image >= 1,
-              ">= 1 with engine=vllm visionzip.scope=image (an image of 0 tokens breaks vLLM's placeholder "
-              "validation; scope=request has one placeholder for all images)"),
-    CrossRule("scoring.clip_model", _clip_needs_open_clip, lambda cfg: importlib.util.find_spec("open_clip") is not None,
-              "tiny, transformers:<repo or dir> or null (no CLIP score) without the [clip] extra (an open_clip "
-              "model needs pip install 'moe-vlm-harness[clip]')"),
-    CrossRule("scoring.allow_random_scorers", lambda cfg: cfg.model.weights == "real",
-              lambda cfg: bool(cfg.scoring.get("allow_random_scorers", False)) or not _random_scorers(cfg),
-              lambda cfg: "true to score a real-weight model with random-init scorers ("
-              + ", ".join(f"scoring.{k}_model={cfg.scoring[f'{k}_model']!r}" for k in _random_scorers(cfg))
-              + " has random weights or was trained on the synthetic data only); scoring=reference selects the "
-              "reference's scorers"),
-)
-
-
-
-
-
 @dataclass(frozen=True)
 class Normalize:
     """``key`` with a value for which ``matches`` holds is replaced by ``value`` (``note`` is printed)."""
@@ -322,89 +184,10 @@ NORMALIZE: tuple[Normalize, ...] = (
 )
 
 
-
-
-#: The feature blocks, appended in this order (the first refusal a config meets is the one reported).
+#: The feature blocks, appended in this order (the first refusal a config meets is the one reported); the rules
+#: between keys start with the core groups' (rules_cross.py).
 RULES = RULES + LEASE_RULES + PREFETCH_RULES + LATENCY_RULES
-CROSS_RULES = CROSS_RULES + OFFLOAD_CROSS_RULES + LEASE_CROSS_RULES + LATENCY_CROSS_RULES
-
-
-# ---------------------------------------------------------------------------------- values of the model
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the checkpoint's ``config.json`` decides (None where the architecture has no such thing)."""
-
-    num_experts: int | None = None
-    experts_per_token: int | None = None
-    vision_depth: int | None = None
-
-
-@dataclass(frozen=True)
-class ModelRule:
-    """``key`` checked against a number of the model (:class:`ModelFacts` attribute ``fact``)."""
-
-    key: str
-    fact: str
-    applies: Callable[[Any], bool]
-    ok: Callable[[Any, int], bool]
-    allowed: Callable[[int], str]
-
-
-def _moe_top_k(cfg: Any) -> Any:
-    return _select(cfg, "moe.top_k", None)
-
-
-MODEL_RULES: tuple[ModelRule, ...] = (
-    ModelRule("visionzip.layer", "vision_depth", _vz_on, lambda v, d: -d <= v < d,
-              lambda d: f"an integer in [{-d}, {d - 1}] (the vision tower has {d} blocks)"),
-    ModelRule("sere.k", "experts_per_token", _sere_on,
-              lambda v, k: 1 <= v < k, lambda k: f"an integer in [1, {k - 1}] (the model routes each token to {k} "
-                                                 "experts; sere.k >= that moves nothing; 0 or null = off)"),
-    ModelRule("sere.protect", "num_experts", _sere_on, lambda v, e: 0 <= v < e,
-              lambda e: f"an integer in [0, {e - 1}] (the model has {e} experts per layer)"),
-    ModelRule("offload.capacity", "num_experts", lambda cfg: _offload_caches(cfg) and cfg.offload.capacity is not None,
-              lambda v, e: 1 <= v <= e, lambda e: f"an integer in [1, {e}] (slots per MoE layer; the model has {e} "
-                                                  "experts per layer)"),
-    ModelRule("moe.top_k", "experts_per_token", lambda cfg: _moe_top_k(cfg) is not None,
-              lambda v, k: 1 <= v < k, lambda k: f"an integer in [1, {k - 1}] (the model's top-k is {k}; null = "
-                                                 "unchanged)"),
-)
-
-
-def model_facts(config: dict[str, Any]) -> ModelFacts:
-    """:class:`ModelFacts` from a ``config.json`` (Qwen3-VL-MoE nests ``text_config``/``vision_config``; text-only
-    MoE models keep the numbers at the top level)."""
-    text = config.get("text_config") or config
-    vision = config.get("vision_config") or {}
-
-    def first(d: dict[str, Any], *names: str) -> int | None:
-        return next((int(d[n]) for n in names if isinstance(d.get(n), int)), None)
-
-    return ModelFacts(num_experts=first(text, "num_experts", "num_local_experts", "n_routed_experts"),
-                      experts_per_token=first(text, "num_experts_per_tok", "moe_top_k"),
-                      vision_depth=first(vision, "depth", "num_hidden_layers"))
-
-
-def read_model_config(model_path: str) -> dict[str, Any] | None:
-    """The checkpoint's ``config.json`` (a local directory, or the hub cache / hub), or None if unreadable:
-    then the engine's own loading reports the problem."""
-    local = Path(model_path).expanduser()
-    try:
-        if local.is_dir():
-            return json.loads((local / "config.json").read_text(encoding="utf-8"))
-        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_path)):
-            return None  # neither a directory nor a hub id: the engine decides what it is
-        from huggingface_hub import hf_hub_download
-
-        try:  # the hub cache first: no network for a checkpoint already there
-            path = hf_hub_download(repo_id=model_path, filename="config.json", local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached: fetch the one small file the weights load would fetch first
-            path = hf_hub_download(repo_id=model_path, filename="config.json")
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except Exception:  # noqa: BLE001 - not readable here: loading the model will say why
-        return None
+CROSS_RULES: tuple[CrossRule, ...] = CORE_CROSS_RULES + OFFLOAD_CROSS_RULES + LEASE_CROSS_RULES + LATENCY_CROSS_RULES
 
 
 # ----------------------------------------------------------------------------------------------- passes

@@ -4,7 +4,6 @@ the issue tried (and more) is refused before any model loads with one line namin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -473,16 +472,6 @@ def test_sere_at_or_above_moe_top_k_is_refused(compose_cfg):
     assert cfg.sere.k is None and cfg.moe.top_k == 2
 
 
-def test_model_facts_are_read_from_the_checkpoint_config(tmp_path):
-    from harness.run.validate import model_facts, read_model_config
-
-    (tmp_path / "config.json").write_text(json.dumps(_tiny_model_config()))
-    facts = model_facts(read_model_config(str(tmp_path)))
-    assert (facts.num_experts, facts.experts_per_token, facts.vision_depth) == (16, 4, 4)
-    text_only = model_facts({"num_local_experts": 8, "num_experts_per_tok": 2})  # Mixtral-style, no vision
-    assert (text_only.num_experts, text_only.experts_per_token, text_only.vision_depth) == (8, 2, None)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("override,key", [("visionzip.keep=1.5", "visionzip.keep"), ("+sere.kk=2", "sere.kk"),
                                           ("sere.k=100", "sere.k")])
@@ -510,12 +499,3 @@ def test_engines_and_loaders_registered_at_run_time_are_accepted(compose_cfg, mo
         validate_config(cfg)
     monkeypatch.setitem(ENGINES, "scripted", "somewhere:Engine")
     validate_config(cfg)
-
-
-def test_model_config_is_not_fetched_for_a_path_that_is_no_hub_id(monkeypatch):
-    import huggingface_hub
-
-    from harness.run.validate import read_model_config
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the hub"))
-    assert read_model_config("unused") is None and read_model_config("/no/such/dir") is None

@@ -9,6 +9,7 @@ from harness.metrics import latency as lt
 from harness.metrics import mcq
 from harness.metrics import ocrbench as ob
 from harness.metrics import rag_igbench as rb
+from harness.metrics import rag_igbench_answer as ra
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -40,13 +41,13 @@ def raw_answers(draw):
 @SETTINGS
 @given(raw=raw_answers(), ref=MARKDOWN, n=N)
 def test_rag_igbench_never_raises(raw, ref, n):
-    answer = rb.parse_answer(raw)
+    answer = ra.parse_answer(raw)
     assert answer is None or isinstance(answer, str)
     for md in (raw, ref, answer):
-        rb.image_ids(md)
-        rb.clean_text(md)
-        rb.image_contexts(md)
-        rb.image_contexts(md, window=3, unique=False)
+        ra.image_ids(md)
+        ra.clean_text(md)
+        ra.image_contexts(md)
+        ra.image_contexts(md, window=3, unique=False)
     for variant in ("reference", "rouge_score"):
         assert 0.0 <= rb.rouge1(raw, ref, variant) <= 1.0 + 1e-9
     s = rb.score_sample(raw, ref, n)

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness.metrics import rag_igbench as rb
+from harness.metrics import rag_igbench_answer as ra
 
 CONF = Path(__file__).resolve().parents[2] / "harness/conf"
 
@@ -219,8 +220,8 @@ def test_generated_samples_measure_each_options_effect():
     faults = sum(s["reference_fault"] for s in public)
     left = agg_public["n_scored"] - agg_strict["n_scored"]
     project = rb.load_stopwords(rb.PROJECT_STOPWORDS)
-    rouge_differs = sum(rb.rouge1(rb.clean_text(rb.parse_answer(raw)), rb.clean_text(ref)) !=
-                        rb.rouge1(rb.clean_text(rb.parse_answer(raw)), rb.clean_text(ref), stopwords=project)
+    rouge_differs = sum(rb.rouge1(ra.clean_text(ra.parse_answer(raw)), ra.clean_text(ref)) !=
+                        rb.rouge1(ra.clean_text(ra.parse_answer(raw)), ra.clean_text(ref), stopwords=project)
                         for raw, ref, _ in samples)
     assert (faults, left, agg_public["n_scored"], rouge_differs) == EXPECTED_COUNTS, (
         faults, left, agg_public["n_scored"], rouge_differs)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness.metrics import rag_igbench as rb
+from harness.metrics import rag_igbench_answer as ra
 from harness.metrics import scorer_data as sd
 from harness.metrics.scorer_checkpoints import (CLIP_CHECKPOINT, EMBEDDER_CHECKPOINT, WEIGHTS_LABEL,
                                                 ScorerCheckpointError, checkpoint_info, verify_checkpoint)
@@ -170,7 +171,7 @@ def test_clip_scores_a_correct_image_placement_above_a_shuffled_one(rows, clip):
                for row in rows]
 
     def clip_score(row: dict, answer: str) -> float:  # as score_sample computes it, without the other metrics
-        cands, placed = _candidates(row), rb.image_contexts(answer)
+        cands, placed = _candidates(row), ra.image_contexts(answer)
         return rb.clip_score([cands[k - 1] for k, _ in placed], [c for _, c in placed], clip)
 
     def compute():
@@ -189,7 +190,7 @@ def test_clip_tells_a_placeable_image_from_a_scene_in_the_same_context(rows, cli
         texts, scenes = [], []
         for row in rows:
             cands = _candidates(row)
-            for k, ctx in rb.image_contexts(row["gt_clean_answer"]):
+            for k, ctx in ra.image_contexts(row["gt_clean_answer"]):
                 texts.append(rb.clip_score([cands[k - 1]], [ctx], clip))
                 scenes += [rb.clip_score([c], [ctx], clip) for c in cands if c.endswith("_scene.png")]
         return texts, scenes
@@ -202,7 +203,7 @@ def _rewrite(row: dict, clause_words: int, move_images: bool, rng: random.Random
     """The row's reference answer with ``clause_words`` of each clause's three words wrong, and (``move_images``)
     every placed image after the next note instead of its own."""
     first = [d.split("，")[0] for d in row["documents"]]
-    ids = rb.image_ids(row["gt_clean_answer"])
+    ids = ra.image_ids(row["gt_clean_answer"])
     notes, k = [], 0
     for i, note in enumerate(row["images"]):
         placed = [j for j in range(k + 1, k + len(note) + 1) if j in ids]

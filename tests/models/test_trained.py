@@ -108,7 +108,7 @@ def test_trained_model_loads_and_answers_the_rag_format():
     """The trained model, greedy, on one held-out RAG request: a JSON answer with the benchmark's keys."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from harness.metrics.rag_igbench import parse_answer
+    from harness.metrics.rag_igbench_answer import parse_answer
 
     model = AutoModelForImageTextToText.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
     proc = AutoProcessor.from_pretrained(CHECKPOINT)

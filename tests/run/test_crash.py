@@ -156,21 +156,6 @@ def test_technique_statistics_of_a_resumed_run_are_marked_partial(tmp_path, flak
     assert (fresh["sere"]["partial"], fresh["sere"]["requests_covered"]) == (False, 12)
 
 
-def test_visionzip_summary_says_what_its_importance_time_covers():
-    from omegaconf import OmegaConf
-
-    from harness.run.experiment import visionzip_summary
-
-    vz = OmegaConf.create({"keep": 0.5, "contextual": 0.0, "scope": "request", "layer": -1, "min_per_image": 1})
-    block = {"tokens_per_image": [8], "kept_per_image": [4], "importance_ms": 2.0}
-    recs = [{"visionzip": dict(block), "cached": False, "meta": {}, "dataset": "d"},
-            {"visionzip": {**block, "importance_ms": None}, "cached": True, "meta": {}, "dataset": "d"}]
-    s = visionzip_summary(vz, recs)
-    assert s["visual_tokens_in"] == 16 and s["visual_tokens_kept"] == 8  # tokens: carried across the resume
-    assert (s["importance_ms_total"], s["importance_ms_requests"], s["requests_replayed"],
-            s["importance_ms_partial"]) == (2.0, 1, 1, True)
-
-
 def test_a_second_process_on_a_run_directory_is_refused_and_a_dead_holder_s_lock_is_taken_over(tmp_path, flaky):
     from harness.run.experiment import run_experiment
     from harness.run.state import RunDirLocked, RunLock

@@ -381,24 +381,3 @@ def test_git_commit_is_the_project_s_own_or_null(tmp_path, monkeypatch):
     assert git_commit(pkg) == sha + "-dirty"
     (pkg.parent / "pyproject.toml").write_text('[project]\nname = "another-project"\n')
     assert git_commit(pkg) is None
-
-
-def test_visionzip_summary_without_per_image_counts():
-    """vLLM scope=request reports the request's totals but not its split between images: totals count every
-    request, per-image / per-source rates only those with counts."""
-    from types import SimpleNamespace
-
-    from harness.run.experiment import visionzip_summary
-
-    cfg = SimpleNamespace(keep=0.5, contextual=0.0, scope="request", layer=-1, min_per_image=1)
-    base = {"dataset": "d", "cached": False}
-    recs = [
-        {**base, "meta": {"image_sources": ["a", "b"]}, "visionzip": {
-            "tokens_per_image": [10, 6], "kept_per_image": [6, 2], "visual_tokens_after": 8, "importance_ms": 1.0}},
-        {**base, "meta": {}, "visionzip": {
-            "tokens_per_image": [4, 4], "kept_per_image": None, "visual_tokens_after": 4, "importance_ms": None}},
-    ]
-    s = visionzip_summary(cfg, recs)
-    assert s["requests"] == 2 and s["requests_with_per_image_counts"] == 1
-    assert s["visual_tokens_in"] == 24 and s["visual_tokens_kept"] == 12 and s["keep_rate"] == 0.5
-    assert set(s["by_source"]) == {"a", "b"} and s["by_source"]["a"]["keep_rate"] == 0.6

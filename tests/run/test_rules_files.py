@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from harness.config.checks import ConfigError
 from harness.run.rules_files import validate_files, validate_model_files
-from harness.run.validate import ModelFacts
+from harness.run.rules_model import ModelFacts
 
 ROOT = Path(__file__).resolve().parents[2]
 E = 16  # the embedded model: 16 experts per layer, top-4

@@ -9,11 +9,17 @@ Two steps around an ordinary ``model.generate`` call::
         out = model.generate(**new_inputs, max_new_tokens=..., do_sample=False)
     # out[:, new_inputs["input_ids"].shape[1]:] are the generated tokens; ctx.requests[row] the statistics
 
-:func:`prepare_visionzip_inputs` runs the vision tower **once** (``get_image_features``, the model's own
-method) with two hooks on the scoring block's attention (a pre-hook for ``cu_seqlens`` and the rotary
-``position_embeddings``, a forward hook on ``attn.qkv`` for its output), so q and k are exactly what that
-block's attention consumes, after the rotary embedding, at no extra matmul. Then, per request (one row of
-the batch):
+This module is the hook-in: it turns scores into a selection (the algorithm is
+:mod:`harness.techniques.visionzip`), rebuilds the inputs and positions, and makes ``generate`` use them. Beside
+it, :mod:`harness.engines.hf.visionzip_scoring` runs the vision tower and scores its patches (the one part
+that reaches into the tower's internals) and :mod:`harness.techniques.visionzip.stats` holds the per-request
+statistics (:class:`~harness.techniques.visionzip.stats.RequestStats`) and their per-source aggregation,
+which the run reads without torch.
+
+:func:`prepare_visionzip_inputs` runs the vision tower **once**
+(:func:`~harness.engines.hf.visionzip_scoring.encode_and_score`: ``get_image_features``, the model's own
+method, with two hooks on the scoring block's attention, so q and k are exactly what that block's attention
+consumes, after the rotary embedding, at no extra matmul). Then, per request (one row of the batch):
 
 1. importance per patch = :func:`harness.kernels.importance.compute_importance` (Triton on CUDA, the
    reference on CPU; column sums over queries, mean over heads, each image averages 1), then
@@ -74,52 +80,28 @@ tower reorders patches; not ported).
 
 from __future__ import annotations
 
-import time
-
 import inspect
-import sys
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.engines.hf.attention_lse import capture_block_lse
+from harness.engines.hf.visionzip_scoring import _base, encode_and_score
+from harness.techniques.visionzip.stats import RequestStats
 from harness.techniques.visionzip.baselines import baseline_scores, check_method, pool_counts, pool_image
 from harness.techniques.visionzip.pruning import compress_image, merge_unit_scores, merge_units, select_tokens, SCOPES
 
 __all__ = [
-    "RequestStats",
     "VisionZipContext",
     "visionzip_enabled",
     "supports_visionzip",
     "prepare_visionzip_inputs",
     "visionzip_generation",
-    "encode_and_score",
-    "keep_rate_by_source",
 ]
 
 
 # ------------------------------------------------------------------------------------------ types
-
-
-@dataclass
-class RequestStats:
-    """What VisionZip did to one request (one batch row). Images in the order of the request's images."""
-
-    visual_tokens_before: int
-    visual_tokens_after: int
-    tokens_per_image: list[int] = field(default_factory=list)
-    kept_per_image: list[int] = field(default_factory=list)
-
-    @property
-    def keep_rate(self) -> float | None:
-        return self.visual_tokens_after / self.visual_tokens_before if self.visual_tokens_before else None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["keep_rate"] = self.keep_rate
-        return d
 
 
 @dataclass
@@ -156,14 +138,6 @@ def visionzip_enabled(cfg: Any) -> bool:
     return cfg is not None and float(cfg.keep) < 1.0
 
 
-def _base(model):
-    """The ``Qwen3VLModel``-like module holding ``visual``, ``get_image_features`` and ``get_rope_index``."""
-    for cand in (getattr(model, "model", None), model):
-        if cand is not None and hasattr(cand, "visual") and hasattr(cand, "get_rope_index"):
-            return cand
-    raise NotImplementedError(f"VisionZip: {type(model).__name__} has no Qwen-VL vision tower")
-
-
 def supports_visionzip(model) -> bool:
     """A Qwen-VL vision tower with ``blocks[i].attn.qkv`` and a patch merger: Qwen3-VL / Qwen3-VL-MoE (with
     deepstack mergers, pruned with the same indices) and Qwen3.5(-MoE) (none)."""
@@ -198,78 +172,6 @@ def _method(cfg: Any) -> str:
     """``visionzip.method`` (``attention`` = VisionZip; ``random`` / ``pool`` / ``first``: the trivial
     baselines of :mod:`harness.techniques.visionzip.baselines`, issue 31)."""
     return str(getattr(cfg, "method", "attention") or "attention")
-
-
-# ----------------------------------------------------------------------------------------- scoring
-
-
-def _rotary_fn(attn):
-    fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_vision", None)
-    if fn is None:
-        raise NotImplementedError(f"VisionZip: no apply_rotary_pos_emb_vision beside {type(attn).__name__}")
-    return fn
-
-
-def encode_and_score(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, layer: int = -1,
-                     want_keys: bool = False, timings: dict[str, Any] | None = None, reuse_lse: bool = True):
-    """Run the vision tower once and score its patches at block ``layer``.
-
-    Returns ``(vision_output, patch_scores [N] float32, cu_seqlens, patch_keys [N, heads, head_dim] or
-    None)``: ``vision_output`` is what ``model.model.get_image_features`` returned (untouched);
-    ``patch_keys`` are the block's keys before the rotary embedding (the contextual-merge metric).
-    ``reuse_lse``: the block's attention runs through :mod:`harness.engines.hf.attention_lse` and its
-    log-sum-exp goes to the importance kernel (pass 2 only); False, or where no op returns it, the kernel's
-    own LSE pass runs (``timings["lse_reused"]`` says which).
-    """
-    from harness.kernels.importance import compute_importance
-
-    base = _base(model)
-    blocks = base.visual.blocks
-    depth = len(blocks)
-    if not -depth <= layer < depth:
-        raise ValueError(f"visionzip.layer={layer} out of range for a vision tower of depth {depth}")
-    attn = blocks[layer].attn
-    rotary = _rotary_fn(attn)
-    captured: dict[str, Any] = {}
-
-    def pre_hook(module, args, kwargs):
-        captured["cu_seqlens"] = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
-        captured["position_embeddings"] = kwargs.get("position_embeddings", args[2] if len(args) > 2 else None)
-
-    def qkv_hook(module, args, output):
-        captured["qkv"] = output
-
-    handles = [attn.register_forward_pre_hook(pre_hook, with_kwargs=True), attn.qkv.register_forward_hook(qkv_hook)]
-    try:
-        with capture_block_lse(attn) as got_lse:  # the block's own attention hands over its LSE
-            vision_output = base.get_image_features(pixel_values, image_grid_thw, return_dict=True)
-    finally:
-        for h in handles:
-            h.remove()
-    if "qkv" not in captured or captured.get("cu_seqlens") is None or captured.get("position_embeddings") is None:
-        raise RuntimeError("VisionZip: the scoring block's attention did not see cu_seqlens / position_embeddings")
-    qkv = captured.pop("qkv")
-    n = qkv.shape[0]
-    q, k, _ = qkv.reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    keys = k.detach().clone() if want_keys else None
-    cos, sin = captured["position_embeddings"]
-    q_rot, k_rot = rotary(q, k, cos, sin)
-    cu = captured["cu_seqlens"]
-    # Timed with a device synchronisation on each side so that the importance cost can be reported apart
-    # from the vision tower it rides on (summary.json visionzip.importance_ms).
-    sync = torch.cuda.synchronize if q_rot.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    lse = got_lse["lse"] if reuse_lse else None
-    if lse is not None and tuple(lse.shape) != (q_rot.shape[1], n):
-        raise RuntimeError(f"VisionZip: captured LSE {tuple(lse.shape)}, expected {(q_rot.shape[1], n)}")
-    scores = compute_importance(q_rot.contiguous(), k_rot.contiguous(), cu, scale=getattr(attn, "scaling", None),
-                                lse=lse)
-    sync()
-    if timings is not None:
-        timings["importance_ms"] = timings.get("importance_ms", 0.0) + (time.perf_counter() - t0) * 1e3
-        timings["lse_reused"] = lse is not None
-    return vision_output, scores.float(), cu, keys
 
 
 # --------------------------------------------------------------------------------------- pruning
@@ -538,34 +440,3 @@ def visionzip_generation(model, ctx: VisionZipContext | None):
             else:
                 base.__dict__.pop(name, None)
         base.rope_deltas = saved_deltas
-
-
-# ----------------------------------------------------------------------------------------- statistics
-
-
-def keep_rate_by_source(items) -> dict[str, dict[str, Any]]:
-    """Keep rate per image source over many requests.
-
-    ``items``: iterable of ``(image_sources, tokens_per_image, kept_per_image)``, one per request, images in
-    the request's order (e.g. ``meta["image_sources"]`` and a :class:`RequestStats`). Returns, per source:
-    ``images``, ``visual_tokens_before``/``after`` (sums), ``keep_rate`` = after / before (token-weighted)
-    and ``mean_image_keep_rate`` (mean over images of kept / tokens).
-    """
-    acc: dict[str, dict[str, Any]] = {}
-    for sources, tokens, kept in items:
-        if not (len(sources) == len(tokens) == len(kept)):
-            raise ValueError(f"per-image lists disagree: {len(sources)} sources, {len(tokens)} sizes, {len(kept)} kept")
-        for src, n, k in zip(sources, tokens, kept):
-            a = acc.setdefault(str(src), {"images": 0, "visual_tokens_before": 0, "visual_tokens_after": 0,
-                                          "_rates": []})
-            a["images"] += 1
-            a["visual_tokens_before"] += int(n)
-            a["visual_tokens_after"] += int(k)
-            a["_rates"].append(k / n if n else 1.0)
-    out = {}
-    for src, a in sorted(acc.items()):
-        rates = a.pop("_rates")
-        a["keep_rate"] = a["visual_tokens_after"] / a["visual_tokens_before"] if a["visual_tokens_before"] else None
-        a["mean_image_keep_rate"] = sum(rates) / len(rates)
-        out[src] = a
-    return out

@@ -1,6 +1,6 @@
 """VisionZip (prefill): keep the most-attended visual tokens under one budget shared by a request's images, each
 kept token at its original position. ``pruning`` is the algorithm; ``bundle`` packs the pruned inputs an
-engine consumes.
+engine consumes; ``stats`` holds what it did to each request and the per-source keep rate over a run.
 """
 
 from harness import _moved as _moved

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.engines.hf.attention_lse import ATTN_NAME, capture_block_lse
-from harness.engines.hf.visionzip import _base, encode_and_score
+from harness.engines.hf.visionzip_scoring import _base, encode_and_score
 
 
 @pytest.fixture(scope="module")

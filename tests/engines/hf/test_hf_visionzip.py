@@ -26,7 +26,6 @@ import torch
 
 from harness.config.schema import VisionZipConfig
 from harness.engines.hf.visionzip import (
-    keep_rate_by_source,
     prepare_visionzip_inputs,
     supports_visionzip,
     visionzip_enabled,
@@ -544,16 +543,6 @@ def test_qwen3_5_moe_tower_without_deepstack_same_machinery(tmp_path, images):
     lengths = inputs["attention_mask"].sum(1).tolist()
     assert new["input_ids"].shape[1] == max(n - (r.visual_tokens_before - r.visual_tokens_after)
                                             for n, r in zip(lengths, ctx.requests))
-
-
-def test_keep_rate_by_source():
-    out = keep_rate_by_source([(["ocr", "cc"], [16, 4], [12, 1]), (["cc"], [8], [4])])
-    assert out["ocr"] == {"images": 1, "visual_tokens_before": 16, "visual_tokens_after": 12, "keep_rate": 0.75,
-                          "mean_image_keep_rate": 0.75}
-    assert out["cc"]["visual_tokens_before"] == 12 and out["cc"]["visual_tokens_after"] == 5
-    assert out["cc"]["keep_rate"] == 5 / 12 and out["cc"]["mean_image_keep_rate"] == (0.25 + 0.5) / 2
-    with pytest.raises(ValueError):
-        keep_rate_by_source([(["a"], [1, 2], [1, 1])])
 
 
 # ------------------------------------------------------------------ (g) audit: per-request budget, layer
