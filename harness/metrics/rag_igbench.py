@@ -6,7 +6,9 @@ A model answer is JSON ``{"reason", "category", "answer"}`` whose ``answer`` is 
 candidates (1-based over all notes' images, flattened) is placed as ``![...](IMG#k)``, a citation is
 ``<sup>[n](DOC#n)</sup>``. Reading that answer — the markdown out of the model's raw, often malformed JSON
 (``parse_answer``), and the image numbers, Rouge text and image contexts out of the markdown (``image_ids``,
-``clean_text``, ``image_contexts``) — is :mod:`harness.metrics.rag_igbench_answer`; this module scores it.
+``clean_text``, ``image_contexts``) — is :mod:`harness.metrics.rag_igbench_answer`; this module scores it. The
+words Rouge-1 counts (jieba's segmentation minus a stopword list, ``scoring.stopwords``) are
+:mod:`harness.metrics.rag_igbench_words`.
 
 Per sample (:func:`score_sample`): Rouge-1 on the text without citations and image tags; edit and Kendall
 scores on the lists of image numbers; CLIP score (each placed image against the text around it) and alignment
@@ -42,27 +44,27 @@ Where this module deliberately differs from the public scorer, and why:
   text over 77 tokens is truncated (see :mod:`harness.metrics.encoders`).
 * **Answer extraction** is more lenient than the public ``fix_json`` and keeps the answer text as written
   (:mod:`harness.metrics.rag_igbench_answer` says how, and what ``fix_json``'s rewriting changes).
-* **Stopwords**: the public list by default (:data:`PUBLIC_STOPWORDS`); the project's list is an option
-  (:data:`PROJECT_STOPWORDS`). **Rouge F1** is exact ``2|A∩B|/(|A|+|B|)``; the ``rouge``
-  package used by the reference adds 1e-8 to the denominator of ``2PR/(P+R)`` (difference < 1e-8).
+* **Stopwords**: the public list by default (:data:`~harness.metrics.rag_igbench_words.PUBLIC_STOPWORDS`); the
+  project's list is an option (:data:`~harness.metrics.rag_igbench_words.PROJECT_STOPWORDS`;
+  :mod:`harness.metrics.rag_igbench_words` says how each list is read). **Rouge F1** is exact
+  ``2|A∩B|/(|A|+|B|)``; the ``rouge`` package used by the reference adds 1e-8 to the denominator of
+  ``2PR/(P+R)`` (difference < 1e-8).
 
-Only the standard library is imported at module level; jieba, rapidfuzz, rouge_score, scipy, numpy and the
-encoders are imported on first use.
+Only the standard library is imported at module level; rapidfuzz, rouge_score, scipy, numpy and the encoders are
+imported on first use (jieba by :mod:`harness.metrics.rag_igbench_words`).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import os
-import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from harness.metrics.encoders import (
     DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, DEFAULT_EMBED_MODEL, get_clip_scorer, get_text_embedder)
 from harness.metrics.rag_igbench_answer import CONTEXT_WINDOW, clean_text, image_contexts, image_ids, parse_answer
+from harness.metrics.rag_igbench_words import _WordTokenizer, words
 
 METRICS = ("rouge1", "edit_score", "kendall", "alignment", "clip_score")
 
@@ -71,29 +73,14 @@ CLIP_TEXT_CHARS = 25
 #: Kendall scaling weight (reference: ``beta = 0.5``).
 BETA = 0.5
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-#: The public scorer's stopword list, ``score/cn_stopwords.txt`` of zry13/RAG-IGBench, byte for byte
-#: (Apache-2.0; NOTICE_cn_stopwords_public.txt): 752 distinct lines (the common ``cn_stopwords.txt`` list plus a few
-#: punctuation lines, a space and the two characters ``\n``), read as the public scorer reads it
-#: — ``set(text.splitlines())``, every line verbatim. The default, so Rouge-1 is the public Rouge-1.
-PUBLIC_STOPWORDS = os.path.join(_HERE, "cn_stopwords_public.txt")
-#: The revision of the public list (and of ``score/eval.py``) shipped and reproduced here.
+#: The revision of the public scorer (``score/eval.py``) reproduced here, and of its stopword list shipped with
+#: :mod:`harness.metrics.rag_igbench_words` (:data:`~harness.metrics.rag_igbench_words.PUBLIC_STOPWORDS`).
 PUBLIC_SCORER_REVISION = {
     "repo": "zry13/RAG-IGBench", "commit": "8a43b3d33c7d291f73590e2a0ed54b9e584e2980", "date": "2025-06-12",
     "eval_py_last_changed": "9da0b6b3758d889ed4a4edbe70fc5905ec630d4b (2025-02-24)",
     "stopwords_last_changed": "ede777ee3bf799b76c4999f4dd1aeced595b6a15 (2025-02-21)",
     "stopwords_sha256": "066b0dd235fa7b413bc89b3d06402fb6ead081b13e7644a156e450b464ce1eb9",
 }
-#: The project's own list (``scoring.stopwords=project``), written for this project: ASCII and full-width
-#: punctuation, digits, pronouns, demonstratives, question words, particles, conjunctions, prepositions,
-#: adverbs and light verbs (448 entries; lines starting with ``"# "`` are comments). Rouge-1 with it departs
-#: from the public figure (different words removed).
-PROJECT_STOPWORDS = os.path.join(_HERE, "cn_stopwords.txt")
-#: The list used when none is named.
-DEFAULT_STOPWORDS = PUBLIC_STOPWORDS
-#: ``scoring.stopwords`` values besides a file path: ``public`` = :data:`PUBLIC_STOPWORDS` (default),
-#: ``project`` = :data:`PROJECT_STOPWORDS`, ``none`` = no stopword is removed.
-STOPWORD_CHOICES = ("public", "project", "none")
 #: ``scoring.reference_faults``: ``score`` (the public scorer's treatment, default) | ``error`` (strict).
 REFERENCE_FAULT_CHOICES = ("score", "error")
 #: ``scoring.image_zero``: ``score`` (the public scorer: IMG#0 is no hallucination, default) | ``hallucination``.
@@ -109,89 +96,16 @@ DEPARTURES_WITHOUT_OPTION = (
 )
 
 
-def resolve_stopwords(choice: str | os.PathLike | None) -> frozenset[str]:
-    """The stopword set of ``scoring.stopwords``: ``public`` (or None) = the public scorer's list,
-    ``project`` = the project's list, ``none`` = the empty set, anything else = a file path (UTF-8, one word
-    per line). A missing file raises ``FileNotFoundError``."""
-    if choice is None or str(choice) == "public":
-        return load_stopwords(PUBLIC_STOPWORDS)
-    if str(choice) == "project":
-        return load_stopwords(PROJECT_STOPWORDS)
-    if str(choice) == "none":
-        return frozenset()
-    path = os.fspath(choice)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"scoring.stopwords={path!r}: no such file (expected public, project, none or "
-                                "the path of a stopword list, one word per line)")
-    return load_stopwords(path)
-
-
 # ------------------------------------------------------------------------------------------------- Rouge-1
-
-_jieba_lock = threading.Lock()
-_jieba_module = None
-
-
-def _jieba():
-    """jieba, initialised once with its start-up messages silenced."""
-    global _jieba_module
-    with _jieba_lock:
-        if _jieba_module is None:
-            import jieba
-
-            jieba.setLogLevel(logging.WARNING)
-            jieba.initialize()
-            _jieba_module = jieba
-    return _jieba_module
-
-
-@functools.lru_cache(maxsize=8)
-def _read_stopwords(path: str) -> frozenset[str]:
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    if os.path.abspath(path) == PUBLIC_STOPWORDS:  # verbatim, as the public scorer reads it
-        return frozenset(lines)
-    return frozenset(w for w in lines if not w.startswith("# "))
-
-
-def load_stopwords(stopwords: str | os.PathLike | Collection[str] | None = None) -> frozenset[str]:
-    """A stopword set from a file (one word per line, read once; lines starting with ``"# "`` are comments,
-    except in the public list, read verbatim) or a collection; None = :data:`DEFAULT_STOPWORDS` (the public
-    list)."""
-    if stopwords is None or isinstance(stopwords, (str, os.PathLike)):
-        return _read_stopwords(os.fspath(stopwords or DEFAULT_STOPWORDS))
-    return frozenset(stopwords)
-
-
-def words(text: str | None, stopwords: str | os.PathLike | Collection[str] | None = None) -> list[str]:
-    """jieba words of ``text`` that are not stopwords, split further at ``.`` and whitespace.
-
-    The reference joins the kept jieba words with spaces and hands them to the ``rouge`` package, which
-    splits sentences at ``.`` and words at whitespace; the second split reproduces that (``3.5`` → ``3``,
-    ``5``; whitespace tokens vanish). No case folding or width normalisation (``Ａ`` ≠ ``A``), as there.
-    """
-    if not isinstance(text, str) or not text:
-        return []
-    stop = load_stopwords(stopwords)
-    return [p for w in _jieba().lcut(text) if w not in stop for p in w.replace(".", " ").split()]
-
-
-class _WordTokenizer:
-    """rouge_score tokenizer interface over :func:`words`."""
-
-    def __init__(self, stopwords):
-        self.stopwords = stopwords
-
-    def tokenize(self, text: str) -> list[str]:
-        return words(text, self.stopwords)
 
 
 def rouge1(pred_text: str | None, ref_text: str | None, variant: str = "reference",
            stopwords: str | os.PathLike | Collection[str] | None = None) -> float:
     """Rouge-1 F1 of the model's text against the reference text, in [0, 1].
 
-    ``variant="reference"`` (default): F1 over the **sets** of :func:`words` — what the reference computes with
-    the ``rouge`` package (``Rouge().get_scores``, exclusive n-grams), so repeating a word changes nothing.
+    ``variant="reference"`` (default): F1 over the **sets** of :func:`~harness.metrics.rag_igbench_words.words`
+    — what the reference computes with the ``rouge`` package (``Rouge().get_scores``, exclusive n-grams), so
+    repeating a word changes nothing.
     ``variant="rouge_score"``: Google's rouge-score ``rouge1`` with the same words as tokenizer, i.e. clipped
     unigram **counts**. Either side without words → 0.0 (the ``rouge`` package raises there).
     """

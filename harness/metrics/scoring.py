@@ -19,7 +19,8 @@ from harness.metrics import mcq, ocrbench, rag_igbench, rag_igbench as rb, tiny_
 from harness.metrics.encoders import ClipScorer, TextEmbedder, TransformersClipScorer
 from harness.metrics.mcq import circular_accuracy, extract, EXTRACTION_RULES
 from harness.metrics.ocrbench import score_one
-from harness.metrics.rag_igbench import resolve_stopwords, IMAGE_ZERO_CHOICES, REFERENCE_FAULT_CHOICES
+from harness.metrics.rag_igbench import IMAGE_ZERO_CHOICES, REFERENCE_FAULT_CHOICES
+from harness.metrics.rag_igbench_words import resolve_stopwords
 from harness.metrics.scorer_checkpoints import checkpoint_info
 from harness.metrics.tiny_encoders import ensure_tiny_clip, ensure_tiny_text_embedder
 from harness.registry import Registry

@@ -59,7 +59,7 @@ def _loader_target_ok(value: Any) -> bool:
 
 
 #: Rules on one key each. Enumerations follow the code that reads the key (the registries of engines and
-#: loaders, the experts registry of harness.engines.hf.engine, the VisionZip scopes); ranges follow what the code
+#: loaders, the experts choice of harness.engines.hf.decode_path, the VisionZip scopes); ranges follow what the code
 #: can honour (a batch of 0 runs as 1, a keep rate above 1 prunes nothing).
 RULES: tuple[Rule, ...] = (
     # model

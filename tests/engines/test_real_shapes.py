@@ -1,4 +1,4 @@
-"""Real-shape models, the tokenizer-free prompt path, synthetic load, the decode-path choice and device_map (CPU).
+"""Real-shape models, the tokenizer-free prompt path, synthetic load, the decode paths and device_map (CPU).
 
 - ``shapes_config``: the real checkpoints' values (what the GPU runs build), special ids, mRoPE sections;
 - ``hf_direct.patchify``: the Qwen2-VL processor's patch layout (compared with transformers' PIL processor);
@@ -23,7 +23,6 @@ import torch
 
 from harness.datasets.base import DatasetError
 from harness.engines.base import Request
-from harness.engines.hf.engine import resolve_decode_path
 from harness.engines.hf.direct import image_tokens, patchify
 from harness.models.real_shapes import QWEN_SPECIAL_IDS, shapes_config
 
@@ -56,17 +55,6 @@ def test_shapes_config_has_the_checkpoints_values():
         shapes_config("qwen2")
     with pytest.raises(ValueError, match="num_layers"):
         shapes_config("qwen3_30b_a3b", 0)
-
-
-def test_resolve_decode_path():
-    assert resolve_decode_path("auto", "cuda", True) == ("compiled", None)
-    assert resolve_decode_path("auto", "cuda", False) == ("eager", None)
-    assert resolve_decode_path("auto", "cpu", True) == ("eager", None)
-    assert resolve_decode_path("graph", "cpu", True) == ("graph", None)
-    path, why = resolve_decode_path("compiled", "cuda", True, "split over devices")
-    assert path == "eager" and why == "split over devices"
-    with pytest.raises(ValueError):
-        resolve_decode_path("fast", "cuda", True)
 
 
 def test_patchify_matches_the_qwen2vl_processor():

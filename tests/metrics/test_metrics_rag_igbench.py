@@ -5,14 +5,15 @@ import math
 import pytest
 
 from harness.metrics import rag_igbench as rb
+from harness.metrics import rag_igbench_words as rw
 
 
 # ------------------------------------------------------------------------------------------------ Rouge-1
 
 def test_rouge1_known_answer_by_hand():
     # jieba: 我/喜欢/北京/的/天安门 and 我/爱/北京/天安门; stopwords 我, 的
-    assert rb.words("我喜欢北京的天安门") == ["喜欢", "北京", "天安门"]
-    assert rb.words("我爱北京天安门") == ["爱", "北京", "天安门"]
+    assert rw.words("我喜欢北京的天安门") == ["喜欢", "北京", "天安门"]
+    assert rw.words("我爱北京天安门") == ["爱", "北京", "天安门"]
     # sets {喜欢, 北京, 天安门} vs {爱, 北京, 天安门}: overlap 2 → F1 = 2·2/(3+3)
     assert rb.rouge1("我喜欢北京的天安门", "我爱北京天安门") == pytest.approx(2 / 3)
 
@@ -38,13 +39,13 @@ def test_rouge1_edge_cases():
 
 def test_rouge1_mixed_and_full_width():
     # mixed Chinese/English: English words are words, case kept, "." splits like the rouge package
-    assert rb.words("使用 Python 3.5 版本") == ["使用", "Python", "3", "5", "版本"]
-    assert rb.words("我用Python写代码") == ["我用", "Python", "写", "代码"]
+    assert rw.words("使用 Python 3.5 版本") == ["使用", "Python", "3", "5", "版本"]
+    assert rw.words("我用Python写代码") == ["我用", "Python", "写", "代码"]
     # the public list (the default) removes 好 too; the project's list keeps it
-    assert rb.words("Python 很好用") == ["Python"] and rb.words("python 很好用") == ["python"]
+    assert rw.words("Python 很好用") == ["Python"] and rw.words("python 很好用") == ["python"]
     assert rb.rouge1("Python 很好用", "python 很好用") == 0.0  # case kept: nothing shared
-    project = rb.PROJECT_STOPWORDS
-    assert rb.words("Python 很好用", project) == ["Python", "好"] and rb.words("python 很好用", project) == ["python", "好"]
+    project = rw.PROJECT_STOPWORDS
+    assert rw.words("Python 很好用", project) == ["Python", "好"] and rw.words("python 很好用", project) == ["python", "好"]
     assert rb.rouge1("Python 很好用", "python 很好用", stopwords=project) == pytest.approx(2 * 1 / (2 + 2))  # only 好
     # full-width characters are not folded (as in the reference): Ａ ≠ A
     assert rb.rouge1("ＡＢＣ", "ABC") == 0.0
@@ -53,14 +54,14 @@ def test_rouge1_mixed_and_full_width():
 def test_rouge1_custom_stopwords_and_unknown_variant(tmp_path):
     path = tmp_path / "stop.txt"
     path.write_text("北京\n", encoding="utf-8")
-    assert rb.words("我爱北京", stopwords=path) == ["我", "爱"]
-    assert rb.words("我爱北京", stopwords={"我"}) == ["爱", "北京"]
+    assert rw.words("我爱北京", stopwords=path) == ["我", "爱"]
+    assert rw.words("我爱北京", stopwords={"我"}) == ["爱", "北京"]
     with pytest.raises(ValueError):
         rb.rouge1("a", "a", variant="nope")
 
 
 def test_default_stopword_file_is_shipped():
-    stop = rb.load_stopwords()
+    stop = rw.load_stopwords()
     assert {"的", "了", "，", "。", "我"} <= stop and len(stop) > 300
     assert not any(w.startswith("# ") for w in stop)
 

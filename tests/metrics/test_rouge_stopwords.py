@@ -12,29 +12,30 @@ from types import SimpleNamespace
 import pytest
 
 from harness.metrics import rag_igbench as rb
+from harness.metrics import rag_igbench_words as rw
 
 
 def test_resolve_choices(tmp_path):
-    assert rb.resolve_stopwords("public") == rb.resolve_stopwords(None) == rb.load_stopwords()  # the default
-    assert rb.resolve_stopwords("project") == rb.load_stopwords(rb.PROJECT_STOPWORDS) != rb.load_stopwords()
-    assert len(rb.resolve_stopwords("project")) > 100
-    assert rb.resolve_stopwords("none") == frozenset()
+    assert rw.resolve_stopwords("public") == rw.resolve_stopwords(None) == rw.load_stopwords()  # the default
+    assert rw.resolve_stopwords("project") == rw.load_stopwords(rw.PROJECT_STOPWORDS) != rw.load_stopwords()
+    assert len(rw.resolve_stopwords("project")) > 100
+    assert rw.resolve_stopwords("none") == frozenset()
     path = tmp_path / "stop.txt"
     path.write_text("北京\n爱\n", encoding="utf-8")
-    assert rb.resolve_stopwords(str(path)) == {"北京", "爱"}
+    assert rw.resolve_stopwords(str(path)) == {"北京", "爱"}
     with pytest.raises(FileNotFoundError, match="scoring.stopwords"):
-        rb.resolve_stopwords(str(tmp_path / "missing.txt"))
+        rw.resolve_stopwords(str(tmp_path / "missing.txt"))
 
 
 def test_choice_changes_rouge1(tmp_path):
     pred, ref = "我的北京很美", "你的北京很大"
-    project = rb.rouge1(pred, ref, stopwords=rb.resolve_stopwords("project"))
-    none = rb.rouge1(pred, ref, stopwords=rb.resolve_stopwords("none"))
+    project = rb.rouge1(pred, ref, stopwords=rw.resolve_stopwords("project"))
+    none = rb.rouge1(pred, ref, stopwords=rw.resolve_stopwords("none"))
     path = tmp_path / "stop.txt"
     path.write_text("北京\n", encoding="utf-8")
-    own = rb.rouge1(pred, ref, stopwords=rb.resolve_stopwords(str(path)))
-    words_none = rb.words(pred, frozenset())
-    assert "的" in words_none and "的" not in rb.words(pred, rb.resolve_stopwords("project"))
+    own = rb.rouge1(pred, ref, stopwords=rw.resolve_stopwords(str(path)))
+    words_none = rw.words(pred, frozenset())
+    assert "的" in words_none and "的" not in rw.words(pred, rw.resolve_stopwords("project"))
     assert len({project, none, own}) == 3
 
 
@@ -54,9 +55,9 @@ def test_scorer_passes_and_records_the_choice(tmp_path):
         scorer = Scorer(SimpleNamespace(**base, stopwords=choice))
         got[choice] = scorer(sample, _answer("我的北京很美"))["rouge1"]
         assert scorer.describe()["stopwords"] == choice
-    assert got["project"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rb.resolve_stopwords("project"))
+    assert got["project"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rw.resolve_stopwords("project"))
     assert got["none"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=frozenset()) != got["project"]
-    assert got["public"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rb.resolve_stopwords("public"))
+    assert got["public"] == rb.rouge1("我的北京很美", "你的北京很大", stopwords=rw.resolve_stopwords("public"))
     assert Scorer(SimpleNamespace(**base)).stopwords_choice == "public"  # unset / null: the public list
     with pytest.raises(FileNotFoundError):
         Scorer(SimpleNamespace(**base, stopwords=str(tmp_path / "nope.txt")))

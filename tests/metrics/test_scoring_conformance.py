@@ -19,6 +19,7 @@ import pytest
 
 from harness.metrics import rag_igbench as rb
 from harness.metrics import rag_igbench_answer as ra
+from harness.metrics import rag_igbench_words as rw
 
 CONF = Path(__file__).resolve().parents[2] / "harness/conf"
 
@@ -40,30 +41,30 @@ def compose_cfg():
 
 
 def test_the_public_list_is_shipped_unmodified_and_read_verbatim():
-    with open(rb.PUBLIC_STOPWORDS, "rb") as f:
+    with open(rw.PUBLIC_STOPWORDS, "rb") as f:
         raw = f.read()
     assert hashlib.sha256(raw).hexdigest() == rb.PUBLIC_SCORER_REVISION["stopwords_sha256"]
     # the public scorer's reading: set(file.read().splitlines()), nothing dropped or stripped
-    assert rb.load_stopwords() == rb.resolve_stopwords("public") == set(raw.decode("utf-8").splitlines())
-    stop = rb.load_stopwords()
+    assert rw.load_stopwords() == rw.resolve_stopwords("public") == set(raw.decode("utf-8").splitlines())
+    stop = rw.load_stopwords()
     assert len(stop) == 752 and " " in stop and "\\n" in stop and "$" in stop
     assert {"我们", "这个", "很", "好", "的", "，"} <= stop
-    assert rb.DEFAULT_STOPWORDS == rb.PUBLIC_STOPWORDS != rb.PROJECT_STOPWORDS
+    assert rw.DEFAULT_STOPWORDS == rw.PUBLIC_STOPWORDS != rw.PROJECT_STOPWORDS
 
 
 def test_public_and_project_lists_give_the_words_written_by_hand():
     # jieba: 我们/觉得/这个/地方/真的/很/好. Public list: 我们, 这个, 很, 好. Project list: 我们, 这个, 很 (not 好).
-    assert rb.words("我们觉得这个地方真的很好") == ["觉得", "地方", "真的"]
-    assert rb.words("我们觉得这个地方真的很好", rb.PROJECT_STOPWORDS) == ["觉得", "地方", "真的", "好"]
+    assert rw.words("我们觉得这个地方真的很好") == ["觉得", "地方", "真的"]
+    assert rw.words("我们觉得这个地方真的很好", rw.PROJECT_STOPWORDS) == ["觉得", "地方", "真的", "好"]
     # jieba: 这家/店/的/咖啡/非常/好喝. Public: 的. Project: 的, 非常.
-    assert rb.words("这家店的咖啡非常好喝") == ["这家", "店", "咖啡", "非常", "好喝"]
-    assert rb.words("这家店的咖啡非常好喝", rb.PROJECT_STOPWORDS) == ["这家", "店", "咖啡", "好喝"]
+    assert rw.words("这家店的咖啡非常好喝") == ["这家", "店", "咖啡", "非常", "好喝"]
+    assert rw.words("这家店的咖啡非常好喝", rw.PROJECT_STOPWORDS) == ["这家", "店", "咖啡", "好喝"]
     # sets {觉得, 地方, 真的} vs {这家, 店, 咖啡, 非常, 好喝}: nothing shared; with 好 vs 好喝 neither
     pred, ref = "我们觉得这个地方真的很好，咖啡非常好喝", "这家店的咖啡非常好喝"
     # public: {觉得, 地方, 真的, 咖啡, 非常, 好喝} vs {这家, 店, 咖啡, 非常, 好喝}: 3 shared → 2·3/(6+5)
     assert rb.rouge1(pred, ref) == pytest.approx(6 / 11)
     # project: {觉得, 地方, 真的, 好, 咖啡, 好喝} vs {这家, 店, 咖啡, 好喝}: 2 shared → 2·2/(6+4)
-    assert rb.rouge1(pred, ref, stopwords=rb.PROJECT_STOPWORDS) == pytest.approx(4 / 10)
+    assert rb.rouge1(pred, ref, stopwords=rw.PROJECT_STOPWORDS) == pytest.approx(4 / 10)
 
 
 # -------------------------------------------------------------------------------------- reference faults
@@ -219,7 +220,7 @@ def test_generated_samples_measure_each_options_effect():
     agg_public, agg_strict = rb.aggregate(public), rb.aggregate(strict)
     faults = sum(s["reference_fault"] for s in public)
     left = agg_public["n_scored"] - agg_strict["n_scored"]
-    project = rb.load_stopwords(rb.PROJECT_STOPWORDS)
+    project = rw.load_stopwords(rw.PROJECT_STOPWORDS)
     rouge_differs = sum(rb.rouge1(ra.clean_text(ra.parse_answer(raw)), ra.clean_text(ref)) !=
                         rb.rouge1(ra.clean_text(ra.parse_answer(raw)), ra.clean_text(ref), stopwords=project)
                         for raw, ref, _ in samples)

@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 from harness.engines.base import Generation, Request, TechniqueNotAvailable, generate_splitting
+from harness.engines.hf.decode_path import (capture_reason, random_routing_reason, resolve_decode_path,
+                                            resolve_experts_implementation, split_reason)
 
 # resolve_device / resolve_dtype live in harness.models.load (a technique or tool needs them without the engine)
 from harness.models.load import _DTYPES, resolve_device, resolve_dtype  # noqa: F401
@@ -32,71 +34,6 @@ from harness.results.envinfo import device_name, package_version
 from harness.techniques.moe_routing import routing_settings
 from harness.techniques.moe_topk import moe_settings
 from harness.techniques.offload.timing import offload_summary
-
-
-def resolve_experts_implementation(name: str | None, device: str) -> str | None:
-    """``auto`` → the project's fused Triton MoE kernel on CUDA (its cost follows the active experts, so
-    SERE's smaller union shows in TPOT), transformers' default elsewhere. Registers the kernel when chosen."""
-    if name == "auto":
-        name = "harness_fused_moe" if device.startswith("cuda") else None
-    if name == "harness_fused_moe":
-        from harness.engines.hf.experts import register
-
-        register()
-    return name
-
-
-DECODE_PATHS = ("auto", "compiled", "graph", "eager")
-#: what ``engine.decode_path=auto`` picks on CUDA (with ``engine.cuda_graphs``): the compiled regions inside the
-#: manual graph (hf_compile). Measured against ``graph`` by benchmarks/run_path_table.sh: results/benchmarks/run_path.md.
-AUTO_CUDA_PATH = "compiled"
-
-
-def resolve_decode_path(requested: str, device: str, cuda_graphs: bool, split_reason: str | None = None,
-                        ) -> tuple[str, str | None]:
-    """(path, why it differs from the request or None). ``auto``: ``AUTO_CUDA_PATH`` on CUDA when
-    ``engine.cuda_graphs`` is on, else ``eager`` (``model.generate``). A model split over devices by
-    ``engine.device_map`` (``split_reason``) can only decode eagerly: a static graph cannot span accelerate's
-    device hops; so can a model a graph cannot capture (:func:`capture_reason`), passed the same way."""
-    if requested not in DECODE_PATHS:
-        raise ValueError(f"engine.decode_path={requested!r}: expected one of {', '.join(DECODE_PATHS)}")
-    path = requested
-    if requested == "auto":
-        path = AUTO_CUDA_PATH if device.startswith("cuda") and cuda_graphs else "eager"
-    if path != "eager" and split_reason:
-        return "eager", split_reason
-    return path, None
-
-
-def split_reason(model) -> str | None:
-    """Why ``model`` (placed by accelerate) cannot run the static decoder: its parameters sit on several devices."""
-    placement = getattr(model, "hf_device_map", None) or {}
-    devices = {str(d) for d in placement.values()}
-    if len(devices) > 1 or devices & {"disk"}:
-        return f"engine.device_map placed the model on {sorted(devices)}: decoding eagerly (model.generate)"
-    return None
-
-
-def capture_reason(model) -> str | None:
-    """Why ``model``'s decode step cannot be captured in a CUDA graph, or None. Eager attention (GPT-OSS needs it
-    for its sinks): transformers' ``eager_mask`` builds ``torch.tensor(0.0, device=...)`` from a host scalar in
-    every forward, a copy a graph capture refuses — the compiled and the graph path both failed on the H200
-    (2026-12-03, GPT-OSS-20B shapes), so such a model decodes with ``model.generate``."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl == "eager":
-        return ("eager attention: transformers builds its mask from a host scalar in every step, which a CUDA graph "
-                "cannot capture: decoding eagerly (model.generate)")
-    return None
-
-
-def random_routing_reason(routing) -> str | None:
-    """Why ``moe.routing=random_p`` decodes eagerly: its draws come from a generator re-seeded at every prefill
-    (:mod:`harness.engines.hf.routing_baselines`), and a CUDA graph replays the offsets it captured instead of
-    drawing again (a capture refuses such a generator: "Attempt to increase offset for a CUDA generator not in
-    capture mode", H200, 2026-12-03). A quality baseline, so its decode time is not compared with SERE's."""
-    if routing is not None and routing.routing == "random_p":
-        return "moe.routing=random_p: its per-prefill seeded draws cannot be replayed by a CUDA graph: decoding eagerly"
-    return None
 
 
 class _StepClock:

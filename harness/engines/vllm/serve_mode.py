@@ -219,7 +219,7 @@ class ServeMode:
         async def main(session):
             async def stream(i: int, kind: str):
                 r = await stream_chat(session, url, payloads[i % len(payloads)])
-                self._decode_tokens += max(len(r["ids"]) - 1, 0)  # the SERE canary's count (engine._engagement)
+                self._decode_tokens += max(len(r["ids"]) - 1, 0)  # the SERE canary's count (worker_stats._engagement)
                 return r
 
             return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT,

@@ -221,7 +221,7 @@ def test_a_family_with_eager_attention_decodes_eagerly_on_cuda(loaded):
     """GPT-OSS runs eager attention (its sinks), whose mask transformers builds from a host scalar every step: a
     CUDA graph cannot capture that (the compiled and the graph path both failed on the H200), so the engine picks
     ``model.generate`` for it with the reason; every other family keeps the graph path."""
-    from harness.engines.hf.engine import capture_reason, resolve_decode_path
+    from harness.engines.hf.decode_path import capture_reason, resolve_decode_path
 
     name, model, _ = loaded
     why = capture_reason(model)

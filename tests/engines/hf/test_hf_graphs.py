@@ -682,22 +682,3 @@ def test_gpu_lookahead_equals_the_plain_loop(gpu_model, images, monkeypatch):
     a, b = plain.generate(inputs, NEW), ahead.generate(inputs, NEW)
     assert (a.tokens, len(a.times), a.mode) == (b.tokens, len(b.times), b.mode) and len(b.times) == 1
     assert ahead.captures == plain.captures == 0
-
-
-def test_every_routing_technique_is_replayed_with_its_counts():
-    """A CUDA-graph replay re-runs a handle's ops but not its Python step counting; ``_sere_handles`` adds the
-    captured step's counts back per replay for every handle it finds. It must find every technique's: a
-    ``moe.routing=top_p`` baseline on a model is found like SERE's and top-k's (it reported 0 decode steps on the
-    H200 while only those two slots were looked up)."""
-    from harness.engines.hf import routing_baselines, sere, topk  # noqa: F401 - the subclasses register
-    from harness.engines.hf.graphs import _sere_handles
-    from harness.engines.hf.routing import RoutingHandle
-
-    assert {"_harness_sere", "_harness_topk", "_harness_routing_baseline"} <= RoutingHandle.slots
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    handles = [object.__new__(routing_baselines.RoutingBaselineHandle), object.__new__(topk.TopKHandle)]
-    for h in handles:
-        h.removed = False
-    setattr(model[0], routing_baselines.RoutingBaselineHandle.slot, handles[0])
-    setattr(model[1], topk.TopKHandle.slot, handles[1])
-    assert {id(h) for h in _sere_handles(model)} == {id(h) for h in handles}
