@@ -64,7 +64,7 @@ from typing import Any
 from harness.metrics.encoders import (
     DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, DEFAULT_EMBED_MODEL, get_clip_scorer, get_text_embedder)
 from harness.metrics.rag_igbench_answer import CONTEXT_WINDOW, clean_text, image_contexts, image_ids, parse_answer
-from harness.metrics.rag_igbench_words import _WordTokenizer, words
+from harness.metrics.rag_igbench_words import WordTokenizer, words
 
 METRICS = ("rouge1", "edit_score", "kendall", "alignment", "clip_score")
 
@@ -118,7 +118,7 @@ def rouge1(pred_text: str | None, ref_text: str | None, variant: str = "referenc
     if variant == "rouge_score":
         from rouge_score import rouge_scorer
 
-        scorer = rouge_scorer.RougeScorer(["rouge1"], tokenizer=_WordTokenizer(stopwords))
+        scorer = rouge_scorer.RougeScorer(["rouge1"], tokenizer=WordTokenizer(stopwords))
         return float(scorer.score(ref_text, pred_text)["rouge1"].fmeasure)
     raise ValueError(f"unknown Rouge variant {variant!r} (reference, rouge_score)")
 

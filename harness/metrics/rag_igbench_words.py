@@ -116,7 +116,7 @@ def words(text: str | None, stopwords: str | os.PathLike | Collection[str] | Non
     return [p for w in _jieba().lcut(text) if w not in stop for p in w.replace(".", " ").split()]
 
 
-class _WordTokenizer:
+class WordTokenizer:
     """rouge_score tokenizer interface over :func:`words`."""
 
     def __init__(self, stopwords):

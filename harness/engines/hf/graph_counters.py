@@ -7,8 +7,8 @@ decoder (:mod:`harness.engines.hf.graphs`, whose module doc gives the full accou
 ``generate`` never does: its warm-up steps and an emulated capture run the hooks, so every counter and flag
 must be snapshotted before and put back after them (warm-up leaves no trace); a real capture runs the hooks
 once, but a replay runs no Python, so the capture measures what one step adds to the ints
-(:func:`_counter_delta`) and :func:`add_replayed_steps` adds it once per replay; ``reset_stats()`` drops the
-device tensors a graph writes to, so :func:`_attach_counters` re-attaches the captured (zeroed) ones before a
+(:func:`counter_delta`) and :func:`add_replayed_steps` adds it once per replay; ``reset_stats()`` drops the
+device tensors a graph writes to, so :func:`attach_counters` re-attaches the captured (zeroed) ones before a
 replay, or says the graph must be recaptured. Only that way does ``SereHandle.stats()`` equal the eager run's.
 
 Why a module of its own: this is the one place that reads and writes the handles' per-layer fields (a rename
@@ -26,7 +26,7 @@ import torch
 from harness.engines.hf.routing import RoutingHandle
 
 
-def _sere_handles(model: torch.nn.Module) -> list:
+def sere_handles(model: torch.nn.Module) -> list:
     """Installed routing handles: each technique's ``hf_routing.RoutingHandle`` subclass sits on every MoE block
     under its ``slot`` (SERE ``_harness_sere``, ``moe.top_k`` ``_harness_topk``, a ``moe.routing`` baseline
     ``_harness_routing_baseline``), all listed in ``RoutingHandle.slots``. A handle not found here is still replayed
@@ -42,13 +42,13 @@ def _sere_handles(model: torch.nn.Module) -> list:
     return list(found.values())
 
 
-def _host_counters(handles: list) -> list:
+def host_counters(handles: list) -> list:
     """Python-side SERE counters per handle and layer: (steps, tokens, secondary_slots, {batch: steps})."""
     return [[(st.steps, st.tokens, st.secondary_slots, {t: e[0] for t, e in st.by_batch.items()})
              for st in h.layers] for h in handles]
 
 
-def _restore_host_counters(handles: list, saved: list) -> None:
+def restore_host_counters(handles: list, saved: list) -> None:
     for h, layers in zip(handles, saved, strict=True):
         for st, (steps, tokens, slots, counts) in zip(h.layers, layers, strict=True):
             st.steps, st.tokens, st.secondary_slots = steps, tokens, slots
@@ -56,7 +56,7 @@ def _restore_host_counters(handles: list, saved: list) -> None:
                 entry[0] = counts.get(t, 0)
 
 
-def _counter_delta(before: list, after: list) -> list:
+def counter_delta(before: list, after: list) -> list:
     return [[(a[0] - b[0], a[1] - b[1], a[2] - b[2], {t: n - b[3].get(t, 0) for t, n in a[3].items()})
              for b, a in zip(hb, ha, strict=True)] for hb, ha in zip(before, after, strict=True)]
 
@@ -72,24 +72,24 @@ def add_replayed_steps(handles: list, per_step: list, replays: int) -> None:
                 st.by_batch[t][0] += replays * n
 
 
-def _device_counters(handles: list) -> list:
+def device_counters(handles: list) -> list:
     return [[(None if st.acc is None else st.acc.clone(), {t: e[1].clone() for t, e in st.by_batch.items()})
              for st in h.layers] for h in handles]
 
 
-def _row_states(handles: list) -> list:
+def row_states(handles: list) -> list:
     """Each handle's per-row "finished" flags (``hf_sere``: finished rows leave SERE's P); the warm-up and an
     emulated capture change them like any other step state, so they are put back with the buffers."""
     return [h.row_state() if hasattr(h, "row_state") else None for h in handles]
 
 
-def _restore_row_states(handles: list, saved: list) -> None:
+def restore_row_states(handles: list, saved: list) -> None:
     for h, state in zip(handles, saved, strict=True):
         if state is not None:
             h.load_row_state(state)
 
 
-def _restore_device_counters(handles: list, saved: list) -> None:
+def restore_device_counters(handles: list, saved: list) -> None:
     """Values back in place (tensors keep their identity); counters born since the snapshot are zeroed."""
     for h, layers in zip(handles, saved, strict=True):
         for st, (acc, by_batch) in zip(h.layers, layers, strict=True):
@@ -105,13 +105,13 @@ def _restore_device_counters(handles: list, saved: list) -> None:
                     entry[1].zero_()
 
 
-def _captured_counters(handles: list, batch: int) -> list:
+def captured_counters(handles: list, batch: int) -> list:
     """Per handle and layer, the device counters a capture writes to: (acc, by_batch[batch] tensor)."""
     return [[(st.acc, st.by_batch[batch][1] if batch in st.by_batch else None) for st in h.layers]
             for h in handles]
 
 
-def _attach_counters(handles: list, captured: list, batch: int) -> bool:
+def attach_counters(handles: list, captured: list, batch: int) -> bool:
     """Make the handles count into the captured tensors again after ``reset_stats`` dropped them (zeroed:
     a reset means zero). False when a handle counts into other live tensors: the graph must be recaptured."""
     pairs = [(st, acc, bb) for h, layers in zip(handles, captured, strict=True)

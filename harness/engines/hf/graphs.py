@@ -78,10 +78,10 @@ from typing import Any, Iterable
 
 import torch
 
-from harness.engines.hf.graph_counters import (_attach_counters, _captured_counters, _counter_delta,
-                                               _device_counters, _host_counters, _restore_device_counters,
-                                               _restore_host_counters, _restore_row_states, _row_states,
-                                               _sere_handles, add_replayed_steps)
+from harness.engines.hf.graph_counters import (attach_counters, captured_counters, counter_delta,
+                                               device_counters, host_counters, restore_device_counters,
+                                               restore_host_counters, restore_row_states, row_states,
+                                               sere_handles, add_replayed_steps)
 from harness.engines.hf.stop import StopFlags
 
 __all__ = ["DecodeResult", "StaticGreedyDecoder", "unsupported_reason"]
@@ -182,9 +182,9 @@ class _EmulatedGraph:
         self.step, self.handles = step, handles
 
     def replay(self) -> None:
-        saved = _host_counters(self.handles)
+        saved = host_counters(self.handles)
         self.step()
-        _restore_host_counters(self.handles, saved)
+        restore_host_counters(self.handles, saved)
 
 
 class StaticGreedyDecoder:
@@ -272,7 +272,7 @@ class StaticGreedyDecoder:
         st.step.fill_(1)
         clock.tick()
 
-        handles = _sere_handles(model) if graphs else []
+        handles = sere_handles(model) if graphs else []
         if st.graph is not None and st.fingerprint != _fingerprint(model, handles):
             self._drop_graph(st)
         mode = "replayed" if graphs and st.graph is not None else "eager"
@@ -286,7 +286,7 @@ class StaticGreedyDecoder:
             flags.record(st.all_done)
         while steps < max_new_tokens and not (flags.done_before_last() if ahead else bool(st.all_done)):
             if graphs:
-                if st.graph is not None and replays == 0 and not _attach_counters(handles, st.sere_counters, batch):
+                if st.graph is not None and replays == 0 and not attach_counters(handles, st.sere_counters, batch):
                     self._drop_graph(st)
                 if st.graph is None:
                     self._capture(st, handles, emulate=graphs == "emulate")
@@ -358,7 +358,7 @@ class StaticGreedyDecoder:
     def _warm_up(self, st: _State, handles: list) -> None:
         """``warmup_steps`` eager steps (side stream on CUDA), then every effect they had is put back."""
         saved = [t.clone() for t in st.buffers()]
-        host, dev, rows = _host_counters(handles), _device_counters(handles), _row_states(handles)
+        host, dev, rows = host_counters(handles), device_counters(handles), row_states(handles)
         if st.ids.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
@@ -372,32 +372,32 @@ class StaticGreedyDecoder:
                 self._step(st)
         for buf, value in zip(st.buffers(), saved, strict=True):
             buf.copy_(value)
-        _restore_device_counters(handles, dev)   # counters born in the warm-up exist now, zeroed
-        _restore_host_counters(handles, host)
-        _restore_row_states(handles, rows)
+        restore_device_counters(handles, dev)   # counters born in the warm-up exist now, zeroed
+        restore_host_counters(handles, host)
+        restore_row_states(handles, rows)
 
     def _capture(self, st: _State, handles: list, emulate: bool = False) -> None:
         """Warm up, then capture the next decode step (recorded, not run: the caller replays it next)."""
         self._warm_up(st, handles)
-        before = _host_counters(handles)
+        before = host_counters(handles)
         if emulate:
-            saved, dev, rows = [t.clone() for t in st.buffers()], _device_counters(handles), _row_states(handles)
+            saved, dev, rows = [t.clone() for t in st.buffers()], device_counters(handles), row_states(handles)
             self._step(st)
-            after = _host_counters(handles)
+            after = host_counters(handles)
             for buf, value in zip(st.buffers(), saved, strict=True):
                 buf.copy_(value)
-            _restore_device_counters(handles, dev)
-            _restore_row_states(handles, rows)
+            restore_device_counters(handles, dev)
+            restore_row_states(handles, rows)
             graph = _EmulatedGraph(lambda: self._step(st), handles)
         else:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._step(st)
-            after = _host_counters(handles)
-        _restore_host_counters(handles, before)   # the capture ran the hooks, not a step
-        st.sere_per_step = _counter_delta(before, after)
-        st.sere_counters = _captured_counters(handles, st.batch)
+            after = host_counters(handles)
+        restore_host_counters(handles, before)   # the capture ran the hooks, not a step
+        st.sere_per_step = counter_delta(before, after)
+        st.sere_counters = captured_counters(handles, st.batch)
         st.keep_alive = [s.offsets for h in handles for s in h.layers if s.offsets is not None]
         st.graph, st.fingerprint = graph, _fingerprint(self.model, handles)
         self.captures += 1

@@ -109,7 +109,7 @@ class RoutingHandle:
     kind = "routing"
     slot = "_harness_routing"  # the per-block attribute naming the installed handle (hf_graphs finds it there)
     #: every technique's ``slot`` (filled by ``__init_subclass__``): the CUDA-graph decoder finds the installed
-    #: handles through them and adds each replayed step's host-side counts back (hf.graph_counters._sere_handles)
+    #: handles through them and adds each replayed step's host-side counts back (hf.graph_counters.sere_handles)
     slots: ClassVar[set[str]] = set()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -9,12 +9,12 @@ import torch
 
 
 def test_every_routing_technique_is_replayed_with_its_counts():
-    """A CUDA-graph replay re-runs a handle's ops but not its Python step counting; ``_sere_handles`` adds the
+    """A CUDA-graph replay re-runs a handle's ops but not its Python step counting; ``sere_handles`` adds the
     captured step's counts back per replay for every handle it finds. It must find every technique's: a
     ``moe.routing=top_p`` baseline on a model is found like SERE's and top-k's (it reported 0 decode steps on the
     H200 while only those two slots were looked up)."""
     from harness.engines.hf import routing_baselines, sere, topk  # noqa: F401 - the subclasses register
-    from harness.engines.hf.graph_counters import _sere_handles
+    from harness.engines.hf.graph_counters import sere_handles
     from harness.engines.hf.routing import RoutingHandle
 
     assert {"_harness_sere", "_harness_topk", "_harness_routing_baseline"} <= RoutingHandle.slots
@@ -24,4 +24,4 @@ def test_every_routing_technique_is_replayed_with_its_counts():
         h.removed = False
     setattr(model[0], routing_baselines.RoutingBaselineHandle.slot, handles[0])
     setattr(model[1], topk.TopKHandle.slot, handles[1])
-    assert {id(h) for h in _sere_handles(model)} == {id(h) for h in handles}
+    assert {id(h) for h in sere_handles(model)} == {id(h) for h in handles}
