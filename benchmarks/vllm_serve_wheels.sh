@@ -5,7 +5,7 @@
 # imports none of them, which is why the stage script's own check (LLM with dummy weights) passes without them.
 # Session 12 (2026-12-03) lost one serving call to that ImportError, then ran with these three wheels.
 # Usage (project root):  bash benchmarks/vllm_serve_wheels.sh        -> .vllm/extra/ (git-ignored, ~0.5 MB)
-# On the device, after .vllm/install/install.sh (same call, carry [".vllm/p9", ".vllm/install", ".vllm/extra"]):
+# On the device, after .vllm/install/install.sh (same call as the last part, carry [".vllm/pN", ".vllm/install", ".vllm/extra"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .vllm/extra/*.whl
 #   PYTHONPATH=/tmp/vsite python3 -c "import vllm.entrypoints.openai.api_server"     # the check that matters
 set -euo pipefail
