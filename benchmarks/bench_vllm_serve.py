@@ -55,6 +55,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -588,6 +589,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "vllm_serve_h200"))
     args = ap.parse_args()
+    # a time limit's SIGTERM (a device call, a job) ends the run through its `finally` blocks: the points measured
+    # so far are written with the Markdown table, and the servers are stopped (a killed run's servers also stop
+    # themselves: harness.engines.vllm.serve_main watches its parent)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     site = Path(args.site or tempfile.mkdtemp(prefix="harness-site-"))
     ep = register_entry_points(site)
@@ -645,6 +650,10 @@ def main() -> None:
 
             measure_pairs("vl", pairs, make_vl, requests, [(args.vl_qps, args.vl_requests)], args.passes, res,
                           (args.vl_qps, VL_WARMUP), args.timeout)
+    except SystemExit as e:  # the SIGTERM handler above: say in the results that the run was cut short
+        res.data["notes"].append(f"stopped by signal {int(e.code) - 128} (a time limit) before every point was "
+                                 "measured; the points above are complete")
+        raise
     finally:
         res.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         res.save()

@@ -10,7 +10,8 @@ The techniques travel as the offline engine hands them over: the ``HARNESS_*`` v
 every server process through its entry point; ``VLLM_PLUGINS`` also names the harness's endpoint plugin
 (:mod:`harness.engines.vllm.endpoint`), so the server can be asked what it runs. The harness waits for
 ``GET /health`` (the server answers once the engine is up; a server that exits first fails with the tail
-of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL). stdout+stderr go
+of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL); a harness killed
+before it can stop the server leaves none behind (:mod:`harness.engines.vllm.serve_main` watches its parent). stdout+stderr go
 to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only the variables
 the harness hands the server (its technique variables and ``VLLM_PLUGINS``), secret-looking values masked
 (:mod:`harness.redact`): a run directory is shared and uploaded, and the environment may hold tokens (issue 26).
@@ -46,6 +47,7 @@ from typing import Any
 
 from harness.engines.vllm.client import auth_headers
 from harness.engines.vllm.endpoint import STATS_PATH, TECHNIQUES_PATH, plugins_allowlist
+from harness.engines.vllm.serve_main import PARENT_PID_ENV
 from harness.engines.vllm.settings import ALL_ENV
 from harness.redact import mask_argv, mask_env
 
@@ -195,6 +197,7 @@ class VLLMServer:
         log_path = log_dir / LOG_NAME
         env = server_env(techniques_env)
         env[API_KEY_ENV] = env.get(API_KEY_ENV) or secrets.token_urlsafe(32)  # nobody else may drive or reset it
+        env[PARENT_PID_ENV] = str(os.getpid())  # the server stops itself if this process dies (serve_main)
         with open(log_path, "ab") as log:
             log.write(log_header(cmd, env, techniques_env).encode())
             log.flush()
