@@ -651,8 +651,9 @@ def main() -> None:
             measure_pairs("vl", pairs, make_vl, requests, [(args.vl_qps, args.vl_requests)], args.passes, res,
                           (args.vl_qps, VL_WARMUP), args.timeout)
     except SystemExit as e:  # the SIGTERM handler above: say in the results that the run was cut short
-        res.data["notes"].append(f"stopped by signal {int(e.code) - 128} (a time limit) before every point was "
-                                 "measured; the points above are complete")
+        if isinstance(e.code, int) and e.code > 128:
+            res.data["notes"].append(f"stopped by signal {e.code - 128} (a time limit) before every point was "
+                                     "measured; the points above are complete")
         raise
     finally:
         res.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
