@@ -25,12 +25,16 @@ Plain stores into a scratch made by ``torch.empty`` inside the op (no atomics, s
 memset): the op stays one or two kernel nodes in a CUDA graph, with no host synchronisation, and its scratch
 comes from the graph's pool under capture like the outputs. Any number of rows (no ≤ 256 limit); launch 2's
 programs each read the scratch of the whole step (T/BLOCK_T words per expert), which the tile size keeps small
-(:func:`multi_tile`). Where the time goes (H200, read off the benchmark, not profiled): launch 1 alone is
-the stock routing, 2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters
-(~6.5–11 without them) at 16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's
-counters: 5.2 against 2.7 at T=1); the rest is a chain of dependent loads (own words → the step's words,
-reduced per chunk of 16 tiles → the tile's ids → similarity rows → store), untried: loading the tile before
-the branch and reducing the chunks once at the end (commit 5b6a895, not measured on CUDA).
+(:func:`multi_tile`). Where the time goes (H200 timings, results/benchmarks/routing_op_h200.json; the sm_90
+code read statically, results/benchmarks/routing_op_sass_sm90.md): launch 1 alone is the stock routing,
+2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters (~6.5–11 without them) at
+16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's counters: 5.2 against 2.7 at
+T=1). The rest is not a long chain of dependent loads (the longest dependency chain through launch 2 holds 3
+global loads and 36 barriers): with the counters, launch 2 is 3,894 instructions per thread at the 4 warps the
+statistics program needs, 1,995 of them and 144 of its 161 global loads in ``_nearest_in_p`` (128 loads per
+thread are that program's [E, E] table, 128 × 128 over 128 threads), and 812 with 29 barriers in
+``_step_words``, whose reductions cross warps at 4 warps; without the counters it is 1,789 instructions at one
+warp, with no barrier.
 Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
 ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
 """

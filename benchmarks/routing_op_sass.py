@@ -1,0 +1,184 @@
+"""Where the routing op's time can go, read off the code the H200 runs: the op's kernels compiled for sm_90 on
+any machine (no GPU), beside the µs per layer the H200 measured for the same kernels.
+
+    pip install --target /tmp/t36 triton==3.6.0      # the GPU machine's Triton (shared/notes/environment.md)
+    PYTHONPATH=/tmp/t36 python benchmarks/routing_op_sass.py [--tokens 1,4,16,64,256 --arch 90]
+
+Why (issue 23): the routing target (≤ 5 µs per layer at B ≤ 64) is missed — 5.2 µs at T ≤ 4, 10.0 at 16, 15.5
+at 64 (``results/benchmarks/routing_op_h200.json``) — and no session that could profile it on the H200 had the
+minutes. The cubin is fixed at compile time, so what an instruction-level profile would start from can be read
+here: registers and spills, instructions, global loads, shuffles and barriers per kernel and per source
+function, and the longest chain of dependent instructions (``benchmarks/_sass.py`` says how it is counted and
+what it cannot see). The op's own dispatch and launch code runs (``fused_routing_triton`` with a forced plan) on
+CPU tensors with every launch turned into a compilation (``_sass.compile_only``), so the kernels, tilings and
+constexprs are those a CUDA run would launch.
+
+Variants as ``bench_routing_op.py`` times them (Qwen3-30B-A3B's router: 128 experts, top-8, every row a decode
+row): ``stock`` (softmax top-8), ``sere2`` (SERE K=2, ρ 0, with its counters), ``sere2_nostats``, ``sere1``,
+``top2`` (``moe.top_k=2`` with its counters), each through ``one`` program or the ``multi``-program plan; at
+T <= 16 also through one program of 1 or 2 warps (``one_w1``, ``one_w2``; the default is 4 warps up to 8 rows)
+and, for SERE, the slot-by-slot re-route that the all-slots gather replaced (``one_loop``, session 8). The
+measured column is the H200's figure for the same kernels where one was taken (their code is unchanged since that
+run: commit 7bed2d4, Triton 3.6.0). Writes ``results/benchmarks/routing_op_sass_sm90.{json,md}`` (or ``--out``).
+Imports torch, triton and the harness's kernel modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _common import RESULTS_DIR, random_similarity, write_result
+from _sass import compile_only, profile_kernel
+
+E, K = 128, 8
+#: the GPU machine's Triton (shared/notes/environment.md): the SASS is the H200's only when built by it
+DEVICE_TRITON = "3.6.0"
+MEASURED = RESULTS_DIR / "routing_op_h200.json"
+
+
+def specs() -> dict[str, tuple[Any, bool, bool]]:
+    """variant -> (RoutingSpec, SERE counters, top-K counters)."""
+    from harness.kernels.fused_routing import RoutingSpec
+
+    sim = random_similarity(E, seed=0)
+    return {"stock": (RoutingSpec(K, True), False, False),
+            "sere2": (RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim), True, False),
+            "sere2_nostats": (RoutingSpec(K, True, k_primary=2, rho=0.0, similarity=sim), False, False),
+            "sere1": (RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True, False),
+            "top2": (RoutingSpec(K, True, trunc_k=2), False, True)}
+
+
+def measured_as(variant: str, plan: str) -> str:
+    """``bench_routing_op.py``'s name for the same kernels: ``one_sere2``, ``multi_top2``, ``one_stock_w1``..."""
+    if plan.startswith("one_w"):
+        return f"one_{variant}_w{plan[5:]}"
+    return f"{plan}_{variant}"
+
+
+def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan: str, arch: int) -> list:
+    """The kernels one call of the op launches for this step, compiled for ``sm_<arch>``, in launch order.
+    ``plan``: ``one`` / ``multi`` (the dispatch's tilings), ``one_w<N>`` (one program with N warps), ``one_loop``
+    (one program, SERE's slot-by-slot re-route: ``vec_cells=0``)."""
+    from harness.kernels.fused_routing import COUNTERS, fused_routing_triton
+
+    logits = torch.randn(tokens, E).to(torch.bfloat16)
+    decode = torch.ones(tokens, dtype=torch.bool)
+    counters = [torch.zeros(len(COUNTERS), dtype=torch.long) if on else None for on in (sere_stats, topk_stats)]
+    with compile_only(arch) as compiled:
+        fused_routing_triton(logits, spec, decode, None, *counters, multi=plan == "multi",
+                             num_warps=int(plan[5:]) if plan.startswith("one_w") else None,
+                             vec_cells=0 if plan == "one_loop" else None)
+    return list(compiled)
+
+
+def measured_us() -> dict[tuple[str, int], float]:
+    """(bench_routing_op variant, T) -> median µs per layer on the H200 (empty when the file is absent)."""
+    if not MEASURED.exists():
+        return {}
+    rows = json.loads(MEASURED.read_text())["rows"]
+    return {(r["variant"], r["tokens"]): r["us_per_layer"] for r in rows}
+
+
+def summary(kernels: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per step: the launches' figures added (they run one after the other), registers and spills the
+    largest of any launch, the critical paths added (launch 2 starts when launch 1 has ended)."""
+    add = ("instructions", "global_load", "shuffle", "barrier", "shared_load", "warp_reduce")
+    row: dict[str, Any] = {k: sum(p[k] for p in kernels) for k in add}
+    row.update(launches=len(kernels), reg=max(p["reg"] for p in kernels), local=max(p["local"] for p in kernels),
+               loops=sum(p["loops"] for p in kernels),
+               critical_path=sum(p["critical_path"]["length"] for p in kernels),
+               path_global_loads=sum(p["critical_path"].get("on_path_global_load", 0) for p in kernels),
+               path_barriers=sum(p["critical_path"].get("on_path_barrier", 0) for p in kernels),
+               path_shuffles=sum(p["critical_path"].get("on_path_shuffle", 0) for p in kernels))
+    return row
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"# The routing op's kernels for sm_{doc['arch']}, read statically", "",
+             f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
+             f"{doc['env']['host']}; 128 experts, top-8, every row a decode row. Measured: "
+             f"`{MEASURED.name}` (H200, µs per layer, median of 7 rounds), same kernel code. Static counts are per "
+             "thread and per launch, summed over the launches of a step; loops count once.", "",
+             "| variant | plan | T | H200 µs/layer | launches | instructions | global loads | barriers | shuffles "
+             "| regs | spill B | loops | critical path (instr / global loads / barriers / shuffles) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        s = r["summary"]
+        us = f"{r['measured_us']:.2f}" if r.get("measured_us") is not None else "–"
+        lines.append(f"| {r['variant']} | {r['plan']} | {r['tokens']} | {us} | {s['launches']} | {s['instructions']} "
+                     f"| {s['global_load']} | {s['barrier']} | {s['shuffle']} | {s['reg']} | {s['local']} "
+                     f"| {s['loops']} "
+                     f"| {s['critical_path']} / {s['path_global_loads']} / {s['path_barriers']} / "
+                     f"{s['path_shuffles']} |")
+    lines += ["", "## Instructions per source function (helpers are inlined; Triton's library lines count for the "
+              "call before them)", ""]
+    seen = set()
+    for r in doc["rows"]:
+        for k in r["kernels"]:
+            key = (r["variant"], r["plan"], k["kernel"], k["instructions"])
+            if key in seen:
+                continue
+            seen.add(key)
+            parts = ", ".join(f"{f} {v['instructions']} ({v.get('global_load', 0)} gl, {v.get('barrier', 0)} bar)"
+                              for f, v in k["by_function"].items())
+            lines.append(f"- {r['variant']} / {r['plan']} (from T={r['tokens']}) `{k['kernel']}`, "
+                         f"{k['num_warps']} warps, {k['instructions']} instr: {parts}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--variants", default="stock,sere2,sere2_nostats,sere1,top2")
+    ap.add_argument("--plans", default="one,multi,one_w1,one_w2,one_loop",
+                    help="one_w<N>: one program with N warps; one_loop: SERE's slot-by-slot re-route (both at T <= 16)")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (H100/H200: 90)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_op_sass_sm90.json")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("routing_op_sass: unset TRITON_INTERPRET (an interpreted kernel never compiles)")
+    import triton
+
+    if triton.__version__ != DEVICE_TRITON:
+        print(f"note: Triton {triton.__version__}, not the GPU machine's {DEVICE_TRITON}: the SASS may differ from "
+              "what the H200 runs", flush=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    doc: dict[str, Any] = {
+        "benchmark": "routing_op_sass", "arch": args.arch, "experts": E, "top_k": K, "commit": head,
+        "env": {"triton": triton.__version__, "torch": torch.__version__, "host": platform.node() or "?",
+                "device": f"none: compiled for sm_{args.arch}, nothing ran"},
+        "spread": "none: static counts of the compiled code, identical on every run with the same Triton",
+        "measured_from": MEASURED.name, "rows": []}
+    measured = measured_us()
+    table = specs()
+    for name in args.variants.split(","):
+        spec, sere_stats, topk_stats = table[name]
+        for plan in args.plans.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                if plan not in ("one", "multi") and (tokens > 16 or plan == "one_loop" and "sere" not in name):
+                    continue  # the forced one-program variants: small steps (and the loop: SERE only)
+                kernels = [profile_kernel(k, c) for k, c in
+                           compile_variant(spec, sere_stats, topk_stats, tokens, plan, args.arch)]
+                as_ = measured_as(name, plan)
+                row = {"variant": name, "plan": plan, "tokens": tokens, "measured_as": as_,
+                       "measured_us": measured.get((as_, tokens)), "summary": summary(kernels), "kernels": kernels}
+                doc["rows"].append(row)
+                s = row["summary"]
+                print(f"{name:14s} {plan:5s} T={tokens:<4d} {s['instructions']:5d} instr, {s['global_load']:4d} "
+                      f"global loads, {s['barrier']:3d} barriers, regs {s['reg']}, spill {s['local']} B, "
+                      f"path {s['critical_path']}", flush=True)
+    write_result(doc, args.out, markdown, indent=1)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
