@@ -13,7 +13,10 @@ same target) on any machine.
 - :func:`profile_kernel` reads one compiled kernel: ``cuobjdump -res-usage`` (registers, stack, shared, local),
   the SASS opcode counts, loops (backward branches), and :func:`critical_path`.
 
-Imports: triton (and torch for the CPU tensors' device); the NVIDIA tools come with Triton's wheel.
+Source lines come from the cubin's line table: Triton 3.6.0's (the GPU machine's) named the right lines where
+checked; 3.8's put both loads of a two-line test kernel on the blank line after it, so the per-function
+figures want 3.6.0. Imports: triton (and torch for the CPU tensors' device); the NVIDIA tools come with Triton's
+wheel.
 """
 
 from __future__ import annotations
@@ -166,8 +169,9 @@ def parse_sass(sass: str) -> list[dict[str, Any]]:
         if op in ("BRA", "BSSY", "CALL") and operands:
             t = re.search(r"\((\.L_x_\d+)\)", operands[-1])
             target = t.group(1) if t else None
-        out.append({"addr": addr, "op": op, "mods": mods, "dests": dests, "srcs": srcs, "guard": bool(guard),
-                    "target": target, "file": where[0], "line": where[1]})
+        out.append({"addr": addr, "op": op, "mods": mods, "dests": dests, "srcs": srcs,
+                    "guard": guard.strip().lstrip("@") if guard else None, "target": target, "file": where[0],
+                    "line": where[1]})
     for ins in out:
         ins["target"] = labels.get(ins["target"]) if ins["target"] else None
     return out
@@ -200,40 +204,74 @@ def _regs(operand: str, width: int) -> list[str]:
     return regs
 
 
+def _longer(a: tuple, b: tuple) -> tuple:
+    return a if a[0] >= b[0] else b
+
+
 def critical_path(instrs: list[dict[str, Any]]) -> dict[str, Any]:
     """The longest chain of instructions each of which reads what an earlier one wrote, in program order.
 
-    Register dataflow, plus shared memory as one location whose chain is the longest of the stores into it so
-    far (a shared store, then the barrier, then a shared load is a dependency: a cross-warp reduction's way);
-    global memory is not linked (a load is taken not to read
-    what this kernel stored — true of the routing kernels but for the counters). Branches are not followed: code
-    is read once in address order, so a loop's body counts once (``loops`` says how many there are) and both
-    sides of an ``if`` count as if both ran. So it is a static estimate of the latency chain, not a trace: the
-    length in instructions and what the chain is made of (global loads, shared loads, shuffles, barriers)."""
-    chain: dict[str, tuple[int, collections.Counter]] = {}
-    best: tuple[int, collections.Counter] = (0, collections.Counter())
-    for ins in instrs:
+    Register dataflow (a predicated write keeps the register's older chain unless the opposite predicate wrote
+    it too), plus shared memory as one location whose chain is the longest of the stores into it so far (a
+    shared store, then the barrier, then a shared load is a dependency: a cross-warp reduction's way); global
+    memory is not linked (a load is taken not to read what this kernel stored — true of the routing kernels but
+    for the counters). Branches are not followed: code is read once in address order, so a loop's body counts
+    once (``loops`` says how many there are), both sides of an ``if`` count as if both ran, and a load that waits
+    on a branch (not on a register) is not linked to what the branch tested. So it is a static estimate of the
+    latency chain, not a trace: the length in instructions, what the chain is made of (global loads, shared
+    loads, shuffles, barriers) and where its global loads are (``global_loads_at``: source function and line)."""
+    # a chain: (length, its mix of instruction classes, the index of its last instruction)
+    chain: dict[str, tuple[int, collections.Counter, int]] = {}
+    # per register, its last write under a predicate (the predicate, that write's chain): a write under the
+    # opposite predicate then completes the register (``@P0 LDG R5`` + ``@!P0 MOV R5``: a masked load and its
+    # ``other``), and the value before both is gone
+    guarded: dict[str, tuple[str, tuple]] = {}
+    before: dict[int, int] = {}      # instruction -> the one its chain came through
+    best: tuple[int, collections.Counter, int] = (0, collections.Counter(), -1)
+    for i, ins in enumerate(instrs):
         reads = list(ins["srcs"])
         if ins["op"] in ("LDS", "LDSM", "BAR", "ATOMS"):
             reads.append("smem")
-        length, mix = max((chain.get(r, (0, collections.Counter())) for r in reads), key=lambda x: x[0],
-                          default=(0, collections.Counter()))
+        length, mix, prev = max((chain[r] for r in reads if r in chain), key=lambda x: x[0],
+                                default=(0, collections.Counter(), -1))
+        before[i] = prev
         mix = mix.copy()
         kind = _CLASS.get(ins["op"])
         if kind:
             mix[kind] += 1
-        here = (length + 1, mix)
+        here = (length + 1, mix, i)
         writes = list(ins["dests"])
         if ins["op"] in ("STS", "BAR", "ATOMS"):
             writes.append("smem")
         for r in writes:
             # a predicated write may not happen, and one store to shared memory does not undo another (other
             # threads' stores land at other addresses): the longer of the old chain and this one stays
-            keep = r in chain and (ins["guard"] or r == "smem")
-            chain[r] = max(chain[r], here, key=lambda x: x[0]) if keep else here
+            g = ins["guard"]
+            if r == "smem" or (g and r in chain):
+                last = guarded.get(r)
+                if g and last and last[0] == (g[1:] if g.startswith("!") else "!" + g):
+                    chain[r] = _longer(last[1], here)      # both halves written: the older value is gone
+                else:
+                    chain[r] = _longer(chain[r], here) if r in chain else here
+            else:
+                chain[r] = here
+            if g and r != "smem":
+                guarded[r] = (g, here)
+            else:
+                guarded.pop(r, None)
+        for p in (r for r in writes if r.startswith(("P", "UP"))):  # a new predicate: no longer the opposite
+            guarded = {r: v for r, v in guarded.items() if v[0].lstrip("!") != p}
         if here[0] > best[0]:
             best = here
-    return {"length": best[0], **{f"on_path_{k}": v for k, v in sorted(best[1].items())}}
+    loads_at, i = [], best[2]
+    while i >= 0:
+        ins = instrs[i]
+        if _CLASS.get(ins["op"]) == "global_load":
+            fn = _function_at(ins["file"], ins["line"]) if ins.get("file") else None
+            loads_at.append(f"{fn or '?'}:{ins['line']}" if ins.get("line") else "?")
+        i = before[i]
+    return {"length": best[0], **{f"on_path_{k}": v for k, v in sorted(best[1].items())},
+            **({"global_loads_at": loads_at[::-1]} if loads_at else {})}
 
 
 def _function_at(path: str, line: int) -> str | None:

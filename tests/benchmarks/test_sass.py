@@ -53,6 +53,7 @@ def test_the_chain_runs_through_shared_memory_and_barriers():
     assert path["length"] == 7
     assert path["on_path_global_load"] == 1 and path["on_path_barrier"] == 1 and path["on_path_shared_load"] == 1
     assert path["on_path_shuffle"] == 1
+    assert path["global_loads_at"] == ["?:3"]      # line 3 of a file that is not here: no function to name
 
 
 def test_a_predicated_write_keeps_the_longer_chain_of_what_it_may_not_replace():
@@ -67,9 +68,30 @@ def test_a_predicated_write_keeps_the_longer_chain_of_what_it_may_not_replace():
     """)
     guarded = _sass.critical_path(_sass.parse_sass(sass))
     # R5 may still be the gathered value
-    assert guarded == {"length": 6, "on_path_global_load": 2, "on_path_global_store": 1}
+    assert guarded == {"length": 6, "on_path_global_load": 2, "on_path_global_store": 1, "global_loads_at": ["?", "?"]}
     unguarded = _sass.critical_path(_sass.parse_sass(sass.replace("@P0 MOV", "    MOV")))
     assert unguarded == {"length": 5, "on_path_global_store": 1}  # the MOV ends the loads' chain
+
+
+def test_a_masked_load_and_its_other_value_replace_the_register_whole():
+    sass = textwrap.dedent("""
+        /*0000*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0010*/                   LDG.E R6, desc[UR4][R4.64] ;
+        /*0020*/                   LDG.E R5, desc[UR4][R6.64] ;
+        /*0030*/               @P0 LDG.E R5, desc[UR4][R8.64] ;
+        /*0040*/              @!P0 MOV R5, 0xff800000 ;
+        /*0050*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0070*/                   IADD3 R5, R5, 0x1, RZ ;
+    """)
+    # R5's old value (three chained loads) is gone once both halves wrote it: the adds wait on one load
+    assert _sass.critical_path(_sass.parse_sass(sass)) == {"length": 4, "on_path_global_load": 1,
+                                                           "global_loads_at": ["?"]}
+    # P0 rewritten between the halves: the MOV no longer completes the register, the old chain may survive
+    rewritten = sass.replace("/*0040*/", "/*0038*/  ISETP.NE.AND P0, PT, R7, RZ, PT ;\n/*0040*/")
+    ins = _sass.parse_sass(rewritten)
+    assert [i["op"] for i in ins][3:6] == ["LDG", "ISETP", "MOV"]
+    assert _sass.critical_path(ins) == {"length": 6, "on_path_global_load": 3, "global_loads_at": ["?", "?", "?"]}
 
 
 KERNELS = '''
@@ -117,6 +139,9 @@ def test_real_kernels_compiled_for_sm90_on_this_machine(tmp_path):
     gather, add = doc["kernels"]
     assert gather["kernel"] == "gather" and gather["reg"] > 0 and gather["local"] == 0
     assert gather["critical_path"]["on_path_global_load"] == 2     # the index, then the value it points at
+    # where they are: two entries (the names need the line table of the device's Triton 3.6.0; 3.8's put both
+    # loads of this kernel on the blank line after it)
+    assert len(gather["critical_path"]["global_loads_at"]) == 2
     assert add["critical_path"]["on_path_global_load"] == 1        # two loads side by side
     assert gather["global_load"] >= 2 and add["global_load"] >= 2 and gather["loops"] == 0
     assert "gather" in gather["by_function"]
