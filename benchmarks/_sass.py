@@ -52,7 +52,9 @@ _CLASS = {"LDG": "global_load", "LD": "global_load", "LDS": "shared_load", "LDSM
 def compile_only(arch: int = 90, warp_size: int = 32) -> Iterator[list[tuple[str, Any]]]:
     """Inside: every ``@triton.jit`` launch compiles for ``sm_<arch>`` and returns without running; yields the
     list of ``(kernel name, CompiledKernel)`` compiled so far, in launch order. Needs ``TRITON_INTERPRET``
-    unset (an interpreted kernel never compiles)."""
+    unset (an interpreted kernel never compiles). Meant for a process that launches nothing for real afterwards:
+    each kernel keeps what it compiled here in its in-memory cache for device 0 (the script and the test run it
+    in a process of their own)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
