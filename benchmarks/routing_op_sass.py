@@ -101,6 +101,46 @@ def summary(kernels: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+#: warp schedulers per SM on sm_90: warps beyond this many share a scheduler's issue slots
+SCHEDULERS = 4
+
+
+def one_program_fit(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A three-term fit of the H200's one-program timings to the static figures, and what it predicts for the
+    one-program kernels not timed yet (``one_w1`` / ``one_w2``). Why: the static counts say what code is on the
+    path, not how long it takes; a fit over the kernels that were timed says how the two relate, and turns each
+    untimed candidate into a prediction the next GPU call can falsify. Terms: a fixed cost (launch, graph
+    node), instructions issued per scheduler (a warp's instructions × the warps sharing a scheduler), barriers on
+    the longest chain. Only loop-free single-kernel steps (T <= 16), where the static counts are the executed
+    ones. None with fewer than five timed rows."""
+    import numpy as np
+
+    def features(k: dict[str, Any]) -> list[float]:
+        issued = k["instructions"] * max(1.0, k["num_warps"] / SCHEDULERS) / 1000.0
+        return [1.0, issued, k["critical_path"].get("on_path_barrier", 0) / 10.0]
+
+    usable = [r for r in rows if r["plan"].startswith("one") and r["tokens"] <= 16 and len(r["kernels"]) == 1
+              and r["kernels"][0]["loops"] == 0]
+    timed = [r for r in usable if r["measured_us"] is not None]
+    if len(timed) < 5:
+        return None
+    x = np.array([features(r["kernels"][0]) for r in timed])
+    y = np.array([r["measured_us"] for r in timed])
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    loo = []
+    for i in range(len(y)):
+        keep = np.arange(len(y)) != i
+        loo.append(float(x[i] @ np.linalg.lstsq(x[keep], y[keep], rcond=None)[0] - y[i]))
+    r2 = 1.0 - float(((y - x @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    return {"terms": ["fixed µs", "µs per 1,000 instructions issued per scheduler", "µs per 10 barriers on the chain"],
+            "coef": [round(float(c), 3) for c in coef], "r2": round(r2, 3), "timed_rows": len(timed),
+            "leave_one_out_error_us": {f"{r['variant']}/{r['plan']}/T={r['tokens']}": round(e, 2)
+                                       for r, e in zip(timed, loo)},
+            "predicted_us": {f"{r['variant']}/{r['plan']}/T={r['tokens']}":
+                             round(float(np.array(features(r["kernels"][0])) @ coef), 2)
+                             for r in usable if r["measured_us"] is None}}
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# The routing op's kernels for sm_{doc['arch']}, read statically", "",
              f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
@@ -118,6 +158,15 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"| {s['loops']} "
                      f"| {s['critical_path']} / {s['path_global_loads']} / {s['path_barriers']} / "
                      f"{s['path_shuffles']} |")
+    fit = doc.get("one_program_fit")
+    if fit:
+        lines += ["", "## What the timed one-program kernels say about the untimed ones (a fit, not a measurement)", "",
+                  f"{len(fit['coef'])}-term least squares over {fit['timed_rows']} timed rows: "
+                  + ", ".join(f"{c} {t}" for c, t in zip(fit["coef"], fit["terms"]))
+                  + f"; R² {fit['r2']}; leave-one-out errors (µs): "
+                  + ", ".join(f"{k} {v:+}" for k, v in fit["leave_one_out_error_us"].items()) + ".", "",
+                  "| untimed kernel | predicted µs/layer |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in fit["predicted_us"].items()]
     lines += ["", "## Instructions per source function (helpers are inlined; Triton's library lines count for the "
               "call before them)", ""]
     seen = set()
@@ -176,6 +225,7 @@ def main() -> None:
                 print(f"{name:14s} {plan:5s} T={tokens:<4d} {s['instructions']:5d} instr, {s['global_load']:4d} "
                       f"global loads, {s['barrier']:3d} barriers, regs {s['reg']}, spill {s['local']} B, "
                       f"path {s['critical_path']}", flush=True)
+    doc["one_program_fit"] = one_program_fit(doc["rows"])
     write_result(doc, args.out, markdown, indent=1)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
