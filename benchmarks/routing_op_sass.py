@@ -132,7 +132,8 @@ def one_program_fit(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         keep = np.arange(len(y)) != i
         loo.append(float(x[i] @ np.linalg.lstsq(x[keep], y[keep], rcond=None)[0] - y[i]))
     r2 = 1.0 - float(((y - x @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
-    return {"terms": ["fixed µs", "µs per 1,000 instructions issued per scheduler", "µs per 10 barriers on the chain"],
+    terms = ["fixed µs", "µs per 1,000 instructions issued per scheduler", "µs per 10 barriers on the chain"]
+    return {"terms": terms,
             "coef": [round(float(c), 3) for c in coef], "r2": round(r2, 3), "timed_rows": len(timed),
             "leave_one_out_error_us": {f"{r['variant']}/{r['plan']}/T={r['tokens']}": round(e, 2)
                                        for r, e in zip(timed, loo)},
