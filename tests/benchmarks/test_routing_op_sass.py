@@ -1,0 +1,41 @@
+"""benchmarks/routing_op_sass.py's fit of timed kernels to their static counts: it recovers a relation that holds
+exactly, predicts only the untimed loop-free one-program rows, and declines with too few timed rows."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import routing_op_sass as ros  # noqa: E402
+
+
+def _row(variant, plan, tokens, instructions, warps, barriers, measured=None, loops=0, kernels=1):
+    kernel = {"instructions": instructions, "num_warps": warps, "loops": loops,
+              "critical_path": {"on_path_barrier": barriers}}
+    return {"variant": variant, "plan": plan, "tokens": tokens, "measured_us": measured,
+            "kernels": [kernel] * kernels}
+
+
+def _truth(instructions, warps, barriers):
+    return 1.5 + 2.0 * instructions * max(1, warps / 4) / 1000 + 0.5 * barriers / 10
+
+
+def test_the_fit_recovers_an_exact_relation_and_predicts_the_untimed_rows():
+    shapes = [(400, 4, 30), (450, 4, 2), (700, 8, 3), (900, 4, 40), (1700, 4, 10), (2400, 8, 5), (600, 4, 35)]
+    rows = [_row("v", "one", i, n, w, b, _truth(n, w, b)) for i, (n, w, b) in enumerate(shapes)]
+    rows += [_row("v", "one_w1", 1, 1100, 1, 0),                        # untimed: predicted
+             _row("v", "one", 64, 4000, 8, 6, 20.0, loops=2),           # a loop: static counts are not executed ones
+             _row("v", "multi", 1, 900, 1, 0, 12.0, kernels=2),         # two launches: not this fit's kind
+             _row("v", "one", 32, 900, 4, 3)]                           # T > 16: not predicted
+    fit = ros.one_program_fit(rows)
+    assert fit["timed_rows"] == len(shapes)
+    assert fit["coef"] == [1.5, 2.0, 0.5] and fit["r2"] == 1.0
+    assert all(abs(e) < 1e-6 for e in fit["leave_one_out_error_us"].values())
+    assert fit["predicted_us"] == {"v/one_w1/T=1": round(_truth(1100, 1, 0), 2)}
+
+
+def test_too_few_timed_rows_give_no_fit():
+    rows = [_row("v", "one", i, 400 + i, 4, i, 3.0 + i) for i in range(4)]
+    assert ros.one_program_fit(rows) is None
