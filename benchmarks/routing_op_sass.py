@@ -79,12 +79,14 @@ def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan:
     return list(compiled)
 
 
-def measured_us() -> dict[tuple[str, int], float]:
-    """(bench_routing_op variant, T) -> median µs per layer on the H200 (empty when the file is absent)."""
-    if not MEASURED.exists():
-        return {}
-    rows = json.loads(MEASURED.read_text())["rows"]
-    return {(r["variant"], r["tokens"]): r["us_per_layer"] for r in rows}
+def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
+    """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
+    file's figure wins; an absent file adds nothing)."""
+    out: dict[tuple[str, int], float] = {}
+    for path in paths:
+        if path.exists():
+            out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in json.loads(path.read_text())["rows"]})
+    return out
 
 
 def summary(kernels: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,7 +148,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# The routing op's kernels for sm_{doc['arch']}, read statically", "",
              f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
              f"{doc['env']['host']}; 128 experts, top-8, every row a decode row. Measured: "
-             f"`{MEASURED.name}` (H200, µs per layer, median of 7 rounds), same kernel code. Static counts are per "
+             f"{', '.join(f'`{m}`' for m in doc['measured_from'])} (µs per layer, median over rounds), same kernel "
+             "code. Static counts are per "
              "thread and per launch, summed over the launches of a step; loops count once.", "",
              "| variant | plan | T | H200 µs/layer | launches | instructions | global loads | barriers | shuffles "
              "| regs | spill B | loops | critical path (instr / global loads / barriers / shuffles) |",
@@ -186,11 +189,14 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--tokens", default="1,2,4,16,64,256")
     ap.add_argument("--variants", default="stock,sere2,sere2_nostats,sere1,top2")
     ap.add_argument("--plans", default="one,multi,one_w1,one_w2,one_loop",
                     help="one_w<N>: one program with N warps; one_loop: SERE's slot-by-slot re-route (both at T <= 16)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (H100/H200: 90)")
+    ap.add_argument("--measured", type=Path, nargs="*", default=[MEASURED],
+                    help="bench_routing_op.py result files whose µs sit beside the counts and feed the fit (a later "
+                         "file wins), e.g. the next GPU call's routing_op_warps_h200.json after the default")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_op_sass_sm90.json")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -207,8 +213,8 @@ def main() -> None:
         "env": {"triton": triton.__version__, "torch": torch.__version__, "host": platform.node() or "?",
                 "device": f"none: compiled for sm_{args.arch}, nothing ran"},
         "spread": "none: static counts of the compiled code, identical on every run with the same Triton",
-        "measured_from": MEASURED.name, "rows": []}
-    measured = measured_us()
+        "measured_from": [str(p.name) for p in args.measured], "rows": []}
+    measured = measured_us(args.measured)
     table = specs()
     for name in args.variants.split(","):
         spec, sere_stats, topk_stats = table[name]
