@@ -20,8 +20,8 @@ launch plans forced, side by side: ``one_*`` / ``multi_*`` for stock, SERE K=2 a
 a serving-like step of ``MIXED_DECODES`` decode rows and the rest prefill (``*_sere2_mixed``), and for SERE K=2
 without its counters (``*_sere2_nostats``: what the statistics cost in each plan); the one-program kernel with 1
 or 2 warps at T <= 16 (``one_{stock,sere2,top2}_w{1,2}``: ``routing_op_sass.py`` found the default 4 warps on a
-one-row step put 34–43 barriers on the critical path, one warp none); tiling rows of
-the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-by-slot re-route, ``fused_sere2_vec``
+one- or two-row step put 34–59 barriers on the longest dependency chain, no more warps than rows 0–14); tiling
+rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-by-slot re-route, ``fused_sere2_vec``
 = all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>``).
 ``--variants`` times a subset. Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports
 torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
@@ -150,7 +150,7 @@ def build_variants(tokens: int, layers: int, device: str):
     variants["one_sere2_nostats"] = fused(sere2, False, multi=False)
     variants["multi_sere2_nostats"] = fused(sere2, False, multi=True)
     if tokens <= 16:  # fewer warps than the default (4 up to 8 rows): with no more warps than rows, the top-k's
-        for w in (1, 2):  # reductions stay inside a warp (sm_90 SASS at T=1: 1 barrier with 1 warp, 53 with 4)
+        for w in (1, 2):  # reductions stay inside a warp (sm_90 SASS, stock at T=1: 1 barrier with 1 warp, 53 with 4)
             variants[f"one_stock_w{w}"] = fused(RoutingSpec(K, True), False, multi=False, num_warps=w)
             variants[f"one_sere2_w{w}"] = fused(sere2, True, multi=False, num_warps=w)
             variants[f"one_top2_w{w}"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True, multi=False,
