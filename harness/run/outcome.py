@@ -100,6 +100,7 @@ def run_warnings(summary: Mapping[str, Any]) -> list[str]:
     blocks = [metrics, *(metrics.get("per_task") or {}).values()] if metrics.get("per_task") else [metrics]
     for block in blocks:
         for key, what in (("format_invalid", "answers unparsable (format_invalid)"),
+                          ("hallucinated_image", "answers citing an image outside the candidates (hallucinated_image)"),
                           ("unparsed", "answers with no recognisable choice (unparsed)")):
             bad = _n(block.get(key))
             total = _n(block.get("n_samples") or block.get("n_rows") or n)

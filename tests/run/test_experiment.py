@@ -302,6 +302,12 @@ def test_console_summary_and_warnings():
     part = {**summary, "metrics": {"n_samples": 12, "format_invalid": 5}, "run": {}}
     assert run_warnings(part) == ["5 of 12 answers unparsable (format_invalid): see scores.reason / the answers "
                                   "in samples.jsonl"]
+    # every reason an answer goes unscored is named, not only the first kind (n_scored 9 of 12 says 3, not 2)
+    mixed = {**part, "metrics": {"n_samples": 12, "n_scored": 9, "format_invalid": 2, "hallucinated_image": 1}}
+    assert run_warnings(mixed) == [
+        "2 of 12 answers unparsable (format_invalid): see scores.reason / the answers in samples.jsonl",
+        "1 of 12 answers citing an image outside the candidates (hallucinated_image): see scores.reason / the "
+        "answers in samples.jsonl"]
     trained = run_warnings({**part, "run": {"weights": "trained-synthetic"}})
     assert trained[0].startswith("trained-synthetic model weights") and "not a real model's quality" in trained[0]
 
