@@ -197,9 +197,12 @@ def console_summary(summary: Mapping[str, Any], run_dir: str | None = None) -> s
     """A few lines for the end of ``python -m harness``: where, what, key metrics, latency, warnings."""
     run, metrics, lat = (summary.get(k) or {} for k in ("run", "metrics", "latency"))
     model = (run.get("model") or {}).get("name") or "?"
+    # the batch is part of the setup a reader compares: SERE re-routes among the experts its decode batch chose,
+    # so its quality moves with the batch (engine=hf batches 4 by default, engine=vllm up to 64)
+    batch = ((summary.get("config") or {}).get("engine") or {}).get("batch_size")
     lines = [f"run      {run_dir or run.get('run_dir')}",
              f"setup    {model} ({run.get('weights') or '?'}) · {run.get('engine')} {run.get('engine_version') or ''}"
-             f" · {run.get('dtype')} · {run.get('device_name')}"]
+             f" · {run.get('dtype')} · {run.get('device_name')}" + (f" · batch {batch}" if batch else "")]
     quality = []
     hidden = unmeaningful_metrics(run.get("scoring"))
     for group in CONSOLE_METRICS:

@@ -298,7 +298,9 @@ def test_console_summary_and_warnings():
     assert any(w.startswith("random-init scorers (clip tiny-clip): clip_score") for w in warnings)
     text = console_summary(summary)
     assert "rouge1 0.000" in text and "TTFT p50 240 ms · TPOT p50 4.5 ms" in text and "(12 samples, 0 scored)" in text
-    assert text.count("warning  ") == 3
+    assert text.count("warning  ") == 3 and "batch" not in text.splitlines()[1]   # no config: no batch shown
+    batched = console_summary({**summary, "config": {"engine": {"batch_size": 4}}})
+    assert batched.splitlines()[1].endswith(" · batch 4")
     part = {**summary, "metrics": {"n_samples": 12, "format_invalid": 5}, "run": {}}
     assert run_warnings(part) == ["5 of 12 answers unparsable (format_invalid): see scores.reason / the answers "
                                   "in samples.jsonl"]
