@@ -11,7 +11,8 @@ same target) on any machine.
   returns the kernel). The calling code runs as it would on the GPU — the same dispatch, tiling and
   constexprs — on CPU tensors, whose contents are then meaningless (nothing ran).
 - :func:`profile_kernel` reads one compiled kernel: ``cuobjdump -res-usage`` (registers, stack, shared, local),
-  the SASS opcode counts, loops (backward branches), and :func:`critical_path`.
+  the SASS of ``nvdisasm -g`` (opcode classes, loops = backward branches, instructions per source function:
+  :func:`by_function`) and :func:`critical_path`.
 
 Source lines come from the cubin's line table: Triton 3.6.0's (the GPU machine's) named the right lines where
 checked; 3.8's put both loads of a two-line test kernel on the blank line after it, so the per-function
@@ -111,26 +112,22 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(nv.__file__), "bin", name)
 
 
-def _cuobjdump(cubin: bytes, *flags: str) -> str:
+def _run_on(cubin: bytes, tool: str, *flags: str) -> str:
+    """The stdout of one of Triton's NVIDIA tools run on ``cubin`` (written to a temporary file)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_tool("cuobjdump"), *flags, f.name], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run([_tool(tool), *flags, f.name], check=True, capture_output=True, text=True).stdout
 
 
 def disassemble(cubin: bytes) -> str:
     """``nvdisasm -g -c``: the code sections, each instruction under its source line."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([_tool("nvdisasm"), "-g", "-c", f.name], check=True, capture_output=True,
-                              text=True).stdout
+    return _run_on(cubin, "nvdisasm", "-g", "-c")
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """``cuobjdump -res-usage``: REG, STACK, SHARED, LOCAL (bytes; REG in registers per thread)."""
-    text = _cuobjdump(cubin, "-res-usage")
+    text = _run_on(cubin, "cuobjdump", "-res-usage")
     got = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
     return {k.lower(): int(v) for k, v in got.items()}
 
