@@ -21,7 +21,7 @@ from harness.config.schema import register_configs
 from harness.config.paths import CONF_DIR  # noqa: F401 (also importable as harness.cli.CONF_DIR)
 from harness.config.paths import PACKAGE_DIR
 from harness.datasets.base import DatasetError
-from harness.engines.base import TechniqueNotAvailable
+from harness.engines.base import EngineUnavailable, TechniqueNotAvailable
 from harness.latency.device_lock import UnsafeLockDir
 from harness.run.experiment import run_experiment
 from harness.run.outcome import console_summary
@@ -38,7 +38,8 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = run_experiment(cfg, run_dir)
-    except (TechniqueNotAvailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged, UnsafeLockDir) as e:
+    except (TechniqueNotAvailable, EngineUnavailable, DatasetError, ConfigError, RunDirLocked, SereNotEngaged,
+            UnsafeLockDir) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra records the job failed and runs the next one
             raise JobRefused(str(e)) from e
         print(f"error: {e}", file=sys.stderr)

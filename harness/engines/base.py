@@ -17,6 +17,13 @@ class TechniqueNotAvailable(RuntimeError):
     """A technique was enabled in the config but is not implemented for this engine yet."""
 
 
+class EngineUnavailable(RuntimeError):
+    """What the chosen engine needs is not in this environment: its package (``engine=vllm`` in a Python without
+    vLLM) or the model it must read (a hub id neither cached nor downloadable here, a directory without a
+    ``config.json``). Why a class of its own: the CLI says it in one line with exit code 2, like a refused
+    configuration, instead of a library's traceback."""
+
+
 @dataclass
 class Request:
     """One prompt: ordered content parts (text / image index) and the decoded images they point to."""

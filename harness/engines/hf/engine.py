@@ -21,7 +21,7 @@ import contextlib
 import time
 from typing import Any
 
-from harness.engines.base import Generation, Request, TechniqueNotAvailable, generate_splitting
+from harness.engines.base import EngineUnavailable, Generation, Request, TechniqueNotAvailable, generate_splitting
 from harness.engines.hf.decode_path import (capture_reason, random_routing_reason, resolve_decode_path,
                                             resolve_experts_implementation, split_reason)
 
@@ -96,7 +96,12 @@ class HFEngine:
         else:
             from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            try:
+                hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError) as e:  # a hub id not cached and no network; a config.json it cannot read
+                hint = (" (this machine may have no network: download the checkpoint where there is one and point "
+                        "model.path at it)") if isinstance(e, OSError) else ""
+                raise EngineUnavailable(f"model.path={model_path}: {str(e).strip().splitlines()[0]}{hint}") from e
             model_cls = model_class_for(hf_config)  # the family's auto class (text-only families: causal LM)
             self.family = self._family_checks(hf_config, visionzip_cfg, offload_cfg)
             if self.experts_impl == "harness_fused_moe" and self.family is not None \

