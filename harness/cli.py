@@ -3,7 +3,8 @@
 Exit codes: 0 done; 2 the configuration or the data was refused before any model loaded (one line on stderr
 naming the key, the value and what is allowed: :mod:`harness.run.validate`), including Hydra's own composition
 errors (a misspelt key, a wrong type, an unknown option), which Hydra would print over several lines with
-exit code 1; anything else is a crash (traceback, exit code 1).
+exit code 1, and what the engine needs but this environment lacks (its package, a readable checkpoint:
+``EngineUnavailable``); anything else is a crash (traceback, exit code 1).
 """
 
 from __future__ import annotations
