@@ -27,8 +27,8 @@ comes from the graph's pool under capture like the outputs. Any number of rows (
 programs each read the scratch of the whole step (T/BLOCK_T words per expert), which the tile size keeps small
 (:func:`multi_tile`). Where the time goes (H200 timings, results/benchmarks/routing_op_h200.json; the sm_90
 code read statically, results/benchmarks/routing_op_sass_sm90.md): launch 1 alone is the stock routing,
-2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters (~6.5–11 without them) at
-16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's counters: 5.2 against 2.7 at
+2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters (~6.5–11 without them)
+at 16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's counters: 5.2 against 2.7 at
 T=1). The rest is not a long chain of dependent loads (the longest dependency chain through launch 2 holds 3
 global loads and 36 barriers): with the counters, launch 2 is 3,894 instructions per thread at the 4 warps the
 statistics program needs, 1,995 of them and 144 of its 161 global loads in ``_nearest_in_p`` (128 loads per

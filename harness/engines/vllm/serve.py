@@ -11,8 +11,8 @@ every server process through its entry point; ``VLLM_PLUGINS`` also names the ha
 (:mod:`harness.engines.vllm.endpoint`), so the server can be asked what it runs. The harness waits for
 ``GET /health`` (the server answers once the engine is up; a server that exits first fails with the tail
 of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL); a harness killed
-before it can stop the server leaves none behind (:mod:`harness.engines.vllm.serve_main` watches its parent). stdout+stderr go
-to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only the variables
+before it can stop the server leaves none behind (:mod:`harness.engines.vllm.serve_main` watches its parent).
+stdout+stderr go to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only the variables
 the harness hands the server (its technique variables and ``VLLM_PLUGINS``), secret-looking values masked
 (:mod:`harness.redact`): a run directory is shared and uploaded, and the environment may hold tokens (issue 26).
 The server is protected by an API key — ``VLLM_API_KEY`` if the user set one, else a random one per server —
