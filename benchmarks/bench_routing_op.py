@@ -54,8 +54,20 @@ def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[flo
     return float(med[int(0.025 * n)]), float(med[int(0.975 * n) - 1])
 
 
-def build_variants(tokens: int, layers: int, device: str):
-    """name -> (fn(layer) -> None, check) with per-layer inputs / counters; check() asserts correctness."""
+def load_baseline(path: Path):
+    """Another version of ``harness/kernels/fused_routing_multi.py`` (e.g. the last commit's, from ``git show``)
+    as a module of its own, so its plan is timed in the same process, interleaved with today's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_fused_routing_multi", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_variants(tokens: int, layers: int, device: str, baseline=None):
+    """name -> (fn(layer) -> None, check) with per-layer inputs / counters; check() asserts correctness.
+    ``baseline``: a module from :func:`load_baseline`, whose multi-program plan is added as ``base_multi_*``."""
     from harness.engines.vllm.routing import stock_topk
     from harness.kernels.fused_routing import (COUNTERS, RoutingSpec, fused_routing, fused_routing_reference,
                                                fused_routing_triton)
@@ -101,13 +113,15 @@ def build_variants(tokens: int, layers: int, device: str):
     mixed = torch.zeros(max(tokens, 1), dtype=torch.bool, device=device)
     mixed[:MIXED_DECODES] = True
 
-    def fused(spec, stats: bool, topk_stats: bool = False, dec=dec, **tiling):
+    def fused(spec, stats: bool, topk_stats: bool = False, dec=dec, plan=None, **tiling):
         sc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if stats else None for _ in range(layers)]
         tc = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) if topk_stats else None
               for _ in range(layers)]
 
         def fn(i):
-            if tiling:   # a plan or tiling other than the dispatch's (the sweep rows)
+            if plan is not None:   # the baseline module's multi-program plan
+                plan(logits[i], spec, dec[:tokens], sc[i], tc[i])
+            elif tiling:   # a plan or tiling other than the dispatch's (the sweep rows)
                 fused_routing_triton(logits[i], spec, dec[:tokens], None, sc[i], tc[i], **tiling)
             else:
                 fused_routing(logits[i], spec, dec[:tokens], None, sc[i], tc[i])
@@ -117,7 +131,9 @@ def build_variants(tokens: int, layers: int, device: str):
             # (the op: lowest expert id; vLLM's topk_softmax: its own order); the variant's own plan and tiling
             x = torch.randn(tokens, E, generator=torch.Generator().manual_seed(7)).to(device) * 2
             got_s, got_k, want_s, want_k = torch.zeros(4, len(COUNTERS), dtype=torch.long, device=device)
-            if tiling:
+            if plan is not None:
+                w, ids = plan(x, spec, dec[:tokens], got_s, got_k)
+            elif tiling:
                 w, ids = fused_routing_triton(x, spec, dec[:tokens], None, got_s, got_k, **tiling)
             else:
                 w, ids = fused_routing(x, spec, dec[:tokens], None, got_s, got_k)
@@ -160,6 +176,21 @@ def build_variants(tokens: int, layers: int, device: str):
     for tile_rows, warps in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
         variants[f"multi_sere2_t{tile_rows}w{warps}"] = fused(sere2, True, multi=True, block_t=tile_rows,
                                                               num_warps=warps)
+    if baseline is not None:
+        from harness.kernels.fused_routing import VEC_CELLS
+
+        def base_plan(x, spec, d, s_cnt, k_cnt):
+            """What ``fused_routing_triton(..., multi=True)`` does, with the baseline module's plan."""
+            w = torch.empty(x.shape[0], spec.top_k, dtype=torch.float32, device=x.device)
+            ids = torch.empty(x.shape[0], spec.top_k, dtype=torch.int32, device=x.device)
+            baseline.fused_routing_multi(x, spec, d, None, s_cnt, k_cnt, spec.similarity, spec.protected, None,
+                                         w, ids, vec_cells=VEC_CELLS)
+            return w, ids
+        variants["base_multi_stock"] = fused(RoutingSpec(K, True), False, plan=base_plan)
+        variants["base_multi_sere2"] = fused(sere2, True, plan=base_plan)
+        variants["base_multi_sere2_nostats"] = fused(sere2, False, plan=base_plan)
+        variants["base_multi_top2"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True, plan=base_plan)
+        variants["base_multi_sere2_mixed"] = fused(sere2, True, dec=mixed, plan=base_plan)
     ref_counters = [torch.zeros(len(COUNTERS), dtype=torch.long, device=device) for _ in range(layers)]
     # the torch reference: what steps of more than 256 rows ran before the multi-program plan
     variants["reference_sere2"] = (lambda i: fused_routing_reference(logits[i], sere2, dec[:tokens], None,
@@ -220,13 +251,17 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU: correctness of every variant, no timing")
     ap.add_argument("--warm-only", action="store_true", help="check and run every variant once, time nothing: "
                     "fills Triton's cache, e.g. one process per T in parallel before the timed run")
+    ap.add_argument("--baseline-multi", type=Path, default=None,
+                    help="another version of harness/kernels/fused_routing_multi.py: its plan is timed beside "
+                         "today's in the same rounds as base_multi_{stock,sere2,sere2_nostats,top2,sere2_mixed}")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_op_h200.json")
     args = ap.parse_args()
+    baseline = load_baseline(args.baseline_multi) if args.baseline_multi else None
     tokens = [int(t) for t in args.tokens.split(",")]
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:
         for t in (1, 5):
-            for name, (fn, check) in build_variants(t, 2, device).items():
+            for name, (fn, check) in build_variants(t, 2, device, baseline).items():
                 if check is not None:
                     check()
                 fn(0)
@@ -255,16 +290,19 @@ def main() -> None:
                # what the fused_* rows dispatched with (one_* / multi_* force a plan)
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
                             "mixed_decodes": MIXED_DECODES},
+               "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
                "rows": rows}
         write_result(doc, args.out, markdown, indent=1)
         print("wrote", args.out, "and", args.out.with_suffix(".md"))
 
+    seen: set[str] = set()
     for t in tokens:
-        variants = build_variants(t, args.layers, device)
+        variants = build_variants(t, args.layers, device, baseline)
+        seen |= set(variants)
         if args.variants:
-            unknown = keep - set(variants) - {"vllm_topk_softmax", "torch_topk"}
-            if unknown:
-                raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(variants)}")
+            absent = keep - set(variants) - {"vllm_topk_softmax", "torch_topk"}
+            if absent:   # some variants exist only at some T (one_*_w1/_w2: T <= 16)
+                print(f"T={t}: not defined at this T: {sorted(absent)}", flush=True)
             variants = {k: v for k, v in variants.items() if k in keep}
         for name, (fn, check) in variants.items():
             if check is not None:
@@ -282,6 +320,9 @@ def main() -> None:
             rows.append({"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals})
             print(f"T={t:4d} {name:22s} {med:7.2f} µs/layer  [{lo:.2f}, {hi:.2f}]", flush=True)
         save()
+    never = keep - seen - {"vllm_topk_softmax", "torch_topk"}
+    if args.variants and never:
+        raise SystemExit(f"unknown variants {sorted(never)}; known: {sorted(seen)}")
 
 
 if __name__ == "__main__":

@@ -46,21 +46,56 @@ import triton
 import triton.language as tl
 
 from harness.kernels.fused_routing_reference import RoutingSpec
-from harness.kernels.fused_routing_tiles import _add_counters, _apply_tile, _reroute_slots, _route_table, _topk_tile
+from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _reroute_slots,
+                                                 _route_table, _topk_tile)
 
 __all__ = ["fused_routing_multi", "multi_tile"]
 
-@triton.jit(do_not_specialize=["T"])  # one compilation per tiling, not per step length
+@triton.jit
+def _arrive(scratch_ptr, n_programs, BLOCK_E: tl.constexpr):
+    """This program is done with the step scratch; True in the program that arrives last. CUTLASS's
+    semaphore pattern: a CTA barrier, then one thread's acq_rel atomic, so every thread's atomics of this
+    program are ordered before the arrival and the last program sees them all."""
+    tl.debug_barrier()
+    return tl.atomic_add(scratch_ptr + BLOCK_E + 3, 1, sem="acq_rel") == n_programs - 1
+
+
+@triton.jit
+def _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
+                 TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
+                 BLOCK_E: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr):
+    """The last program of the step: read the step scratch and zero it in the same atomics (the next call
+    starts from zeros without a memset), then add the counters (one program: no atomics on them)."""
+    e = tl.arange(0, BLOCK_E)
+    flags = tl.atomic_xchg(scratch_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), sem="acq_rel")
+    four = tl.arange(0, 4)
+    sums = tl.atomic_xchg(scratch_ptr + BLOCK_E + four, tl.zeros([4], dtype=tl.int32), sem="acq_rel")
+    n_dec = tl.sum(tl.where(four == 0, sums, 0), axis=0).to(tl.int64)
+    n_tr = tl.sum(tl.where(four == 1, sums, 0), axis=0).to(tl.int64)
+    moved = tl.sum(tl.where(four == 2, sums, 0), axis=0).to(tl.int64)
+    if SERE_STATS:
+        prim = flags & 1
+        _add_counters(sere_cnt_ptr, n_dec, (flags >> 1) & 1, tl.maximum(prim, (flags >> 4) & 1), prim, moved,
+                      WIDTH - KP)
+    if TOPK_STATS:
+        k_after = (flags >> 3) & 1
+        _add_counters(topk_cnt_ptr, n_tr, (flags >> 2) & 1, k_after, k_after, n_tr * (TOPK - KT), TOPK - KT)
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles"])  # one compilation per tiling, not per step length
 def _multi_topk_kernel(
-    logits_ptr, dec_ptr, real_ptr, w_ptr, ids_ptr, bias_ptr, words_ptr, sums_ptr,
-    T, E, scale, s_lt, s_le, s_wt, s_wk, s_it, s_ik,
+    logits_ptr, dec_ptr, real_ptr, w_ptr, ids_ptr, bias_ptr, scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
+    T, n_tiles, E, scale, s_lt, s_le, s_wt, s_wk, s_it, s_ik,
     TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
     HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr, WRITE_WORDS: tl.constexpr,
+    NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr,
+    FLAGS: tl.constexpr, FINISH: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
 ):
-    """Launch 1: pass 1 on tile ``program_id``; ids and weights stored, the tile's word per expert too."""
+    """Launch 1: pass 1 on tile ``program_id``, ids and weights stored; with ``FLAGS`` the tile's expert
+    sets are OR-ed into the step scratch and its row counts added; with ``FINISH`` (no launch 2 follows) the
+    last program adds the counters."""
     tile = tl.program_id(0)
     t0 = tile * BLOCK_T
     ids, dec, prim, s_before, k_before, k_after, need, n_dec, n_tr = _topk_tile(
@@ -71,86 +106,69 @@ def _multi_topk_kernel(
     slots = tl.arange(0, BLOCK_K)
     tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
              mask=(rows[:, None] < T) & (slots[None, :] < TOPK))
-    if WRITE_WORDS:
+    if FLAGS:
         e = tl.arange(0, BLOCK_E)
-        word = prim | (s_before << 1) | (k_before << 2) | (k_after << 3) | (need << 8)
-        tl.store(words_ptr + tile.to(tl.int64) * BLOCK_E + e, word)
-        two = tl.arange(0, 2)
-        tl.store(sums_ptr + tile * 2 + two, tl.where(two == 0, n_dec, n_tr).to(tl.int32))
+        word = prim
+        if SERE_STATS:
+            word = word | (s_before << 1)
+        if TOPK_STATS:
+            word = word | (k_before << 2) | (k_after << 3)
+        tl.atomic_or(scratch_ptr + e, word, mask=word != 0, sem="relaxed")
+        tl.atomic_add(scratch_ptr + BLOCK_E, n_dec.to(tl.int32), mask=n_dec > 0, sem="relaxed")
+        tl.atomic_add(scratch_ptr + BLOCK_E + 1, n_tr.to(tl.int32), mask=n_tr > 0, sem="relaxed")
+    if FINISH:
+        if _arrive(scratch_ptr, n_tiles, BLOCK_E):
+            _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS,
+                         TOPK_STATS)
 
 
 @triton.jit
-def _step_words(words_ptr, n_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """The whole step's sets from launch 1's words: (OR of the words' flag bits, sum of the secondary-slot
-    counts), each [BLOCK_E] int32, reading CHUNK tiles per load."""
+def _secondary_sources(ids, dec, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_E] int32: experts some decode row of the tile names in a secondary slot (those need a decision)."""
     e = tl.arange(0, BLOCK_E)
-    flags = tl.zeros([BLOCK_E], dtype=tl.int32)
-    count = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, n_tiles, CHUNK):
-        tt = c0 + tl.arange(0, CHUNK)
-        w = tl.load(words_ptr + tt[:, None].to(tl.int64) * BLOCK_E + e[None, :], mask=tt[:, None] < n_tiles,
-                    other=0)
-        for b in tl.static_range(4):
-            flags = flags | (tl.max((w >> b) & 1, axis=0) << b)
-        count += tl.sum(w >> 8, axis=0)
-    return flags, count
+    slots = tl.arange(0, BLOCK_K)
+    need = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(KP, WIDTH):
+        src = _column(ids, slots, j)
+        need = tl.maximum(need, _flags(e[None, :] == src[:, None], dec))
+    return need
 
 
 @triton.jit(do_not_specialize=["T", "n_tiles"])
 def _multi_reroute_kernel(
-    dec_ptr, sim_ptr, prot_ptr, ids_ptr, words_ptr, sums_ptr, sere_cnt_ptr, topk_cnt_ptr,
+    dec_ptr, sim_ptr, prot_ptr, ids_ptr, scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
     T, n_tiles, E, rho, s_se, s_sp, s_it, s_ik,
     TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-    VEC_CELLS: tl.constexpr, SERE: tl.constexpr, HAS_DEC: tl.constexpr, HAS_PROT: tl.constexpr,
-    SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
 ):
-    """Launch 2: programs [0, n_tiles) re-route their tile (SERE), program n_tiles (or 0 without SERE) adds
-    the counters (module doc)."""
+    """Launch 2 (SERE): program ``pid`` re-routes its tile against the step's P (one [BLOCK_E] load of the
+    scratch), adds what it moved and kept, and the last program to finish adds the counters (module doc)."""
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    if SERE:
-        stats_pid = n_tiles
-    else:
-        stats_pid = 0
-    if SERE:
-        if pid < n_tiles:
-            own = tl.load(words_ptr + pid.to(tl.int64) * BLOCK_E + e) >> 8
-            if tl.max(own, axis=0) > 0:   # some decode row of this tile has a secondary slot to decide
-                flags, _ = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
-                rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-                row_ok = rows < T
-                slots = tl.arange(0, BLOCK_K)
-                ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
-                ok = row_ok[:, None] & (slots[None, :] < TOPK)
-                ids = tl.load(ptrs, mask=ok, other=0)
-                dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
-                if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
-                    ids, _, _ = _reroute_slots(ids, dec, flags & 1, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
-                                               KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
-                else:                                          # else once per source expert of the tile
-                    table = _route_table(flags & 1, own, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
-                    ids, _, _ = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
-                tl.store(ptrs, ids, mask=ok)
-    if SERE_STATS or TOPK_STATS:
-        if pid == stats_pid:
-            flags, count = _step_words(words_ptr, n_tiles, BLOCK_E, CHUNK)
-            n_dec = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
-            n_tr = n_dec
-            for c0 in range(0, n_tiles, CHUNK):
-                tt = c0 + tl.arange(0, CHUNK)
-                n_dec += tl.sum(tl.load(sums_ptr + tt * 2, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
-                n_tr += tl.sum(tl.load(sums_ptr + tt * 2 + 1, mask=tt < n_tiles, other=0).to(tl.int64), axis=0)
-            if SERE_STATS:
-                prim = flags & 1
-                table = _route_table(prim, count, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
-                moved = tl.sum(tl.where(table >= 0, count, 0).to(tl.int64), axis=0)
-                kept = (count > 0) & (table < 0)     # sources some decode row keeps (in P, protected, no match)
-                after = tl.where(kept, 1, prim)
-                _add_counters(sere_cnt_ptr, n_dec, (flags >> 1) & 1, after, prim, moved, WIDTH - KP)
-            if TOPK_STATS:
-                k_after = (flags >> 3) & 1
-                _add_counters(topk_cnt_ptr, n_tr, (flags >> 2) & 1, k_after, k_after, n_tr * (TOPK - KT), TOPK - KT)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
+    if tl.max(dec.to(tl.int32), axis=0) > 0:   # a tile without decode rows has nothing to decide
+        prim = tl.load(scratch_ptr + e) & 1
+        slots = tl.arange(0, BLOCK_K)
+        ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
+        ok = row_ok[:, None] & (slots[None, :] < TOPK)
+        ids = tl.load(ptrs, mask=ok, other=0)
+        if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
+            ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                              KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+        else:                                          # else once per source expert of the tile
+            need = _secondary_sources(ids, dec, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+            table = _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+            ids, moved, kept = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+        tl.store(ptrs, ids, mask=ok)
+        if SERE_STATS:
+            tl.atomic_or(scratch_ptr + e, kept << 4, mask=kept > 0, sem="relaxed")
+            tl.atomic_add(scratch_ptr + BLOCK_E + 2, moved.to(tl.int32), mask=moved > 0, sem="relaxed")
+    if _arrive(scratch_ptr, n_tiles, BLOCK_E):
+        _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS, TOPK_STATS)
 
 
 def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
@@ -164,12 +182,29 @@ def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
     return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
 
 
+#: the step scratch of each (device, stream, experts block): [BLOCK_E] expert-set words, then (decode rows, counted
+#: rows, moved slots, arrivals); zero between calls (the last program of each call zeroes it)
+_STEP_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def step_scratch(device: torch.device, block_e: int) -> torch.Tensor:
+    """The zeroed int32 scratch the two launches share (module doc), allocated once per device, stream and
+    experts block: a buffer made per call would need a memset node in vLLM's CUDA graphs. Per stream, because
+    calls on one stream run one after another and each leaves it zeroed; calls on two streams may overlap."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream, block_e)
+    buf = _STEP_SCRATCH.get(key)
+    if buf is None:
+        buf = _STEP_SCRATCH[key] = torch.zeros(block_e + 4, dtype=torch.int32, device=device)
+    return buf
+
+
 def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None,
                         real_rows: torch.Tensor | None, sere_counters: torch.Tensor | None,
                         topk_counters: torch.Tensor | None, sim: torch.Tensor | None, prot: torch.Tensor | None,
                         bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
                         block_t: int | None = None, num_warps: int | None = None) -> None:
-    """Launch the two kernels (module doc) into ``weights`` / ``ids``; the arguments are those
+    """Launch the kernels (module doc) into ``weights`` / ``ids``; the arguments are those
     ``fused_routing.fused_routing_triton`` has checked and moved to the device. ``vec_cells``: up to this many
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
     decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
@@ -180,39 +215,36 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
     block_t = block_t or auto_t
     num_warps = num_warps or auto_w
     n_tiles = triton.cdiv(t, block_t)
-    sere = spec.k_primary is not None
-    sere_stats = sere and sere_counters is not None
+    sere_run = spec.k_primary is not None and decode_rows is not None   # else nothing can move
+    sere_stats = spec.k_primary is not None and sere_counters is not None
     topk_stats = spec.trunc_k is not None and topk_counters is not None
-    second = sere or sere_stats or topk_stats
-    # the scratch: one word per (tile, expert), then (decode rows, counted rows) per tile; empty is enough,
-    # launch 1 writes every word launch 2 reads
-    scratch = torch.empty(n_tiles * (block_e + 2) if second else 1, dtype=torch.int32, device=logits.device)
-    words, sums = (scratch[:n_tiles * block_e], scratch[n_tiles * block_e:]) if second else (scratch, scratch)
+    flags = sere_run or sere_stats or topk_stats
+    scratch = step_scratch(logits.device, block_e) if flags else ids
     dummy = ids
     meta = dict(TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
-                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(spec.top_k))
-    _multi_topk_kernel[(n_tiles,)](
-        logits, decode_rows if decode_rows is not None else dummy, real_rows if real_rows is not None else dummy,
-        weights, ids, bias if bias is not None else weights, words, sums,
-        t, num_experts, float(spec.scaling), logits.stride(0), logits.stride(1), weights.stride(0),
-        weights.stride(1), ids.stride(0), ids.stride(1),
-        RENORM=spec.renormalize, TRUNC=spec.trunc_k is not None, TRUNC_ALL=spec.trunc_all, SERE=sere,
-        HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None, SIGMOID=spec.sigmoid,
-        HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups, TG=spec.topk_groups,
-        WRITE_WORDS=second, num_warps=num_warps, **meta)
-    if not second:
-        return
-    sere_run = sere and decode_rows is not None     # no decode row: nothing moves, only counters to add
-    grid = (n_tiles if sere_run else 0) + (1 if sere_stats or topk_stats else 0)
-    if grid == 0:
-        return
-    _multi_reroute_kernel[(grid,)](
-        decode_rows if decode_rows is not None else dummy, sim if sim is not None else dummy,
-        prot if prot is not None else dummy, ids, words, sums,
-        sere_counters if sere_counters is not None else dummy, topk_counters if topk_counters is not None else dummy,
-        t, n_tiles, num_experts, float(spec.rho), sim.stride(0) if sim is not None else 0,
-        sim.stride(1) if sim is not None else 0, ids.stride(0), ids.stride(1),
-        CHUNK=max(1, 2048 // block_e), VEC_CELLS=vec_cells, SERE=sere_run, HAS_DEC=decode_rows is not None,
-        HAS_PROT=prot is not None, SERE_STATS=sere_stats, TOPK_STATS=topk_stats,
-        num_warps=num_warps if block_t * meta["BLOCK_K"] * block_e <= vec_cells and not sere_stats
-        else max(num_warps, 4), **meta)
+                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(spec.top_k),
+                SERE_STATS=sere_stats, TOPK_STATS=topk_stats)
+    counters = (sere_counters if sere_counters is not None else dummy,
+                topk_counters if topk_counters is not None else dummy)
+    try:
+        _multi_topk_kernel[(n_tiles,)](
+            logits, decode_rows if decode_rows is not None else dummy,
+            real_rows if real_rows is not None else dummy, weights, ids, bias if bias is not None else weights,
+            scratch, *counters, t, n_tiles, num_experts, float(spec.scaling), logits.stride(0), logits.stride(1),
+            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+            RENORM=spec.renormalize, TRUNC=spec.trunc_k is not None, TRUNC_ALL=spec.trunc_all,
+            SERE=spec.k_primary is not None, HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None,
+            SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups,
+            TG=spec.topk_groups, FLAGS=flags, FINISH=flags and not sere_run, num_warps=num_warps, **meta)
+        if not sere_run:
+            return
+        small = block_t * meta["BLOCK_K"] * block_e <= vec_cells
+        _multi_reroute_kernel[(n_tiles,)](
+            decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
+            t, n_tiles, num_experts, float(spec.rho), sim.stride(0), sim.stride(1), ids.stride(0), ids.stride(1),
+            VEC_CELLS=vec_cells, HAS_PROT=prot is not None, num_warps=num_warps if small else max(num_warps, 4),
+            **meta)
+    except BaseException:
+        if flags:       # a launch that did not run would leave the scratch half-written for the next call
+            scratch.zero_()
+        raise

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import harness.kernels.fused_routing as fused_routing_module
+import harness.kernels.fused_routing_multi as fused_routing_multi_module
 from harness.kernels.fused_routing import (COUNTERS, ONE_PROGRAM_MAX_TOKENS, RoutingSpec, fused_routing,
                                            fused_routing_reference, fused_routing_triton)
 from harness.techniques.moe_topk import pad_routing, truncate_routing
@@ -142,6 +143,44 @@ def test_multi_program_plan_takes_any_step_length(monkeypatch):
     assert torch.equal(got_id, want_id)
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
     assert got_s.tolist() == want_s.tolist() and got_s[COUNTERS.index("rows")] == 5
+
+
+def _scratches():
+    return list(fused_routing_multi_module._STEP_SCRATCH.values())
+
+
+def test_multi_program_plan_leaves_its_scratch_zeroed_between_calls():
+    """The two launches share a persistent scratch (no memset node in a CUDA graph): the step's expert sets,
+    row counts and arrivals. Each call's last program zeroes it, so calls of every spec and length in a row on
+    one scratch each give the reference's routing and counters — a word left over from the call before would
+    put its experts into the next step's P (SERE would move slots the reference keeps) or its rows into the
+    next counters."""
+    cases = [(9, 32, "top4-sere-k2", 2), (37, 32, "sere-k2", 4), (1, 32, "sere-k1-rho", None),
+             (16, 32, "top2", 4), (9, 32, "top3-all", 2), (70, 32, "sere-k2", 16), (5, 32, "stock", 2)]
+    for i, (t, e, name, block_t) in enumerate(cases * 2):
+        logits, sim, protected, decode, real = make_case(t, e, seed=100 + i)
+        decode[0] = True
+        check_against_reference(logits, spec_of(name, sim, protected), decode, real, multi=True, block_t=block_t)
+        assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"call {i} ({name}, T={t}) left its scratch"
+
+
+def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
+    """A launch 2 that never ran (here: it raises) must not leave launch 1's words for the next call."""
+    logits, sim, protected, decode, real = make_case(9, 32, seed=5)
+    decode[:] = True
+    spec = spec_of("sere-k2", sim, protected)
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("launch failed")
+            return launch
+    monkeypatch.setattr(fused_routing_multi_module, "_multi_reroute_kernel", Broken())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2)
+    assert _scratches() and all(int(b.abs().sum()) == 0 for b in _scratches())
+    monkeypatch.undo()
+    check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
 
 
 @pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
