@@ -150,7 +150,12 @@ def _multi_reroute_kernel(
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
-    if tl.max(dec.to(tl.int32), axis=0) > 0:   # a tile without decode rows has nothing to decide
+    # whether the tile has a decode row, reduced over a [BLOCK_E] vector: a reduction that wide is one REDUX
+    # into a uniform register, so the compiler knows the branch is taken by the whole warp (a 2-row reduction
+    # is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective block)
+    lane = pid * BLOCK_T + e
+    lane_ok = (e < BLOCK_T) & (lane < T)
+    if tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0:
         prim = tl.load(scratch_ptr + e) & 1
         slots = tl.arange(0, BLOCK_K)
         ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
