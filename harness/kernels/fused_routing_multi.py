@@ -1,5 +1,5 @@
-"""The routing op (``harness.kernels.fused_routing``) for steps of many rows: one program per row tile, two
-launches.
+"""The routing op (``harness.kernels.fused_routing``) for steps of many rows: one program per row tile, one
+launch, or two with SERE.
 
 Why (issue 23). The one-program kernel walks every tile of a step in one program, so its cost grows with the
 rows: on the H200 SERE K=2 cost 9.9 µs per layer at T=16, 23 µs at 64 and 79 µs at 256, against 3.7–3.9 µs for
@@ -9,32 +9,32 @@ SERE's set P (the primary experts of the decode rows) is a reduction over the wh
 needs all of it; a second launch is the grid-wide barrier:
 
     launch 1, one program per tile of BLOCK_T rows: pass 1 (``fused_routing_tiles._topk_tile``: softmax or
-             DeepSeek-V3 top-k, renormalisation, truncation, weights stored), ids stored, and one int32 word
-             per (tile, expert) into a scratch: bit 0 in P, bit 1 in SERE's before-set, bit 2 in top-K's
-             before-set, bit 3 in its after-set, bits 8.. how many decode rows of the tile name the expert in
-             a secondary slot; plus the tile's decode-row and counted-row counts
-    launch 2, one program per tile (SERE only): a tile with no decode secondary slot stops at once; the others
-             OR the step's P from the scratch and make the one-program kernel's decision (``_nearest_in_p``):
-             every secondary slot in one gather on small tiles (``_reroute_slots``), else once per source
-             expert of the tile (``_route_table``); then rewrite their ids in place
-    launch 2, one more program (statistics only): reduces the scratch alone — the union sets, P, the global
-             per-expert decision times the per-expert slot counts = moved slots — and adds the counters in
-             place (one program: no atomics)
+             DeepSeek-V3 top-k, renormalisation, truncation, weights stored), ids stored; the tile's expert
+             sets OR-ed into the step scratch, one int32 word per expert (bit 0 in P, bit 1 in SERE's
+             before-set, bit 2 in top-K's before-set, bit 3 in its after-set), its decode and counted rows
+             added to the scratch's sums
+    launch 2, one program per tile (SERE only): a tile with no decode row stops at once; the others read P
+             (one [BLOCK_E] load) and make the one-program kernel's decision (``_nearest_in_p``): every
+             secondary slot in one gather on small tiles (``_reroute_slots``), else once per source expert
+             of the tile (``_route_table``); then rewrite their ids in place and add the slots they moved and
+             the sources they kept (bit 4) to the scratch
+    the last program to finish (of launch 2, or of launch 1 when no launch 2 follows: top-K's counters,
+             or SERE's on a step without decode rows) reads the scratch, zeroes it and adds the counters
 
-Plain stores into a scratch made by ``torch.empty`` inside the op (no atomics, so no zeroed buffer and no
-memset): the op stays one or two kernel nodes in a CUDA graph, with no host synchronisation, and its scratch
-comes from the graph's pool under capture like the outputs. Any number of rows (no ≤ 256 limit); launch 2's
-programs each read the scratch of the whole step (T/BLOCK_T words per expert), which the tile size keeps small
-(:func:`multi_tile`). Where the time goes (H200 timings, results/benchmarks/routing_op_h200.json; the sm_90
-code read statically, results/benchmarks/routing_op_sass_sm90.md): launch 1 alone is the stock routing,
-2.7–3.9 µs per layer at 1–512 rows; launch 2 adds ~10–13 µs for SERE with its counters (~6.5–11 without them)
-at 16–512 rows. A second launch of one small program already costs ~2.5 µs (top-2's counters: 5.2 against 2.7 at
-T=1). The rest is not a long chain of dependent loads (the longest dependency chain through launch 2 holds 3
-global loads and 36 barriers): with the counters, launch 2 is 3,894 instructions per thread at the 4 warps the
-statistics program needs, 1,995 of them and 144 of its 161 global loads in ``_nearest_in_p`` (128 loads per
-thread are that program's [E, E] table, 128 × 128 over 128 threads), and 812 with 29 barriers in
-``_step_words``, whose reductions cross warps at 4 warps; without the counters it is 1,789 instructions at one
-warp, with no barrier.
+The scratch (:func:`step_scratch`) is allocated zeroed once per device, stream and experts block and left zeroed
+by every call (the last program exchanges each word with 0), so the op stays one or two kernel nodes in a CUDA
+graph — no memset node, no host synchronisation. Arrival is CUTLASS's semaphore pattern (``_arrive``: a CTA
+barrier, then one thread's acq_rel atomic); no program ever waits for another, so Triton's interpreter, which
+runs programs one after another, runs the same code. Any number of rows.
+
+Before (session 9's plan, timed on the H200): launch 1 wrote one word per (tile, expert) with plain stores;
+every program of launch 2 OR-ed the whole step's words (T/BLOCK_T per expert) and one extra program, at the 4
+warps its [E, E] table needed, re-derived the counters: launch 2 cost ~10–13 µs with the counters (~6.5–11
+without), 15.5 µs per layer for SERE K=2 at 64 rows against 2.7 for launch 1 alone (results/benchmarks/
+routing_op_h200.json; sm_90 SASS: launch 2 3,894 instructions per thread for the statistics program, 812 of them
+OR-ing the words, results/benchmarks/routing_op_sass_sm90.md). Now launch 2 runs at one warp on
+small tiles (sm_90: 1,056 instructions per thread with the counters up to 64 rows; both launches 2,478 against
+4,943), and top-K's counters need no second launch.
 Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
 ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
 """
