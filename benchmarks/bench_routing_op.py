@@ -22,7 +22,9 @@ without its counters (``*_sere2_nostats``: what the statistics cost in each plan
 or 2 warps at T <= 16 (``one_{stock,sere2,top2}_w{1,2}``: ``routing_op_sass.py`` found the default 4 warps on a
 one- or two-row step put 34–59 barriers on the longest dependency chain, no more warps than rows 0–14); tiling
 rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-by-slot re-route, ``fused_sere2_vec``
-= all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>``).
+= all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>[r<launch 2
+warps>]``, ``multi_{stock,top2}_t<rows>w<warps>``); ``--baseline-multi FILE`` adds another version of the
+multi-program plan's module (``base_multi_*``), timed in the same rounds.
 ``--variants`` times a subset. Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports
 torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
 """
@@ -39,8 +41,13 @@ import torch
 from _common import RESULTS_DIR, capture_graph, random_similarity, write_result
 
 E, K = 128, 8
-#: (rows per program, warps) of the multi-program plan's tiling sweep
-MULTI_TILINGS = [(2, 1), (4, 1), (4, 2), (8, 2), (16, 4)]
+#: (rows per program, warps, launch 2's warps) of the multi-program plan's tiling sweep for SERE K=2
+#: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
+#: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
+#: launch 1's top-k reductions inside a warp
+MULTI_TILINGS = [(1, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
+#: (rows per program, warps) for the one-launch multi-program plans (stock, top-2): ``multi_{stock,top2}_t<r>w<w>``
+ONE_LAUNCH_TILINGS = [(1, 1), (2, 2), (4, 4)]
 #: decode rows of the ``*_mixed`` variants (the rest of the step: prefill rows, which SERE leaves alone)
 MIXED_DECODES = 6
 
@@ -173,9 +180,14 @@ def build_variants(tokens: int, layers: int, device: str, baseline=None):
                                                num_warps=w)
     variants["one_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=False)
     variants["multi_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True)
-    for tile_rows, warps in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
-        variants[f"multi_sere2_t{tile_rows}w{warps}"] = fused(sere2, True, multi=True, block_t=tile_rows,
-                                                              num_warps=warps)
+    for tile_rows, warps, warps_2 in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
+        name = f"multi_sere2_t{tile_rows}w{warps}" + (f"r{warps_2}" if warps_2 != warps else "")
+        variants[name] = fused(sere2, True, multi=True, block_t=tile_rows, num_warps=warps, reroute_warps=warps_2)
+    for tile_rows, warps in ONE_LAUNCH_TILINGS:
+        variants[f"multi_stock_t{tile_rows}w{warps}"] = fused(RoutingSpec(K, True), False, multi=True,
+                                                              block_t=tile_rows, num_warps=warps)
+        variants[f"multi_top2_t{tile_rows}w{warps}"] = fused(RoutingSpec(K, True, trunc_k=2), False, topk_stats=True,
+                                                             multi=True, block_t=tile_rows, num_warps=warps)
     if baseline is not None:
         from harness.kernels.fused_routing import VEC_CELLS
 

@@ -188,12 +188,13 @@ def _tile_rows(num_tokens: int, block_e: int) -> int:
 def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
-                         num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None,
+                         reroute_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
     (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
     :data:`ONE_PROGRAM_MAX_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
-    all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes)."""
+    all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes);
+    ``reroute_warps`` the multi-program plan's launch 2 warps."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -222,7 +223,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     if multi if multi is not None else t > ONE_PROGRAM_MAX_TOKENS:
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
-                            block_t=block_t, num_warps=num_warps)
+                            block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps)
         return weights, ids
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_t = block_t or _tile_rows(t, block_e)

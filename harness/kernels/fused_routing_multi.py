@@ -208,12 +208,14 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
                         real_rows: torch.Tensor | None, sere_counters: torch.Tensor | None,
                         topk_counters: torch.Tensor | None, sim: torch.Tensor | None, prot: torch.Tensor | None,
                         bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
-                        block_t: int | None = None, num_warps: int | None = None) -> None:
+                        block_t: int | None = None, num_warps: int | None = None,
+                        reroute_warps: int | None = None) -> None:
     """Launch the kernels (module doc) into ``weights`` / ``ids``; the arguments are those
     ``fused_routing.fused_routing_triton`` has checked and moved to the device. ``vec_cells``: up to this many
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
     decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
-    registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows)."""
+    registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows),
+    ``reroute_warps`` launch 2's warps (default: launch 1's on small tiles, at least 4 on the table path)."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
     auto_t, auto_w = multi_tile(t, block_e)
@@ -247,7 +249,8 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
         _multi_reroute_kernel[(n_tiles,)](
             decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
             t, n_tiles, num_experts, float(spec.rho), sim.stride(0), sim.stride(1), ids.stride(0), ids.stride(1),
-            VEC_CELLS=vec_cells, HAS_PROT=prot is not None, num_warps=num_warps if small else max(num_warps, 4),
+            VEC_CELLS=vec_cells, HAS_PROT=prot is not None,
+            num_warps=reroute_warps or (num_warps if small else max(num_warps, 4)),
             **meta)
     except BaseException:
         if flags:       # a launch that did not run would leave the scratch half-written for the next call
