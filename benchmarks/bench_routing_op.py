@@ -294,6 +294,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
+        from harness.kernels.fused_routing import kernel_keys
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
                "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
@@ -303,6 +304,9 @@ def main() -> None:
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
                             "mixed_decodes": MIXED_DECODES},
                "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
+               # which kernel code the one_* / multi_* rows timed (Triton's hash of each plan's jit sources):
+               # routing_op_sass.py sets a figure beside the compiled code only when the hashes agree
+               "kernel_keys": kernel_keys(),
                "rows": rows}
         write_result(doc, args.out, markdown, indent=1)
         print("wrote", args.out, "and", args.out.with_suffix(".md"))

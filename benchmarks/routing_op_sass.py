@@ -18,8 +18,8 @@ row): ``stock`` (softmax top-8), ``sere2`` (SERE K=2, ρ 0, with its counters), 
 ``top2`` (``moe.top_k=2`` with its counters), each through ``one`` program or the ``multi``-program plan; at
 T <= 16 also through one program of 1 or 2 warps (``one_w1``, ``one_w2``; the default is 4 warps up to 8 rows)
 and, for SERE, the slot-by-slot re-route that the all-slots gather replaced (``one_loop``, session 8). The
-measured column is the H200's figure for the same kernels where one was taken (their code is unchanged since that
-run: commit 7bed2d4, Triton 3.6.0). Writes ``results/benchmarks/routing_op_sass_sm90.{json,md}`` (or ``--out``).
+measured column is the H200's figure for the same kernel code where one was taken (:func:`measured_us`; Triton
+3.6.0). Writes ``results/benchmarks/routing_op_sass_sm90.{json,md}`` (or ``--out``).
 Imports torch, triton and the harness's kernel modules.
 """
 
@@ -81,11 +81,22 @@ def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan:
 
 def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
     """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
-    file's figure wins; an absent file adds nothing)."""
+    file's figure wins; an absent file adds nothing), for the kernel code compiled here only: a file that records
+    ``kernel_keys`` (session 22 on) gives the rows of the plans whose keys match today's; an older file gives
+    its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
+    plan was rebuilt in session 22)."""
+    from harness.kernels.fused_routing import kernel_keys
+
+    now = kernel_keys()
     out: dict[tuple[str, int], float] = {}
     for path in paths:
-        if path.exists():
-            out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in json.loads(path.read_text())["rows"]})
+        if not path.exists():
+            continue
+        doc = json.loads(path.read_text())
+        keys = doc.get("kernel_keys")
+        same = {plan for plan in ("one", "multi") if (keys[plan] == now[plan] if keys else plan == "one")}
+        out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in doc["rows"]
+                    if r["variant"].split("_")[0] in same})
     return out
 
 

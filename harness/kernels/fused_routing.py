@@ -46,10 +46,13 @@ Imports: torch and triton only.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import triton
 import triton.language as tl
 
+from harness.kernels import fused_routing_multi as _multi
 from harness.kernels._triton import triton_runs
 from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
@@ -57,7 +60,7 @@ from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _co
                                                  _reroute_slots, _route_table, _topk_tile)
 
 __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
-           "fused_routing_triton"]
+           "fused_routing_triton", "kernel_keys"]
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
@@ -251,6 +254,16 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         num_warps=num_warps or (4 if block_t * block_e <= 1024 else 8),
     )
     return weights, ids
+
+
+def kernel_keys() -> dict[str, str | None]:
+    """Which kernel code each launch plan runs: a hash of Triton's ``cache_key`` of its kernels (the jit
+    sources they call included), ``one`` and ``multi``; None under Triton's interpreter. A timing records it, so
+    an analysis of the compiled code (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
+    def key(*kernels) -> str | None:
+        keys = [getattr(k, "cache_key", None) for k in kernels]
+        return None if None in keys else hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
+    return {"one": key(_fused_routing_kernel), "multi": key(_multi._multi_topk_kernel, _multi._multi_reroute_kernel)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

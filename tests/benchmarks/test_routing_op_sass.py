@@ -39,3 +39,26 @@ def test_the_fit_recovers_an_exact_relation_and_predicts_the_untimed_rows():
 def test_too_few_timed_rows_give_no_fit():
     rows = [_row("v", "one", i, 400 + i, 4, i, 3.0 + i) for i in range(4)]
     assert ros.one_program_fit(rows) is None
+
+
+def test_measurements_pair_only_with_the_kernel_code_they_timed(tmp_path):
+    """A timing file sits beside today's compiled code only where it timed that code: a file with the current
+    ``kernel_keys`` gives every plan, one with another multi-program hash its one-program rows, a file from
+    before the keys existed its one-program rows only (the multi-program plan was rebuilt after it)."""
+    import json
+
+    from harness.kernels.fused_routing import kernel_keys
+
+    now = kernel_keys()
+    rows = [{"variant": "one_sere2", "tokens": 1, "us_per_layer": 5.2},
+            {"variant": "multi_sere2", "tokens": 64, "us_per_layer": 15.5}]
+
+    def write(name, keys):
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": rows, **({"kernel_keys": keys} if keys is not None else {})}))
+        return path
+
+    assert ros.measured_us([write("legacy.json", None)]) == {("one_sere2", 1): 5.2}
+    assert ros.measured_us([write("other.json", {"one": now["one"], "multi": "another"})]) == {("one_sere2", 1): 5.2}
+    assert ros.measured_us([write("same.json", now)]) == {("one_sere2", 1): 5.2, ("multi_sere2", 64): 15.5}
+    assert ros.measured_us([tmp_path / "absent.json"]) == {}
