@@ -21,7 +21,7 @@ needs all of it; a second launch is the grid-wide barrier:
     the last program to finish (of launch 2, or of launch 1 when no launch 2 follows: top-K's counters,
              or SERE's on a step without decode rows) reads the scratch, zeroes it and adds the counters
 
-The scratch (:func:`step_scratch`) is allocated zeroed once per device, stream and experts block and left zeroed
+The scratch (:func:`step_scratch`) is allocated zeroed once per device and experts block and left zeroed
 by every call (the last program exchanges each word with 0), so the op stays one or two kernel nodes in a CUDA
 graph — no memset node, no host synchronisation. Arrival is CUTLASS's semaphore pattern (``_arrive``: a CTA
 barrier, then one thread's acq_rel atomic); no program ever waits for another, so Triton's interpreter, which
@@ -187,17 +187,19 @@ def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
     return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
 
 
-#: the step scratch of each (device, stream, experts block): [BLOCK_E] expert-set words, then (decode rows, counted
-#: rows, moved slots, arrivals); zero between calls (the last program of each call zeroes it)
+#: the step scratch of each (device, experts block): [BLOCK_E] expert-set words, then (decode rows, counted rows,
+#: moved slots, arrivals); zero between calls (the last program of each call zeroes it)
 _STEP_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def step_scratch(device: torch.device, block_e: int) -> torch.Tensor:
-    """The zeroed int32 scratch the two launches share (module doc), allocated once per device, stream and
-    experts block: a buffer made per call would need a memset node in vLLM's CUDA graphs. Per stream, because
-    calls on one stream run one after another and each leaves it zeroed; calls on two streams may overlap."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream, block_e)
+    """The zeroed int32 scratch the launches share (module doc), allocated once per device and experts block: a
+    buffer made per call would need a memset node in vLLM's CUDA graphs. One per device, not per stream: a
+    captured graph replays on whatever stream runs it, and the first call (an eager warm-up: vLLM's profile run,
+    the engines' and benchmarks' warm-ups) allocates it outside any graph's pool. It assumes a device's routing
+    calls run one after another, as a model's layers do; vLLM's micro-batch overlap, which would run two at
+    once, is refused by the plugin (``harness.engines.vllm.plugin.refuse_micro_batching``)."""
+    key = (device.type, device.index, block_e)
     buf = _STEP_SCRATCH.get(key)
     if buf is None:
         buf = _STEP_SCRATCH[key] = torch.zeros(block_e + 4, dtype=torch.int32, device=device)

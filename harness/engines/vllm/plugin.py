@@ -159,6 +159,24 @@ def _patch_factory(artifacts: Any, module: Any = None) -> None:
         _wrap_module(mod)
 
 
+def refuse_micro_batching(parallel_config: Any = None) -> None:
+    """Refuse vLLM's micro-batch overlap (``--enable-dbo`` / ``ubatch_size`` > 1) for a layer the plugin routes:
+    the routing op's multi-program plan keeps one step scratch per device (``fused_routing_multi.step_scratch``)
+    and relies on a device's MoE layers routing one after another, while overlapped micro-batches run two
+    batches' layers at once. ``parallel_config``: vLLM's (default: the current config's); none found, nothing to
+    refuse (vLLM builds its layers inside ``set_current_vllm_config``)."""
+    if parallel_config is None:
+        try:
+            from vllm.config import get_current_vllm_config
+
+            parallel_config = get_current_vllm_config().parallel_config
+        except Exception:  # noqa: BLE001 - no vLLM config here (unit tests, an old vLLM): nothing to check
+            return
+    if getattr(parallel_config, "enable_dbo", False) or int(getattr(parallel_config, "ubatch_size", 0) or 0) > 1:
+        raise NotImplementedError("SERE / moe.top_k with vLLM's micro-batch overlap (--enable-dbo, ubatch_size > 1): "
+                                  "the routing op's step scratch assumes one batch's MoE layers at a time per device")
+
+
 def _wrap_module(module: Any) -> None:
     name = moe_constructor_name(module)
     current = getattr(module, name)
@@ -175,6 +193,7 @@ def _wrap_module(module: Any) -> None:
             logger.warning("harness plugin: %s routes with a rule no registered family describes: stock routing",
                            kwargs.get("prefix", ""))
             return original(*args, **kwargs)
+        refuse_micro_batching()
         kwargs, extra = family_kwargs(kwargs, rule)
         fn = provider.routing_for(kwargs.get("prefix", ""), kwargs.get("num_experts"),
                                   **{k: v for k, v in extra.items() if v is not None})

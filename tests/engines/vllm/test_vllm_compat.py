@@ -103,3 +103,28 @@ def test_routing_simulator_is_refused_with_sere(monkeypatch):
         plugin_env(None, moe=MoeSettings(top_k=2))
     monkeypatch.delenv(ROUTING_SIMULATION_ENV)
     assert plugin_env(None, moe=MoeSettings(top_k=2))[V1_RUNNER_ENV] == "0"   # 0.29+: V1 runner asked for
+
+
+def test_micro_batch_overlap_is_refused_where_the_plugin_routes():
+    """vLLM's dual-batch overlap runs two micro-batches' MoE layers at once; the routing op's step scratch is one
+    per device, so a routed layer refuses it (a layer the plugin leaves alone, and plain configs, build)."""
+    from types import SimpleNamespace
+
+    plugin.refuse_micro_batching(SimpleNamespace(enable_dbo=False, ubatch_size=0))
+    plugin.refuse_micro_batching(SimpleNamespace())                   # an older vLLM without the fields
+    for cfg in (SimpleNamespace(enable_dbo=True, ubatch_size=0), SimpleNamespace(enable_dbo=False, ubatch_size=2)):
+        with pytest.raises(NotImplementedError, match="micro-batch"):
+            plugin.refuse_micro_batching(cfg)
+    plugin.refuse_micro_batching()                                    # no vLLM config in this process: nothing
+
+
+def test_a_routed_layer_checks_the_current_vllm_config(monkeypatch):
+    def refuse(parallel_config=None):
+        raise NotImplementedError("micro-batch")
+
+    monkeypatch.setattr(plugin, "refuse_micro_batching", refuse)
+    mod = _module(FusedMoE=lambda **kw: kw)
+    plugin._patch_factory(_Provider(), module=mod)
+    with pytest.raises(NotImplementedError, match="micro-batch"):
+        mod.FusedMoE(num_experts=8, prefix="layers.0.mlp.experts")
+    assert mod.FusedMoE(custom_routing_function="theirs", prefix="x")["custom_routing_function"] == "theirs"
