@@ -142,6 +142,7 @@ def _multi_reroute_kernel(
     TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     """Launch 2 (SERE): program ``pid`` re-routes its tile against the step's P (one [BLOCK_E] load of the
     scratch), adds what it moved and kept, and the last program to finish adds the counters (module doc)."""
@@ -150,11 +151,12 @@ def _multi_reroute_kernel(
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
-    # whether the tile has a decode row, reduced over a [BLOCK_E] vector: a reduction that wide is one REDUX
+    # whether the tile has a decode row, reduced over a [LANES >= 32] vector: a reduction that wide is one REDUX
     # into a uniform register, so the compiler knows the branch is taken by the whole warp (a 2-row reduction
     # is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective block)
-    lane = pid * BLOCK_T + e
-    lane_ok = (e < BLOCK_T) & (lane < T)
+    lanes = tl.arange(0, LANES)
+    lane = pid * BLOCK_T + lanes
+    lane_ok = (lanes < BLOCK_T) & (lane < T)
     if tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0:
         prim = tl.load(scratch_ptr + e) & 1
         slots = tl.arange(0, BLOCK_K)
@@ -251,7 +253,7 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
         _multi_reroute_kernel[(n_tiles,)](
             decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
             t, n_tiles, num_experts, float(spec.rho), sim.stride(0), sim.stride(1), ids.stride(0), ids.stride(1),
-            VEC_CELLS=vec_cells, HAS_PROT=prot is not None,
+            VEC_CELLS=vec_cells, HAS_PROT=prot is not None, LANES=max(block_e, block_t, 32),
             num_warps=reroute_warps or (num_warps if small else max(num_warps, 4)),
             **meta)
     except BaseException:

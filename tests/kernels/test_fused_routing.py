@@ -164,6 +164,16 @@ def test_multi_program_plan_leaves_its_scratch_zeroed_between_calls():
         assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"call {i} ({name}, T={t}) left its scratch"
 
 
+def test_multi_program_tile_taller_than_the_expert_block_finds_its_decode_rows():
+    """Launch 2 asks whether a tile has a decode row over a vector of max(experts block, rows) lanes: a 32-row
+    tile of 16 experts whose decode rows are all past row 16 still re-routes them."""
+    logits, sim, protected, decode, real = make_case(40, 16, seed=29)
+    decode[:] = False
+    decode[20:28] = True
+    want_s = check_against_reference(logits, spec_of("sere-k2", sim, protected), decode, real, multi=True, block_t=32)
+    assert want_s[COUNTERS.index("moved")] > 0
+
+
 def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
     """A launch 2 that never ran (here: it raises) must not leave launch 1's words for the next call."""
     logits, sim, protected, decode, real = make_case(9, 32, seed=5)
