@@ -159,8 +159,9 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# The routing op's kernels for sm_{doc['arch']}, read statically", "",
              f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
              f"{doc['env']['host']}; 128 experts, top-8, every row a decode row. Measured: "
-             f"{', '.join(f'`{m}`' for m in doc['measured_from'])} (µs per layer, median over rounds), same kernel "
-             "code. Static counts are per "
+             f"{', '.join(f'`{m}`' for m in doc['measured_from'])} (µs per layer, median over rounds), "
+             "beside the same kernel code only (a file's `kernel_keys`; older files: one-program rows). Static "
+             "counts are per "
              "thread and per launch, summed over the launches of a step; loops count once.", "",
              "| variant | plan | T | H200 µs/layer | launches | instructions | global loads | barriers | shuffles "
              "| regs | spill B | loops | critical path (instr / global loads / barriers / shuffles) |",
