@@ -179,12 +179,13 @@ def _multi_reroute_kernel(
 
 
 def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
-    """(rows per program, warps) of the multi-program plan. Small tiles spread a step over many programs, but
-    launch 2 reads every tile's words per program, so tiles grow with the step: ~32 programs, 2–16 rows.
-    Measured on the H200 with every variant (results/benchmarks/routing_op_h200.json). The SERE K=2 tiling
-    sweep there found 1–2 µs per layer more at 64–256 rows with ~16 programs (4 rows / 2 warps at T=64: 14.2
-    vs 15.5; 8 / 2 at T=70: 15.0 vs 17.1; 16 / 4 at T=256: 15.2 vs 16.2), but the stock and top-2 routing were
-    not measured at those tilings, so the rule stays the one measured for all of them."""
+    """(rows per program, warps) of the multi-program plan: ~32 programs, 2–16 rows. Measured on the H200 with
+    every variant for the plan before session 22 (results/benchmarks/routing_op_h200.json), whose launch-2
+    programs each read every tile's words, hence tiles that grow with the step; the SERE K=2 tiling sweep there
+    found 1–2 µs per layer more at 64–256 rows with ~16 programs (4 rows / 2 warps at T=64: 14.2 vs 15.5; 8 / 2
+    at T=70: 15.0 vs 17.1; 16 / 4 at T=256: 15.2 vs 16.2), stock and top-2 not measured at those tilings. The
+    rebuilt plan reads one word per expert whatever the step, so that reason is gone; the rule stays until the
+    sweep (``bench_routing_op.py``: ``multi_*_t<rows>w<warps>[r<launch 2 warps>]``) is timed on it."""
     block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 32))))
     return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
 
