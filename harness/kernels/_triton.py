@@ -8,11 +8,12 @@ Imports: torch only (triton is imported by the kernel modules, never here).
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
 
-__all__ = ["interpreting", "triton_runs"]
+__all__ = ["interpreting", "source_key", "triton_runs"]
 
 
 def interpreting() -> bool:
@@ -29,3 +30,10 @@ def triton_runs(device: torch.device | str, kernel: object | None = None) -> boo
     if not interpreting():
         return False
     return kernel is None or type(kernel).__name__ == "InterpretedFunction"
+
+
+def source_key(*kernels: object) -> str | None:
+    """One hash of Triton's ``cache_key`` of ``kernels`` (each key covers the kernel's source and the jit functions
+    it calls): which kernel code a timing ran, recorded beside it. None under the interpreter (no cache keys)."""
+    keys = [getattr(k, "cache_key", None) for k in kernels]
+    return None if None in keys else hashlib.sha256("".join(keys).encode()).hexdigest()[:16]

@@ -46,14 +46,12 @@ Imports: torch and triton only.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import triton
 import triton.language as tl
 
-from harness.kernels import fused_routing_multi as _multi
-from harness.kernels._triton import triton_runs
+from harness.kernels._triton import source_key, triton_runs
+from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
 from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _nearest_in_p,
@@ -257,13 +255,10 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
 
 
 def kernel_keys() -> dict[str, str | None]:
-    """Which kernel code each launch plan runs: a hash of Triton's ``cache_key`` of its kernels (the jit
-    sources they call included), ``one`` and ``multi``; None under Triton's interpreter. A timing records it, so
-    an analysis of the compiled code (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
-    def key(*kernels) -> str | None:
-        keys = [getattr(k, "cache_key", None) for k in kernels]
-        return None if None in keys else hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-    return {"one": key(_fused_routing_kernel), "multi": key(_multi._multi_topk_kernel, _multi._multi_reroute_kernel)}
+    """Which kernel code each launch plan runs (``one``, ``multi``: :func:`harness.kernels._triton.source_key`);
+    None under Triton's interpreter. A timing records it, so an analysis of the compiled code
+    (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
+    return {"one": source_key(_fused_routing_kernel), "multi": source_key(*MULTI_KERNELS)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

@@ -49,7 +49,7 @@ from harness.kernels.fused_routing_reference import RoutingSpec
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _reroute_slots,
                                                  _route_table, _topk_tile)
 
-__all__ = ["fused_routing_multi", "multi_tile"]
+__all__ = ["KERNELS", "fused_routing_multi", "multi_tile", "step_scratch"]
 
 @triton.jit
 def _arrive(scratch_ptr, n_programs, BLOCK_E: tl.constexpr):
@@ -176,6 +176,10 @@ def _multi_reroute_kernel(
             tl.atomic_add(scratch_ptr + BLOCK_E + 2, moved.to(tl.int32), mask=moved > 0, sem="relaxed")
     if _arrive(scratch_ptr, n_tiles, BLOCK_E):
         _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS, TOPK_STATS)
+
+
+#: the plan's kernels in launch order (``fused_routing.kernel_keys`` hashes their sources)
+KERNELS = (_multi_topk_kernel, _multi_reroute_kernel)
 
 
 def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:

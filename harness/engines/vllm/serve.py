@@ -12,9 +12,10 @@ every server process through its entry point; ``VLLM_PLUGINS`` also names the ha
 ``GET /health`` (the server answers once the engine is up; a server that exits first fails with the tail
 of its log), and :meth:`VLLMServer.stop` ends the process group (SIGTERM, then SIGKILL); a harness killed
 before it can stop the server leaves none behind (:mod:`harness.engines.vllm.serve_main` watches its parent).
-stdout+stderr go to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only the variables
-the harness hands the server (its technique variables and ``VLLM_PLUGINS``), secret-looking values masked
-(:mod:`harness.redact`): a run directory is shared and uploaded, and the environment may hold tokens (issue 26).
+stdout+stderr go to ``vllm_serve.log`` in the run directory, kept. The log's header names the command and only
+the variables the harness hands the server (its technique variables and ``VLLM_PLUGINS``), secret-looking values
+masked (:mod:`harness.redact`): a run directory is shared and uploaded, and the environment may hold tokens (issue
+26).
 The server is protected by an API key — ``VLLM_API_KEY`` if the user set one, else a random one per server —
 given to it in its environment (never on the command line, which every local user can read with ``ps``); vLLM
 then guards ``/v1`` with it and the harness endpoint guards ``/harness``
