@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -252,6 +255,45 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def warm_argv(argv: list[str]) -> list[str]:
+    """The caller's flags for a ``--warm-only`` process, less ``--tokens``, ``--out`` and ``--compile-jobs``
+    (as ``--flag value`` or ``--flag=value``): each process gets its own T and writes nothing."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in ("--tokens", "--out", "--compile-jobs"):
+            skip = "=" not in a
+            continue
+        kept.append(a)
+    return kept
+
+
+def compile_in_parallel(tokens: list[int], jobs: int) -> None:
+    """Fill Triton's disk cache with every variant at every T, ``jobs`` processes at a time (this script with
+    ``--warm-only --tokens T`` and the caller's other flags), so the timed run loads kernels instead of compiling
+    them one after another. Why: one process compiles serially on one core, minutes of a device call on a fresh
+    machine. A process that fails stops the run with its output (a variant that disagrees with its reference
+    must not be timed)."""
+    argv = warm_argv(sys.argv[1:])
+
+    def warm(t: int) -> tuple[int, int, str]:
+        proc = subprocess.run([sys.executable, __file__, *argv, "--warm-only", "--tokens", str(t)],
+                              capture_output=True, text=True)
+        return t, proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(warm, tokens))
+    failed = [(t, out) for t, rc, out in results if rc != 0]
+    for t, out in failed:
+        print(f"compile T={t} failed:\n{out}", file=sys.stderr)
+    if failed:
+        raise SystemExit(f"compiling failed at T={[t for t, _ in failed]}")
+    print(f"compiled {len(tokens)} step lengths in {jobs} processes: {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,16,64,70,256,512")
@@ -263,6 +305,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU: correctness of every variant, no timing")
     ap.add_argument("--warm-only", action="store_true", help="check and run every variant once, time nothing: "
                     "fills Triton's cache, e.g. one process per T in parallel before the timed run")
+    ap.add_argument("--compile-jobs", type=int, default=0,
+                    help="compile in N processes first, one per T (--warm-only each, sharing Triton's disk cache): "
+                         "on a fresh machine compiling the variants takes most of a run's minutes, one core each")
     ap.add_argument("--baseline-multi", type=Path, default=None,
                     help="another version of harness/kernels/fused_routing_multi.py: its plan is timed beside "
                          "today's in the same rounds as base_multi_{stock,sere2,sere2_nostats,top2,sere2_mixed}")
@@ -285,6 +330,8 @@ def main() -> None:
         unknown = keep - known - {"vllm_topk_softmax", "torch_topk"}
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
+    if args.compile_jobs > 0 and not args.warm_only:
+        compile_in_parallel(tokens, args.compile_jobs)
     rows = []
 
     def save() -> None:

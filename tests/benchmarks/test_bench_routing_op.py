@@ -1,0 +1,40 @@
+"""benchmarks/bench_routing_op.py's parallel compile step: each ``--warm-only`` process gets the caller's flags
+with its own T, and a process that fails (a variant that disagrees with its reference) stops the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import bench_routing_op as bro  # noqa: E402
+
+
+def test_warm_argv_drops_the_per_process_flags_in_both_spellings():
+    argv = ["--tokens", "1,4", "--variants", "one_sere2,multi_sere2", "--out=/tmp/x.json", "--rounds", "5",
+            "--compile-jobs", "4", "--baseline-multi=old.py", "--tokens=64"]
+    assert bro.warm_argv(argv) == ["--variants", "one_sere2,multi_sere2", "--rounds", "5", "--baseline-multi=old.py"]
+
+
+def test_compile_in_parallel_runs_one_warm_process_per_length_and_stops_on_a_failure(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd, capture_output, text):
+        calls.append(cmd)
+        t = int(cmd[cmd.index("--tokens") + 1])
+        return subprocess.CompletedProcess(cmd, 1 if t == 16 else 0, stdout=f"T={t}\n", stderr="")
+
+    monkeypatch.setattr(sys, "argv", ["bench_routing_op.py", "--variants", "one_sere2", "--compile-jobs", "3"])
+    monkeypatch.setattr(bro.subprocess, "run", fake_run)
+    bro.compile_in_parallel([1, 4], 3)
+    assert sorted(c[c.index("--tokens") + 1] for c in calls) == ["1", "4"]
+    assert all("--warm-only" in c and c[2:4] == ["--variants", "one_sere2"] and "--compile-jobs" not in c
+               for c in calls)
+    assert "compiled 2 step lengths" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"T=\[16\]"):
+        bro.compile_in_parallel([1, 16, 64], 3)
+    assert "compile T=16 failed" in capsys.readouterr().err
