@@ -3,6 +3,7 @@
 plugin ran before (stock top-k, re-route kernel, ~15 counter ops), at Qwen3-30B-A3B router shapes.
 
     python benchmarks/bench_routing_op.py [--tokens 1,4,16,64,70,256,512 --layers 48 --rounds 9 --variants ...]
+    python benchmarks/bench_routing_op.py --compile-jobs 7 ...   # a fresh machine: compile each T in its own process
     TRITON_INTERPRET=1 python benchmarks/bench_routing_op.py --smoke   # CPU: correctness only, no timing
 
 What a decode step does, 48 times (one MoE layer each): logits [T, 128] bf16 → weights/ids [T, 8]. Every
