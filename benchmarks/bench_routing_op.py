@@ -326,7 +326,7 @@ def main() -> None:
             print(f"smoke T={t}: every variant ran, fused == reference")
         return
     keep = {v for v in args.variants.split(",") if v} | {"vllm_topk_softmax", "torch_topk"}
-    if args.variants:   # a misspelt name fails here, before any GPU time (names depend on T: shortest and longest)
+    if args.variants and not args.warm_only:   # a misspelt name fails here, before any GPU time (names depend on T: shortest and longest)
         known = {n for t in (min(tokens), max(tokens)) for n in build_variants(t, 1, "cpu", baseline)}
         unknown = keep - known - {"vllm_topk_softmax", "torch_topk"}
         if unknown:

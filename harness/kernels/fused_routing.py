@@ -58,15 +58,15 @@ from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _co
                                                  _reroute_slots, _route_table, _topk_tile)
 
 __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
-           "fused_routing_triton", "kernel_keys"]
+           "fused_routing_triton", "kernel_keys", "one_program_warps"]
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
-#: H200, µs per layer, SERE K=2 (results/benchmarks/routing_op_h200.json): at 16 rows one program 10.0 against
-#: 13.5 for two launches; at 64 rows 23.4 against 15.5 (stock 8.2 / 2.7, top-2 14.4 / 6.5). From 17 to 32 rows
-#: the one program runs one 32-row tile, not measured: its cost grew ~0.4 µs per row from 4 to 16 rows (5.2 →
-#: 10.0), which puts it above the two launches' ~13.5 there; stock and top-2 are already faster in two at 16
-ONE_PROGRAM_MAX_TOKENS = 16
+#: H100, session 23, µs per layer, one program against the rebuilt multi-program plan at one row per program
+#: (results/benchmarks/routing_op_h100_s23.json): SERE K=2 7.76 / 7.76 at 8 rows, 10.0 / 8.1 at 16; stock
+#: 2.78 / 2.47 and 3.23 / 2.48; top-2 4.33 / 6.10 and 5.92 / 6.60; at 4 rows and fewer one program wins every
+#: technique (SERE 5.2 against 7.7). 8 is where SERE's two plans meet; top-2 alone would keep one program to 16
+ONE_PROGRAM_MAX_TOKENS = 8
 #: rows x slots x experts up to which a tile re-routes SERE's secondary slots all at once (``_reroute_slots``):
 #: 4 rows at top-8 of 128 experts; beyond, the per-slot loop (one program) or the per-expert table (one program
 #: per tile) keeps registers in bounds
@@ -186,6 +186,20 @@ def _tile_rows(num_tokens: int, block_e: int) -> int:
     return max(1, min(triton.next_power_of_2(max(num_tokens, 1)), cap))
 
 
+def one_program_warps(block_t: int, block_e: int) -> int:
+    """Warps of the one-program kernel: a warp per row on one- and two-row steps, 4 up to 8 rows x 128 experts,
+    8 beyond. Why: routing_op_sass.py found 4 warps on a one-row step put 34–53 barriers on the longest chain
+    with no more warps than rows doing work; timed (H100, session 23, µs per layer, 1 / 2 / 4 warps): one row
+    SERE K=2 4.19 / 4.50 / 5.21, stock 2.47 / – / 3.55, top-2 2.89 / 3.65 / 3.98; two rows SERE 5.37 / 4.13 /
+    5.23, top-2 3.08 / 2.98 / 3.93, stock 2.75 / – / 3.40; four rows 4 warps win every technique (SERE 8.64 /
+    6.15 / 5.23), and 8 rows too. 8 warps beyond 8 rows x 128 experts: H200, SERE K=2 at T=16 9.9 µs against
+    11.7 with 4. By rows only, never by technique, so every technique's stock part reduces in the same order
+    (identical weights with SERE on and off)."""
+    if block_t <= 2:
+        return block_t
+    return 4 if block_t * block_e <= 1024 else 8
+
+
 def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: torch.Tensor | None = None,
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
@@ -246,10 +260,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         VEC_CELLS=VEC_CELLS if vec_cells is None else vec_cells,
         SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups,
         TG=spec.topk_groups,
-        # 4 warps up to 8 rows x 128 experts, 8 beyond (H200 sweep: SERE K=2 at T=16 9.9 µs with 8 warps vs 11.7
-        # with 4; at T=1 7.4 with 4 vs 8.9 with 8); never chosen by technique, so every technique's stock part
-        # reduces in the same order (identical weights with SERE on and off)
-        num_warps=num_warps or (4 if block_t * block_e <= 1024 else 8),
+        num_warps=num_warps or one_program_warps(block_t, block_e),
     )
     return weights, ids
 

@@ -182,16 +182,21 @@ def _multi_reroute_kernel(
 KERNELS = (_multi_topk_kernel, _multi_reroute_kernel)
 
 
-def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int]:
-    """(rows per program, warps) of the multi-program plan: ~32 programs, 2–16 rows. Measured on the H200 with
-    every variant for the plan before session 22 (results/benchmarks/routing_op_h200.json), whose launch-2
-    programs each read every tile's words, hence tiles that grow with the step; the SERE K=2 tiling sweep there
-    found 1–2 µs per layer more at 64–256 rows with ~16 programs (4 rows / 2 warps at T=64: 14.2 vs 15.5; 8 / 2
-    at T=70: 15.0 vs 17.1; 16 / 4 at T=256: 15.2 vs 16.2), stock and top-2 not measured at those tilings. The
-    rebuilt plan reads one word per expert whatever the step, so that reason is gone; the rule stays until the
-    sweep (``bench_routing_op.py``: ``multi_*_t<rows>w<warps>[r<launch 2 warps>]``) is timed on it."""
-    block_t = max(2, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 32))))
-    return block_t, (1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4)
+def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int, int]:
+    """(rows per program, warps of launch 1, warps of launch 2 on small tiles) of the multi-program plan: one
+    row per program up to 256 rows, then tiles that keep the grid at ~256 programs (2–16 rows). Why: the rebuilt
+    plan reads one word per expert whatever the step, so more programs cost no more reading, and a one-row
+    program is one warp with no cross-row reduction. Timed on the H100 (session 23, µs per layer,
+    results/benchmarks/routing_op_h100_s23.json), one row / one warp / launch 2 at 2 warps against the previous
+    rule's ~32 programs: SERE K=2 8.26 vs 11.17 at 64 rows, 9.35 vs 18.37 at 256, 8.09 vs 10.46 at 16; stock 2.57
+    vs 2.79 and 2.61 vs 3.77; top-2 6.77 vs 7.08 and 7.48 vs 7.94; 2 rows / 2 warps in between (SERE 8.99 / 9.79).
+    Beyond 256 rows (prefill chunks) not timed on this plan: tiles grow there so the arrivals on the step
+    scratch's counter stay ~256 per launch, with the previous rule's warps."""
+    block_t = max(1, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 256))))
+    if block_t == 1:
+        return 1, 1, 2
+    warps = 1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4
+    return block_t, warps, warps
 
 
 #: the step scratch of each (device, experts block): [BLOCK_E] expert-set words, then (decode rows, counted rows,
@@ -224,10 +229,13 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
     decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
     registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows),
-    ``reroute_warps`` launch 2's warps (default: launch 1's on small tiles, at least 4 on the table path)."""
+    ``reroute_warps`` launch 2's warps (default: :func:`multi_tile`'s with its tiling; with a caller's tiling launch
+    1's on small tiles, at least 4 on the table path)."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
-    auto_t, auto_w = multi_tile(t, block_e)
+    auto_t, auto_w, auto_w2 = multi_tile(t, block_e)
+    if block_t is None and num_warps is None:      # multi_tile's tiling: its launch-2 warps too
+        reroute_warps = reroute_warps or auto_w2
     block_t = block_t or auto_t
     num_warps = num_warps or auto_w
     n_tiles = triton.cdiv(t, block_t)
