@@ -49,9 +49,9 @@ E, K = 128, 8
 #: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
 #: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
 #: launch 1's top-k reductions inside a warp
-MULTI_TILINGS = [(1, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
+MULTI_TILINGS = [(1, 1, 2), (2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
 #: (rows per program, warps) for the one-launch multi-program plans (stock, top-2): ``multi_{stock,top2}_t<r>w<w>``
-ONE_LAUNCH_TILINGS = [(1, 1), (2, 2), (4, 4)]
+ONE_LAUNCH_TILINGS = [(1, 1), (2, 1), (2, 2), (4, 4)]
 #: decode rows of the ``*_mixed`` variants (the rest of the step: prefill rows, which SERE leaves alone)
 MIXED_DECODES = 6
 
@@ -347,7 +347,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
-        from harness.kernels.fused_routing import kernel_keys
+        from harness.kernels.fused_routing import kernel_keys, kernel_sources
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
                "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
@@ -360,6 +360,8 @@ def main() -> None:
                # which kernel code the one_* / multi_* rows timed (Triton's hash of each plan's jit sources):
                # routing_op_sass.py sets a figure beside the compiled code only when the hashes agree
                "kernel_keys": kernel_keys(),
+               # the same from the kernels' source text only (Triton's keys move with line numbers)
+               "kernel_sources": kernel_sources(),
                "rows": rows}
         write_result(doc, args.out, markdown, indent=1)
         print("wrote", args.out, "and", args.out.with_suffix(".md"))

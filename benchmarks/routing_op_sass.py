@@ -56,10 +56,24 @@ def specs() -> dict[str, tuple[Any, bool, bool]]:
             "top2": (RoutingSpec(K, True, trunc_k=2), False, True)}
 
 
-def measured_as(variant: str, plan: str) -> str:
-    """``bench_routing_op.py``'s name for the same kernels: ``one_sere2``, ``multi_top2``, ``one_stock_w1``..."""
+def measured_as(variant: str, plan: str, tokens: int) -> str:
+    """``bench_routing_op.py``'s name for the kernels this plan compiles at ``tokens`` rows, tiling included: a
+    figure timed at another tiling is another kernel, whatever its source. The dispatch's plans name the forced
+    variant of the same tiling: one program with a warp per row (``one_sere2_w1`` at one row) or its default
+    warps (``one_sere2``, 4–8 warps, unchanged since the first timings); the multi-program plan its tiling sweep's
+    name (``multi_sere2_t1w1r2``: rows, launch 1 warps, launch 2 warps; stock and top-2 launch once)."""
     if plan.startswith("one_w"):
         return f"one_{variant}_w{plan[5:]}"
+    from harness.kernels.fused_routing import _tile_rows, one_program_warps
+    from harness.kernels.fused_routing_multi import multi_tile
+
+    block_e = max(16, 1 << (E - 1).bit_length())
+    if plan == "one":
+        warps = one_program_warps(_tile_rows(tokens, block_e), block_e)
+        return f"one_{variant}_w{warps}" if warps <= 2 else f"one_{variant}"
+    if plan == "multi":
+        rows, warps, warps_2 = multi_tile(tokens, block_e)
+        return f"multi_{variant}_t{rows}w{warps}" + (f"r{warps_2}" if "sere" in variant and warps_2 != warps else "")
     return f"{plan}_{variant}"
 
 
@@ -82,19 +96,21 @@ def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan:
 def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
     """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
     file's figure wins; an absent file adds nothing), for the kernel code compiled here only: a file that records
-    ``kernel_keys`` (session 22 on) gives the rows of the plans whose keys match today's; an older file gives
-    its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
-    plan was rebuilt in session 22)."""
-    from harness.kernels.fused_routing import kernel_keys
+    ``kernel_sources`` (session 23 on: the kernels' source text) or else ``kernel_keys`` (session 22: Triton's
+    keys, which also move when a kernel's lines move) gives the rows of the plans whose hashes match today's;
+    an older file gives its one-program rows only (that kernel's code is unchanged since them, docstrings aside;
+    the multi-program plan was rebuilt in session 22)."""
+    from harness.kernels.fused_routing import kernel_keys, kernel_sources
 
-    now = kernel_keys()
+    now = {"kernel_sources": kernel_sources(), "kernel_keys": kernel_keys()}
     out: dict[tuple[str, int], float] = {}
     for path in paths:
         if not path.exists():
             continue
         doc = json.loads(path.read_text())
-        keys = doc.get("kernel_keys")
-        same = {plan for plan in ("one", "multi") if (keys[plan] == now[plan] if keys else plan == "one")}
+        field = next((f for f in ("kernel_sources", "kernel_keys") if f in doc), None)
+        same = {plan for plan in ("one", "multi")
+                if (doc[field][plan] == now[field][plan] if field else plan == "one")}
         out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in doc["rows"]
                     if r["variant"].split("_")[0] in same})
     return out
@@ -236,7 +252,7 @@ def main() -> None:
                     continue  # the forced one-program variants: small steps (and the loop: SERE only)
                 kernels = [profile_kernel(k, c) for k, c in
                            compile_variant(spec, sere_stats, topk_stats, tokens, plan, args.arch)]
-                as_ = measured_as(name, plan)
+                as_ = measured_as(name, plan, tokens)
                 row = {"variant": name, "plan": plan, "tokens": tokens, "measured_as": as_,
                        "measured_us": measured.get((as_, tokens)), "summary": summary(kernels), "kernels": kernels}
                 doc["rows"].append(row)

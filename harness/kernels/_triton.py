@@ -9,11 +9,14 @@ Imports: torch only (triton is imported by the kernel modules, never here).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import textwrap
+from types import ModuleType
 
 import torch
 
-__all__ = ["interpreting", "source_key", "triton_runs"]
+__all__ = ["interpreting", "source_key", "source_text_key", "triton_runs"]
 
 
 def interpreting() -> bool:
@@ -37,3 +40,19 @@ def source_key(*kernels: object) -> str | None:
     it calls): which kernel code a timing ran, recorded beside it. None under the interpreter (no cache keys)."""
     keys = [getattr(k, "cache_key", None) for k in kernels]
     return None if None in keys else hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
+
+
+def source_text_key(*modules: ModuleType) -> str:
+    """One hash of the source text of every Triton function defined in ``modules`` (by name, dedented). Why beside
+    :func:`source_key`: Triton's ``cache_key`` includes each function's starting line number, so a docstring
+    edit above a kernel changes it and a timing no longer pairs with unchanged code; this key moves only when a
+    kernel's or helper's text does (over-inclusive: a helper no kernel calls counts too). Works compiled and
+    interpreted alike."""
+    parts = []
+    for module in modules:
+        for name, obj in sorted(vars(module).items()):
+            fn = getattr(obj, "fn", None)
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and getattr(fn, "__module__", None) \
+                    == module.__name__:
+                parts.append(f"{module.__name__}.{name}\n{textwrap.dedent(inspect.getsource(fn))}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

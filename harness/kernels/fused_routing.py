@@ -26,7 +26,8 @@ program per row tile, the second launch as the grid barrier SERE's step-wide set
 P is a reduction over the whole step and pass 2 needs all of it: one program sees all of it, and a step that
 fits one tile keeps everything in registers (no store/reload between the passes, one launch). Its cost grows
 with T (SERE K=2 on the H200: 5.2 µs per layer at T=4, 23 at 64, 80 at 256), so beyond
-:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (15–17 µs from 64 to 512 rows).
+:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (SERE K=2 7.8–9.4 µs from 8 to 256
+rows, H100, session 23).
 The tile functions both plans run are in ``harness.kernels.fused_routing_tiles``. The torch reference runs
 only where Triton does not.
 
@@ -50,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.kernels._triton import source_key, triton_runs
+from harness.kernels._triton import source_key, source_text_key, triton_runs
 from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
 from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
@@ -58,7 +59,7 @@ from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _co
                                                  _reroute_slots, _route_table, _topk_tile)
 
 __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
-           "fused_routing_triton", "kernel_keys", "one_program_warps"]
+           "fused_routing_triton", "kernel_keys", "kernel_sources", "one_program_warps"]
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
@@ -270,6 +271,16 @@ def kernel_keys() -> dict[str, str | None]:
     None under Triton's interpreter. A timing records it, so an analysis of the compiled code
     (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
     return {"one": source_key(_fused_routing_kernel), "multi": source_key(*MULTI_KERNELS)}
+
+
+def kernel_sources() -> dict[str, str]:
+    """Like :func:`kernel_keys`, from the kernels' source text only (:func:`harness.kernels._triton.source_text_key`):
+    unchanged by edits that only move a kernel's lines, which change Triton's keys (session 23 found it so)."""
+    import sys
+
+    here, tiles = sys.modules[__name__], sys.modules[_topk_tile.fn.__module__]
+    multi = sys.modules[fused_routing_multi.__module__]
+    return {"one": source_text_key(here, tiles), "multi": source_text_key(multi, tiles)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

@@ -34,7 +34,10 @@ without), 15.5 µs per layer for SERE K=2 at 64 rows against 2.7 for launch 1 al
 routing_op_h200.json; sm_90 SASS: launch 2 3,894 instructions per thread for the statistics program, 812 of them
 OR-ing the words, results/benchmarks/routing_op_sass_sm90.md). Now launch 2 runs at one warp on
 small tiles (sm_90: 1,056 instructions per thread with the counters up to 64 rows; both launches 2,478 against
-4,943), and top-K's counters need no second launch.
+4,943), and top-K's counters need no second launch. Timed (H100, session 23, µs per layer, one row per
+program): SERE K=2 8.26 against the old plan's 16.22 at 64 rows and 9.35 against 16.44 at 256; top-2 in one
+launch 6.77 against the old two launches' 6.60 at 64 rows (the counters' arrival costs what the second launch
+did) and 7.48 against 9.71 at 256 (results/benchmarks/routing_op_h100_s23.json, docs/vllm.md).
 Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
 ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
 """
@@ -191,12 +194,12 @@ def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int, int]:
     rule's ~32 programs: SERE K=2 8.26 vs 11.17 at 64 rows, 9.35 vs 18.37 at 256, 8.09 vs 10.46 at 16; stock 2.57
     vs 2.79 and 2.61 vs 3.77; top-2 6.77 vs 7.08 and 7.48 vs 7.94; 2 rows / 2 warps in between (SERE 8.99 / 9.79).
     Beyond 256 rows (prefill chunks) not timed on this plan: tiles grow there so the arrivals on the step
-    scratch's counter stay ~256 per launch, with the previous rule's warps."""
+    scratch's counter stay ~256 per launch, with the previous rule's warps (launch 2 at least 2)."""
     block_t = max(1, min(16, triton.next_power_of_2(triton.cdiv(max(num_tokens, 1), 256))))
     if block_t == 1:
         return 1, 1, 2
     warps = 1 if block_t * block_e <= 512 else 2 if block_t * block_e <= 1024 else 4
-    return block_t, warps, warps
+    return block_t, warps, max(warps, 2)
 
 
 #: the step scratch of each (device, experts block): [BLOCK_E] expert-set words, then (decode rows, counted rows,

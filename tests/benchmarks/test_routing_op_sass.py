@@ -47,18 +47,36 @@ def test_measurements_pair_only_with_the_kernel_code_they_timed(tmp_path):
     before the keys existed its one-program rows only (the multi-program plan was rebuilt after it)."""
     import json
 
-    from harness.kernels.fused_routing import kernel_keys
+    from harness.kernels.fused_routing import kernel_keys, kernel_sources
 
-    now = kernel_keys()
+    now, text = kernel_keys(), kernel_sources()
     rows = [{"variant": "one_sere2", "tokens": 1, "us_per_layer": 5.2},
             {"variant": "multi_sere2", "tokens": 64, "us_per_layer": 15.5}]
 
-    def write(name, keys):
+    def write(name, keys, field="kernel_keys"):
         path = tmp_path / name
-        path.write_text(json.dumps({"rows": rows, **({"kernel_keys": keys} if keys is not None else {})}))
+        path.write_text(json.dumps({"rows": rows, **({field: keys} if keys is not None else {})}))
         return path
 
     assert ros.measured_us([write("legacy.json", None)]) == {("one_sere2", 1): 5.2}
     assert ros.measured_us([write("other.json", {"one": now["one"], "multi": "another"})]) == {("one_sere2", 1): 5.2}
     assert ros.measured_us([write("same.json", now)]) == {("one_sere2", 1): 5.2, ("multi_sere2", 64): 15.5}
     assert ros.measured_us([tmp_path / "absent.json"]) == {}
+    # session 23 on: the source-text hashes decide (Triton's keys move with line numbers)
+    both = {"rows": rows, "kernel_keys": {"one": "moved", "multi": "moved"}, "kernel_sources": text}
+    (tmp_path / "text.json").write_text(json.dumps(both))
+    assert ros.measured_us([tmp_path / "text.json"]) == {("one_sere2", 1): 5.2, ("multi_sere2", 64): 15.5}
+    other = write("text_other.json", {"one": text["one"], "multi": "another"}, field="kernel_sources")
+    assert ros.measured_us([other]) == {("one_sere2", 1): 5.2}
+
+
+def test_a_figure_is_paired_with_the_tiling_the_dispatch_compiles():
+    # one program: a warp per row on one- and two-row steps (the forced-warps variants), else the default variant
+    assert ros.measured_as("sere2", "one", 1) == "one_sere2_w1"
+    assert ros.measured_as("top2", "one", 2) == "one_top2_w2"
+    assert ros.measured_as("sere2", "one", 4) == "one_sere2"
+    # the multi-program plan: its tiling sweep's name (launch 2's warps for SERE only)
+    assert ros.measured_as("sere2", "multi", 64) == "multi_sere2_t1w1r2"
+    assert ros.measured_as("stock", "multi", 256) == "multi_stock_t1w1"
+    assert ros.measured_as("sere2", "multi", 512) == "multi_sere2_t2w1r2"   # a name the sweep times
+    assert ros.measured_as("sere2", "one_w2", 16) == "one_sere2_w2"
