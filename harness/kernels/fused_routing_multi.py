@@ -232,13 +232,12 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
     decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
     registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows),
-    ``reroute_warps`` launch 2's warps (default: :func:`multi_tile`'s with its tiling; with a caller's tiling launch
-    1's on small tiles, at least 4 on the table path)."""
+    ``reroute_warps`` launch 2's warps (default on small tiles: :func:`multi_tile`'s with its tiling, launch 1's
+    with a caller's; at least 4 on the table path)."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
     auto_t, auto_w, auto_w2 = multi_tile(t, block_e)
-    if block_t is None and num_warps is None:      # multi_tile's tiling: its launch-2 warps too
-        reroute_warps = reroute_warps or auto_w2
+    small_w2 = auto_w2 if block_t is None and num_warps is None else None   # multi_tile's tiling: its launch 2 too
     block_t = block_t or auto_t
     num_warps = num_warps or auto_w
     n_tiles = triton.cdiv(t, block_t)
@@ -270,7 +269,7 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
             decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
             t, n_tiles, num_experts, float(spec.rho), sim.stride(0), sim.stride(1), ids.stride(0), ids.stride(1),
             VEC_CELLS=vec_cells, HAS_PROT=prot is not None, LANES=max(block_e, block_t, 32),
-            num_warps=reroute_warps or (num_warps if small else max(num_warps, 4)),
+            num_warps=reroute_warps or ((small_w2 or num_warps) if small else max(num_warps, 4)),
             **meta)
     except BaseException:
         if flags:       # a launch that did not run would leave the scratch half-written for the next call
