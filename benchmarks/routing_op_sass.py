@@ -1,5 +1,5 @@
 """Where the routing op's time can go, read off the code the H200 runs: the op's kernels compiled for sm_90 on
-any machine (no GPU), beside the µs per layer the H200 measured for the same kernels.
+any machine (no GPU), beside the µs per layer the H200 (and, from session 23, an H100) measured for the same kernels.
 
     pip install --target /tmp/t36 triton==3.6.0      # the GPU machine's Triton (shared/notes/environment.md)
     PYTHONPATH=/tmp/t36 python benchmarks/routing_op_sass.py [--tokens 1,4,16,64,256 --arch 90]
@@ -18,7 +18,8 @@ row): ``stock`` (softmax top-8), ``sere2`` (SERE K=2, ρ 0, with its counters), 
 ``top2`` (``moe.top_k=2`` with its counters), each through ``one`` program or the ``multi``-program plan; at
 T <= 16 also through one program of 1 or 2 warps (``one_w1``, ``one_w2``; the default is 4 warps up to 8 rows)
 and, for SERE, the slot-by-slot re-route that the all-slots gather replaced (``one_loop``, session 8). The
-measured column is the H200's figure for the same kernel code where one was taken (:func:`measured_us`; Triton
+measured column is the GPU's figure for the same kernel code and tiling where one was taken (H200 or H100, which time
+these kernels alike) (:func:`measured_us`; Triton
 3.6.0). Writes ``results/benchmarks/routing_op_sass_sm90.{json,md}`` (or ``--out``).
 Imports torch, triton and the harness's kernel modules.
 """
@@ -135,7 +136,7 @@ SCHEDULERS = 4
 
 
 def one_program_fit(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A three-term fit of the H200's one-program timings to the static figures, and what it predicts for the
+    """A three-term fit of the GPU's one-program timings to the static figures, and what it predicts for the
     one-program kernels not timed yet (``one_w1`` / ``one_w2``). Why: the static counts say what code is on the
     path, not how long it takes; a fit over the kernels that were timed says how the two relate, and turns each
     untimed candidate into a prediction the next GPU call can falsify. Terms: a fixed cost (launch, graph
@@ -176,10 +177,11 @@ def markdown(doc: dict[str, Any]) -> str:
              f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
              f"{doc['env']['host']}; 128 experts, top-8, every row a decode row. Measured: "
              f"{', '.join(f'`{m}`' for m in doc['measured_from'])} (µs per layer, median over rounds), "
-             "beside the same kernel code only (a file's `kernel_keys`; older files: one-program rows). Static "
+             "beside the same kernel code and tiling only (a file's `kernel_sources` or `kernel_keys`; older files: one-program "
+             "rows). Static "
              "counts are per "
              "thread and per launch, summed over the launches of a step; loops count once.", "",
-             "| variant | plan | T | H200 µs/layer | launches | instructions | global loads | barriers | shuffles "
+             "| variant | plan | T | measured µs/layer | launches | instructions | global loads | barriers | shuffles "
              "| regs | spill B | loops | critical path (instr / global loads / barriers / shuffles) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
