@@ -49,7 +49,7 @@ E, K = 128, 8
 #: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
 #: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
 #: launch 1's top-k reductions inside a warp
-MULTI_TILINGS = [(1, 1, 2), (2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
+MULTI_TILINGS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
 #: (rows per program, warps) for the one-launch multi-program plans (stock, top-2): ``multi_{stock,top2}_t<r>w<w>``
 ONE_LAUNCH_TILINGS = [(1, 1), (2, 1), (2, 2), (4, 4)]
 #: decode rows of the ``*_mixed`` variants (the rest of the step: prefill rows, which SERE leaves alone)

@@ -68,11 +68,14 @@ def _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
                  TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
                  BLOCK_E: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr):
     """The last program of the step: read the step scratch and zero it in the same atomics (the next call
-    starts from zeros without a memset), then add the counters (one program: no atomics on them)."""
+    starts from zeros without a memset), then add the counters (one program: no atomics on them). The exchanges
+    are relaxed: :func:`_arrive`'s acq_rel atomic and the CTA barrier after it already order every other
+    program's atomics before them (CUTLASS reads after its semaphore with plain loads), and each acq_rel element
+    cost a ``MEMBAR.ALL.GPU`` + ``CCTL.IVALL`` pair in the sm_90 SASS — five of the last program's six fences."""
     e = tl.arange(0, BLOCK_E)
-    flags = tl.atomic_xchg(scratch_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), sem="acq_rel")
+    flags = tl.atomic_xchg(scratch_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), sem="relaxed")
     four = tl.arange(0, 4)
-    sums = tl.atomic_xchg(scratch_ptr + BLOCK_E + four, tl.zeros([4], dtype=tl.int32), sem="acq_rel")
+    sums = tl.atomic_xchg(scratch_ptr + BLOCK_E + four, tl.zeros([4], dtype=tl.int32), sem="relaxed")
     n_dec = tl.sum(tl.where(four == 0, sums, 0), axis=0).to(tl.int64)
     n_tr = tl.sum(tl.where(four == 1, sums, 0), axis=0).to(tl.int64)
     moved = tl.sum(tl.where(four == 2, sums, 0), axis=0).to(tl.int64)
