@@ -271,13 +271,13 @@ def warm_argv(argv: list[str]) -> list[str]:
     return kept
 
 
-def compile_in_parallel(tokens: list[int], jobs: int) -> None:
+def compile_in_parallel(tokens: list[int], jobs: int, argv: list[str]) -> None:
     """Fill Triton's disk cache with every variant at every T, ``jobs`` processes at a time (this script with
-    ``--warm-only --tokens T`` and the caller's other flags), so the timed run loads kernels instead of compiling
+    ``--warm-only --tokens T`` and the caller's other flags, ``argv``), so the timed run loads kernels instead of compiling
     them one after another. Why: one process compiles serially on one core, minutes of a device call on a fresh
     machine. A process that fails stops the run with its output (a variant that disagrees with its reference
     must not be timed)."""
-    argv = warm_argv(sys.argv[1:])
+    argv = warm_argv(argv)
 
     def warm(t: int) -> tuple[int, int, str]:
         proc = subprocess.run([sys.executable, __file__, *argv, "--warm-only", "--tokens", str(t)],
@@ -332,7 +332,7 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
     if args.compile_jobs > 0 and not args.warm_only:
-        compile_in_parallel(tokens, args.compile_jobs)
+        compile_in_parallel(tokens, args.compile_jobs, sys.argv[1:])
     rows = []
 
     def save() -> None:
@@ -347,7 +347,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
-        from harness.kernels.fused_routing import kernel_keys, kernel_sources
+        from harness.kernels.fused_routing import kernel_sources
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
                "dtype": "bfloat16", "weights": "n/a (random logits)", "protocol":
@@ -357,10 +357,8 @@ def main() -> None:
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
                             "mixed_decodes": MIXED_DECODES},
                "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
-               # which kernel code the one_* / multi_* rows timed (Triton's hash of each plan's jit sources):
+               # which kernel code the one_* / multi_* rows timed (a hash of each plan's kernel sources):
                # routing_op_sass.py sets a figure beside the compiled code only when the hashes agree
-               "kernel_keys": kernel_keys(),
-               # the same from the kernels' source text only (Triton's keys move with line numbers)
                "kernel_sources": kernel_sources(),
                "rows": rows}
         write_result(doc, args.out, markdown, indent=1)

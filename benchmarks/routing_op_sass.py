@@ -97,21 +97,19 @@ def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan:
 def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
     """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
     file's figure wins; an absent file adds nothing), for the kernel code compiled here only: a file that records
-    ``kernel_sources`` (session 23 on: the kernels' source text) or else ``kernel_keys`` (session 22: Triton's
-    keys, which also move when a kernel's lines move) gives the rows of the plans whose hashes match today's;
-    an older file gives its one-program rows only (that kernel's code is unchanged since them, docstrings aside;
-    the multi-program plan was rebuilt in session 22)."""
-    from harness.kernels.fused_routing import kernel_keys, kernel_sources
+    ``kernel_sources`` (session 23 on) gives the rows of the plans whose hashes match today's; an older file gives
+    its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
+    plan was rebuilt in session 22)."""
+    from harness.kernels.fused_routing import kernel_sources
 
-    now = {"kernel_sources": kernel_sources(), "kernel_keys": kernel_keys()}
+    now = kernel_sources()
     out: dict[tuple[str, int], float] = {}
     for path in paths:
         if not path.exists():
             continue
         doc = json.loads(path.read_text())
-        field = next((f for f in ("kernel_sources", "kernel_keys") if f in doc), None)
-        same = {plan for plan in ("one", "multi")
-                if (doc[field][plan] == now[field][plan] if field else plan == "one")}
+        recorded = doc.get("kernel_sources")
+        same = {plan for plan in ("one", "multi") if (recorded[plan] == now[plan] if recorded else plan == "one")}
         out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in doc["rows"]
                     if r["variant"].split("_")[0] in same})
     return out
@@ -177,7 +175,7 @@ def markdown(doc: dict[str, Any]) -> str:
              f"Triton {doc['env']['triton']} (the H200's: {doc['env']['triton'] == DEVICE_TRITON}), compiled on "
              f"{doc['env']['host']}; 128 experts, top-8, every row a decode row. Measured: "
              f"{', '.join(f'`{m}`' for m in doc['measured_from'])} (µs per layer, median over rounds), "
-             "beside the same kernel code and tiling only (a file's `kernel_sources` or `kernel_keys`; older files: one-program "
+             "beside the same kernel code and tiling only (a file's `kernel_sources`; older files: one-program "
              "rows). Static "
              "counts are per "
              "thread and per launch, summed over the launches of a step; loops count once.", "",

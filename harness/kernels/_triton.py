@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import sys
 import textwrap
-from types import ModuleType
 
 import torch
 
-__all__ = ["interpreting", "source_key", "source_text_key", "triton_runs"]
+__all__ = ["interpreting", "source_text_key", "triton_runs"]
 
 
 def interpreting() -> bool:
@@ -35,19 +35,13 @@ def triton_runs(device: torch.device | str, kernel: object | None = None) -> boo
     return kernel is None or type(kernel).__name__ == "InterpretedFunction"
 
 
-def source_key(*kernels: object) -> str | None:
-    """One hash of Triton's ``cache_key`` of ``kernels`` (each key covers the kernel's source and the jit functions
-    it calls): which kernel code a timing ran, recorded beside it. None under the interpreter (no cache keys)."""
-    keys = [getattr(k, "cache_key", None) for k in kernels]
-    return None if None in keys else hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-
-
-def source_text_key(*modules: ModuleType) -> str:
-    """One hash of the source text of every Triton function defined in ``modules`` (by name, dedented). Why beside
-    :func:`source_key`: Triton's ``cache_key`` includes each function's starting line number, so a docstring
-    edit above a kernel changes it and a timing no longer pairs with unchanged code; this key moves only when a
-    kernel's or helper's text does (over-inclusive: a helper no kernel calls counts too). Works compiled and
-    interpreted alike."""
+def source_text_key(*kernels: object) -> str:
+    """One hash of the source text of every Triton function defined in the modules that define ``kernels`` (by
+    name, dedented): which kernel code a timing ran, recorded beside it. Why the text and not Triton's
+    ``cache_key``: that key includes each function's starting line number, so a docstring edit above a kernel
+    changed it and a timing no longer paired with unchanged code (session 23). Over-inclusive by design: a
+    helper of those modules that no kernel calls counts too. Works compiled and interpreted alike."""
+    modules = dict.fromkeys(sys.modules[k.fn.__module__] for k in kernels)
     parts = []
     for module in modules:
         for name, obj in sorted(vars(module).items()):

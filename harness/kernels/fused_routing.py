@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from harness.kernels._triton import source_key, source_text_key, triton_runs
+from harness.kernels._triton import source_text_key, triton_runs
 from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
 from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
@@ -59,7 +59,7 @@ from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _co
                                                  _reroute_slots, _route_table, _topk_tile)
 
 __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
-           "fused_routing_triton", "kernel_keys", "kernel_sources", "one_program_warps"]
+           "fused_routing_triton", "kernel_sources", "one_program_warps"]
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
@@ -266,21 +266,12 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     return weights, ids
 
 
-def kernel_keys() -> dict[str, str | None]:
-    """Which kernel code each launch plan runs (``one``, ``multi``: :func:`harness.kernels._triton.source_key`);
-    None under Triton's interpreter. A timing records it, so an analysis of the compiled code
-    (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
-    return {"one": source_key(_fused_routing_kernel), "multi": source_key(*MULTI_KERNELS)}
-
-
 def kernel_sources() -> dict[str, str]:
-    """Like :func:`kernel_keys`, from the kernels' source text only (:func:`harness.kernels._triton.source_text_key`):
-    unchanged by edits that only move a kernel's lines, which change Triton's keys (session 23 found it so)."""
-    import sys
-
-    here, tiles = sys.modules[__name__], sys.modules[_topk_tile.fn.__module__]
-    multi = sys.modules[fused_routing_multi.__module__]
-    return {"one": source_text_key(here, tiles), "multi": source_text_key(multi, tiles)}
+    """Which kernel code each launch plan runs (``one``, ``multi``: :func:`harness.kernels._triton.source_text_key`
+    of its kernels and the tile functions they share). A timing records it, so an analysis of the compiled code
+    (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
+    return {"one": source_text_key(_fused_routing_kernel, _topk_tile),
+            "multi": source_text_key(*MULTI_KERNELS, _topk_tile)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

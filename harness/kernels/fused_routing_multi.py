@@ -184,7 +184,7 @@ def _multi_reroute_kernel(
         _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS, TOPK_STATS)
 
 
-#: the plan's kernels in launch order (``fused_routing.kernel_keys`` hashes their sources)
+#: the plan's kernels in launch order (``fused_routing.kernel_sources`` hashes their sources)
 KERNELS = (_multi_topk_kernel, _multi_reroute_kernel)
 
 

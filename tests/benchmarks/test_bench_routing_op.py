@@ -28,13 +28,13 @@ def test_compile_in_parallel_runs_one_warm_process_per_length_and_stops_on_a_fai
         t = int(cmd[cmd.index("--tokens") + 1])
         return subprocess.CompletedProcess(cmd, 1 if t == 16 else 0, stdout=f"T={t}\n", stderr="")
 
-    monkeypatch.setattr(sys, "argv", ["bench_routing_op.py", "--variants", "one_sere2", "--compile-jobs", "3"])
+    argv = ["--variants", "one_sere2", "--compile-jobs", "3"]
     monkeypatch.setattr(bro.subprocess, "run", fake_run)
-    bro.compile_in_parallel([1, 4], 3)
+    bro.compile_in_parallel([1, 4], 3, argv)
     assert sorted(c[c.index("--tokens") + 1] for c in calls) == ["1", "4"]
     assert all("--warm-only" in c and c[2:4] == ["--variants", "one_sere2"] and "--compile-jobs" not in c
                for c in calls)
     assert "compiled 2 step lengths" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"T=\[16\]"):
-        bro.compile_in_parallel([1, 16, 64], 3)
+        bro.compile_in_parallel([1, 16, 64], 3, argv)
     assert "compile T=16 failed" in capsys.readouterr().err

@@ -43,31 +43,25 @@ def test_too_few_timed_rows_give_no_fit():
 
 def test_measurements_pair_only_with_the_kernel_code_they_timed(tmp_path):
     """A timing file sits beside today's compiled code only where it timed that code: a file with the current
-    ``kernel_keys`` gives every plan, one with another multi-program hash its one-program rows, a file from
-    before the keys existed its one-program rows only (the multi-program plan was rebuilt after it)."""
+    ``kernel_sources`` gives every plan, one with another multi-program hash its one-program rows, a file from
+    before the hashes existed its one-program rows only (the multi-program plan was rebuilt after it)."""
     import json
 
-    from harness.kernels.fused_routing import kernel_keys, kernel_sources
+    from harness.kernels.fused_routing import kernel_sources
 
-    now, text = kernel_keys(), kernel_sources()
+    now = kernel_sources()
     rows = [{"variant": "one_sere2", "tokens": 1, "us_per_layer": 5.2},
             {"variant": "multi_sere2", "tokens": 64, "us_per_layer": 15.5}]
 
-    def write(name, keys, field="kernel_keys"):
+    def write(name, hashes):
         path = tmp_path / name
-        path.write_text(json.dumps({"rows": rows, **({field: keys} if keys is not None else {})}))
+        path.write_text(json.dumps({"rows": rows, **({"kernel_sources": hashes} if hashes is not None else {})}))
         return path
 
     assert ros.measured_us([write("legacy.json", None)]) == {("one_sere2", 1): 5.2}
     assert ros.measured_us([write("other.json", {"one": now["one"], "multi": "another"})]) == {("one_sere2", 1): 5.2}
     assert ros.measured_us([write("same.json", now)]) == {("one_sere2", 1): 5.2, ("multi_sere2", 64): 15.5}
     assert ros.measured_us([tmp_path / "absent.json"]) == {}
-    # session 23 on: the source-text hashes decide (Triton's keys move with line numbers)
-    both = {"rows": rows, "kernel_keys": {"one": "moved", "multi": "moved"}, "kernel_sources": text}
-    (tmp_path / "text.json").write_text(json.dumps(both))
-    assert ros.measured_us([tmp_path / "text.json"]) == {("one_sere2", 1): 5.2, ("multi_sere2", 64): 15.5}
-    other = write("text_other.json", {"one": text["one"], "multi": "another"}, field="kernel_sources")
-    assert ros.measured_us([other]) == {("one_sere2", 1): 5.2}
 
 
 def test_a_figure_is_paired_with_the_tiling_the_dispatch_compiles():

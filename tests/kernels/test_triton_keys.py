@@ -41,10 +41,14 @@ def _load(tmp_path, file, text, name="keys_module"):
     return module
 
 
+def _key(tmp_path, file, text, name="keys_module"):
+    return source_text_key(_load(tmp_path, file, text, name)._kernel)
+
+
 def test_the_key_follows_the_kernels_text_not_their_lines(tmp_path):
-    base = source_text_key(_load(tmp_path, "base", KERNEL))
+    base = _key(tmp_path, "base", KERNEL)
     docstring = '"""A longer docstring\n\nthat moves every line."""\n'
-    assert source_text_key(_load(tmp_path, "moved", docstring + KERNEL)) == base            # lines moved
-    assert source_text_key(_load(tmp_path, "edited", KERNEL.replace("x + 1", "x + 2"))) != base  # a helper's text
-    assert source_text_key(_load(tmp_path, "plain", KERNEL.replace("return 0", "return 1"))) == base  # not Triton
-    assert source_text_key(_load(tmp_path, "renamed", KERNEL, name="keys_other")) != base    # another module
+    assert _key(tmp_path, "moved", docstring + KERNEL) == base                                # lines moved
+    assert _key(tmp_path, "edited", KERNEL.replace("x + 1", "x + 2")) != base                 # a helper's text
+    assert _key(tmp_path, "plain", KERNEL.replace("return 0", "return 1")) == base            # not Triton
+    assert _key(tmp_path, "renamed", KERNEL, name="keys_other") != base                       # another module
