@@ -57,13 +57,13 @@ def make_requests():
 class HFReference:
     """Greedy token ids from transformers (float32, batch 1: no padding), the reference of every test."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, device: str = "cpu"):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        self.torch = torch
+        self.torch, self.device = torch, device
         self.processor = AutoProcessor.from_pretrained(path)
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(device).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
         self.image_token_id = self.model.config.image_token_id
@@ -73,7 +73,7 @@ class HFReference:
                  for p in request.content]
         text = self.processor.apply_chat_template([{"role": "user", "content": parts}],
                                                   add_generation_prompt=True, tokenize=False)
-        return self.processor(text=[text], images=request.images or None, return_tensors="pt")
+        return self.processor(text=[text], images=request.images or None, return_tensors="pt").to(self.device)
 
     def generate(self, request, max_new_tokens: int = MAX_NEW) -> dict:
         """``{"ids", "prompt_tokens", "visual_tokens"}``; ids cut after the first EOS (kept), as HF counts."""
@@ -100,3 +100,54 @@ class HFReference:
         n = next((j + 1 for j, t in enumerate(ids) if t in self.eos), len(ids))
         return {"ids": ids[:n], "prompt_tokens": int(new["attention_mask"][0].sum()),
                 "visual_tokens": int((prompt == self.image_token_id).sum())}
+
+
+def forced_inputs(inputs, tokens):
+    """``inputs`` (a processor's output for the prompt) extended by ``tokens`` as teacher-forced context: the
+    ids, an all-ones mask and the per-token type ids (0 = text) that Qwen3-VL's 3-D positions read; pixel and
+    grid tensors as they were."""
+    import torch
+
+    n = len(tokens)
+    ids = inputs["input_ids"]
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    out["input_ids"] = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype, device=ids.device)], 1)
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    if "mm_token_type_ids" in inputs:
+        types = inputs["mm_token_type_ids"]
+        out["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], n)], 1)
+    return out
+
+
+def precision_check(models, inputs, tokens) -> dict:
+    """Another engine's greedy ``tokens``, teacher-forced through HF in float32 and in bfloat16 (``models``:
+    ``{"float32": m, "bfloat16": m}``, same weights and device): per output position j,
+
+    - ``sensitive[j]``: the position is precision-sensitive *in HF itself*: HF's bf16 logits moved far enough
+      from its f32 logits to reorder the f32 top two (f32 margin ≤ 2 · max_t |l_bf16 − l_f32|) or HF's own two
+      argmaxes differ. In an MoE a router near-tie anywhere before j flips an expert and moves the logits by
+      whole units, so such a position has no engine-independent answer in bf16;
+    - ``agree[j]``: the token equals HF's float32 argmax.
+
+    The claim a test makes from it: at every position that is not sensitive, the other engine's bf16 token is
+    HF's f32 argmax. A wrong prompt, position, routing or weight layout breaks robust positions too.
+    """
+    import torch
+
+    full = forced_inputs(inputs, tokens)
+    n0 = inputs["input_ids"].shape[1] - 1
+    logits = {}
+    with torch.inference_mode():
+        for name, model in models.items():
+            out = model(**full).logits[0, n0:n0 + len(tokens)].float()
+            logits[name] = out
+    f32, bf16 = logits["float32"], logits["bfloat16"]
+    top2 = f32.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    err = (bf16 - f32).abs().max(dim=-1).values
+    argmax = f32.argmax(dim=-1)
+    sensitive = (margin <= 2 * err) | (argmax != bf16.argmax(dim=-1))
+    agree = argmax.cpu() == torch.tensor(tokens)
+    return {"tokens": list(tokens), "f32_argmax": argmax.tolist(), "margin": margin.tolist(), "bf16_error": err.tolist(),
+            "sensitive": sensitive.tolist(), "agree": agree.tolist(),
+            "failures": [j for j in range(len(tokens)) if not sensitive[j] and not agree[j]]}
