@@ -115,6 +115,23 @@ def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]
     return out, write_served_model(config, out, real_pixel_range=not tiny)
 
 
+def pair_does_not_fit(config: dict[str, Any], mem: float, gpu_bytes: int, dtype_bytes: int = 2) -> str | None:
+    """Why a pair of servers of ``config`` cannot both be resident at ``mem`` of a GPU of ``gpu_bytes`` each, or
+    None. Each server gets ``mem × gpu_bytes`` and must hold its weights (the text model's parameters in bf16;
+    the KV cache takes what is left). Qwen3-30B-A3B is 61 GB: a pair fits the H200's 141 GB at 0.46 each (65 GB)
+    and never an 80-GB H100 (37 GB each) — session 24 spent two server starts (~2 minutes) learning that from
+    vLLM's "No available memory for the cache blocks"; this says it before anything starts."""
+    from harness.models.real_shapes import text_parameters
+
+    weights = text_parameters(config) * dtype_bytes
+    share = mem * gpu_bytes
+    if share > 1.05 * weights:
+        return None
+    return (f"a pair of servers cannot be resident: each gets --mem {mem} × {gpu_bytes / 1e9:.0f} GB = "
+            f"{share / 1e9:.1f} GB, below the model's {weights / 1e9:.1f} GB of weights (bf16) and its KV cache; "
+            f"the pair protocol needs a GPU of at least {2.1 * weights / 1e9:.0f} GB (an H200 for the 30B shapes)")
+
+
 def write_similarity(root: Path, layers: int, experts: int) -> str:
     import torch
     from safetensors.torch import save_file
@@ -623,9 +640,18 @@ def main() -> None:
         "sere_similarity": "random (seeded), ρ 0, as bench_vllm_decode.py",
         "decoding": "greedy" if args.greedy else "sampled (temperature 1, one seed per request)"})
     parts = args.part.split(",")
+
+    def check_fit(config, mem):
+        why = pair_does_not_fit(config, mem, torch.cuda.get_device_properties(0).total_memory) \
+            if torch.cuda.is_available() else None
+        if why:
+            res.data["notes"].append(why)
+            raise SystemExit(f"bench_vllm_serve: {why}")
+
     try:
         if "text" in parts:
             model_dir, config = write_model(root, "qwen3_30b_a3b", args.tiny)
+            check_fit(config, args.mem)
             sim = write_similarity(root, int(config["num_hidden_layers"]), int(config["num_experts"]))
             qps = [float(q) for q in args.qps.split(",")]
             points = [(q, max(args.min_requests, min(args.max_requests, round(q * args.seconds)))) for q in qps]
@@ -638,7 +664,8 @@ def main() -> None:
             measure_pairs("text", pairs, make_text, lambda p: requests, points, args.passes, res,
                           (16.0 if not args.tiny else 2.0, 32 if not args.tiny else 4), args.timeout)
         if "vl" in parts:
-            model_dir, _ = write_model(root, "qwen3_vl_30b_a3b", args.tiny)
+            model_dir, vl_config = write_model(root, "qwen3_vl_30b_a3b", args.tiny)
+            check_fit(vl_config, args.mem)
             # distinct images in every request sent (fresh_requests: no cache hit on either server)
             requests = fresh_requests(vl_requests(VL_WARMUP + args.vl_requests * args.passes, args.images, args.px,
                                                   content=args.image_content),

@@ -99,3 +99,12 @@ def test_server_phases_pool_over_passes_by_requests_and_print_where_ttft_goes():
     md = "\n".join(b.phase_table({"vl": {"keep0.5@0.5": [block]}}))
     assert "| vl | 0.5 | keep 0.5 | 4 | 175.0 | 105.0 | 17.5 | 52.5 | 8.0 |" in md
     assert b.phase_table({"text": {}}) == []
+
+
+def test_a_pair_of_30b_servers_fits_an_h200_and_not_an_h100():
+    from harness.models.real_shapes import shapes_config
+
+    config = shapes_config("qwen3_30b_a3b")
+    assert b.pair_does_not_fit(config, 0.46, 150_000_000_000) is None           # H200: 0.46 × 150 GB = 69 GB
+    why = b.pair_does_not_fit(config, 0.46, 85_000_000_000)                       # H100: 39 GB < 61 GB of weights
+    assert why and "61.1 GB of weights" in why and "H200" in why
