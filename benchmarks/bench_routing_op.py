@@ -49,6 +49,20 @@ E, K = 128, 8
 #: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
 #: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
 #: launch 1's top-k reductions inside a warp
+#: the ``fused_*`` variants that call the op as vLLM does (the dispatch picks plan and tiling)
+DISPATCHED = ("fused_stock", "fused_sere2", "fused_sere1", "fused_top2", "fused_sere2_nostats")
+
+
+def dispatched_as(name: str, tokens: int) -> str:
+    """The forced variant's name (``one_sere2_w1``, ``multi_sere2_t1w1r2``, ...) of the kernels the dispatch
+    compiles for ``fused_<variant>`` at ``tokens`` rows: recorded with each ``fused_*`` row, so that
+    ``routing_op_sass.py`` can set it beside the compiled code of the same plan and tiling."""
+    from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS
+    from routing_op_sass import measured_as
+
+    return measured_as(name.removeprefix("fused_"), "one" if tokens <= ONE_PROGRAM_MAX_TOKENS else "multi", tokens)
+
+
 MULTI_TILINGS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
 #: (rows per program, warps) for the one-launch multi-program plans (stock, top-2): ``multi_{stock,top2}_t<r>w<w>``
 ONE_LAUNCH_TILINGS = [(1, 1), (2, 1), (2, 2), (4, 4)]
@@ -384,7 +398,10 @@ def main() -> None:
         for name, vals in times.items():
             med = float(torch.tensor(vals).median())
             lo, hi = bootstrap_ci(vals)
-            rows.append({"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals})
+            row = {"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals}
+            if name in DISPATCHED:  # the forced variant of the plan and tiling the dispatch compiled for it
+                row["dispatched_as"] = dispatched_as(name, t)
+            rows.append(row)
             print(f"T={t:4d} {name:22s} {med:7.2f} µs/layer  [{lo:.2f}, {hi:.2f}]", flush=True)
         save()
 

@@ -97,8 +97,8 @@ def compile_variant(spec, sere_stats: bool, topk_stats: bool, tokens: int, plan:
 def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
     """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
     file's figure wins; an absent file adds nothing), for the kernel code compiled here only: a file that records
-    ``kernel_sources`` (session 23 on) gives the rows of the plans whose hashes match today's; an older file gives
-    its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
+    ``kernel_sources`` (session 23 on) gives the rows of the plans whose hashes match today's (a ``fused_*`` row
+    through its ``dispatched_as``, session 24 on); an older file gives its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
     plan was rebuilt in session 22)."""
     from harness.kernels.fused_routing import kernel_sources
 
@@ -110,8 +110,10 @@ def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
         doc = json.loads(path.read_text())
         recorded = doc.get("kernel_sources")
         same = {plan for plan in ("one", "multi") if (recorded[plan] == now[plan] if recorded else plan == "one")}
-        out.update({(r["variant"], r["tokens"]): r["us_per_layer"] for r in doc["rows"]
-                    if r["variant"].split("_")[0] in same})
+        # a fused_* row (the dispatch's choice) stands for the forced variant it compiled; a forced row wins
+        for key in ("dispatched_as", "variant"):
+            out.update({(r[key], r["tokens"]): r["us_per_layer"] for r in doc["rows"]
+                        if r.get(key) and r[key].split("_")[0] in same})
     return out
 
 

@@ -38,3 +38,14 @@ def test_compile_in_parallel_runs_one_warm_process_per_length_and_stops_on_a_fai
     with pytest.raises(SystemExit, match=r"T=\[16\]"):
         bro.compile_in_parallel([1, 16, 64], 3, argv)
     assert "compile T=16 failed" in capsys.readouterr().err
+
+
+def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling():
+    from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS
+
+    assert bro.dispatched_as("fused_sere2", 1) == "one_sere2_w1"
+    assert bro.dispatched_as("fused_top2", 2) == "one_top2_w2"
+    assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS) == "one_stock"
+    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1) == "multi_sere2_t1w1r2"
+    assert bro.dispatched_as("fused_top2", 64) == "multi_top2_t1w1"
+    assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}

@@ -64,6 +64,29 @@ def test_measurements_pair_only_with_the_kernel_code_they_timed(tmp_path):
     assert ros.measured_us([tmp_path / "absent.json"]) == {}
 
 
+def test_a_dispatched_row_stands_for_the_forced_variant_it_compiled(tmp_path):
+    """``fused_*`` rows (the op as vLLM calls it) carry ``dispatched_as``: with today's hashes they pair as that
+    forced variant; a forced row of the same name in the file wins; with another multi hash only one-program ones."""
+    import json
+
+    from harness.kernels.fused_routing import kernel_sources
+
+    now = kernel_sources()
+    rows = [{"variant": "fused_sere2", "tokens": 1, "us_per_layer": 4.19, "dispatched_as": "one_sere2_w1"},
+            {"variant": "fused_sere2", "tokens": 64, "us_per_layer": 6.83, "dispatched_as": "multi_sere2_t1w1r2"},
+            {"variant": "fused_top2", "tokens": 64, "us_per_layer": 4.06, "dispatched_as": "multi_top2_t1w1"},
+            {"variant": "multi_top2_t1w1", "tokens": 64, "us_per_layer": 4.07}]
+
+    def write(name, hashes):
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": rows, "kernel_sources": hashes}))
+        return path
+
+    assert ros.measured_us([write("same.json", now)]) == {("one_sere2_w1", 1): 4.19, ("multi_sere2_t1w1r2", 64): 6.83,
+                                                          ("multi_top2_t1w1", 64): 4.07}
+    assert ros.measured_us([write("other.json", {"one": now["one"], "multi": "x"})]) == {("one_sere2_w1", 1): 4.19}
+
+
 def test_a_figure_is_paired_with_the_tiling_the_dispatch_compiles():
     # one program: a warp per row on one- and two-row steps (the forced-warps variants), else the default variant
     assert ros.measured_as("sere2", "one", 1) == "one_sere2_w1"
