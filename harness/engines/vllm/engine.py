@@ -83,6 +83,20 @@ def resolve_vllm_dtype(dtype: str, device: str) -> str:
     return _DTYPES[dtype]
 
 
+def float32_dot_precision(dtype: str, device: str) -> str | None:
+    """Make a float32 run's Triton matmuls float32 (``TRITON_F32_DEFAULT=ieee``) and say what they are.
+
+    vLLM's fused MoE is a Triton kernel whose ``tl.dot`` on float32 inputs defaults to TF32 on NVIDIA GPUs (10-bit
+    mantissas), while its torch matmuls stay float32 (``VLLM_FLOAT32_MATMUL_PRECISION=highest``). So
+    ``engine.dtype=float32`` on CUDA was not float32 in the experts: on the H100 (session 24) the embedded model's
+    greedy tokens left HF's at a float32 near-tie (top-two logits 0.04 apart). Set before vLLM compiles anything,
+    inherited by its worker and server processes; a user's own ``TRITON_F32_DEFAULT`` is kept. Returns the
+    precision float32 dots run at on CUDA (recorded in ``describe()``), None where the question does not arise."""
+    if dtype != "float32" or device != "cuda":
+        return None
+    return os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
 class VLLMEngine(ServeMode, LoadMode, WorkerStats):
     """Generate with vLLM (offline ``LLM``; ``AsyncLLM`` or ``vllm serve`` for load tests). See the module doc."""
 
@@ -119,6 +133,7 @@ class VLLMEngine(ServeMode, LoadMode, WorkerStats):
         self.seed = int(seed)
         self.device = vllm_device()
         self.dtype = resolve_vllm_dtype(str(_get(engine_cfg, "dtype", "auto")), self.device)
+        self.float32_dots = float32_dot_precision(self.dtype, self.device)
         self.max_images = int(max_images_per_prompt or _get(engine_cfg, "limit_images", None) or 64)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_overrides = self._cpu_overrides()
@@ -268,6 +283,7 @@ class VLLMEngine(ServeMode, LoadMode, WorkerStats):
             "device": self.device,
             "device_name": dev_name,
             "dtype": self.dtype,
+            "float32_dot_precision": self.float32_dots,
             "batch_size": _get(self.cfg, "batch_size"),
             "max_model_len": _get(self.cfg, "max_model_len"),
             "gpu_memory_utilization": _get(self.cfg, "gpu_memory_utilization"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -66,3 +67,16 @@ def test_vllm_visionzip_scope_request_settings():
         resolve_visionzip(SimpleNamespace(**{**vars(cfg), "scope": "image", "min_per_image": 1}))
     with pytest.raises(RuntimeError, match="contextual"):
         VisionZipSettings.from_env({"HARNESS_VZ_KEEP": "0.5", "HARNESS_VZ_CONTEXTUAL": "0.2"})
+
+
+def test_float32_on_cuda_asks_triton_for_ieee_dots_and_keeps_a_users_choice(monkeypatch):
+    """vLLM's fused MoE (Triton) would run float32 expert matmuls in TF32: a float32 CUDA run sets IEEE dots."""
+    from harness.engines.vllm.engine import float32_dot_precision
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert float32_dot_precision("float32", "cpu") is None and float32_dot_precision("bfloat16", "cuda") is None
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    assert float32_dot_precision("float32", "cuda") == "ieee"
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    assert float32_dot_precision("float32", "cuda") == "tf32x3"
