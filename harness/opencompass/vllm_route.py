@@ -29,7 +29,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from harness.engines.base import TechniqueNotAvailable
-from harness.engines.vllm.engine import resolve_vllm_dtype, VLLMEngine
+from harness.engines.vllm.engine import VLLMEngine
+from harness.engines.vllm.precision import resolve_vllm_dtype
 from harness.engines.vllm.serve_mode import check_server_techniques
 from harness.engines.vllm.settings import MoeSettings
 from harness.engines.vllm.techniques import plugin_env, resolve_sere

@@ -53,16 +53,13 @@ from harness.engines.vllm.serve_mode import ServeMode
 from harness.engines.vllm.settings import ALL_ENV, MoeSettings
 from harness.engines.vllm.shapes import shapes_for_vllm
 from harness.engines.vllm.techniques import plugin_env, resolve_sere, resolve_visionzip, V1_RUNNER_ENV
+from harness.engines.vllm.precision import float32_dot_precision, resolve_vllm_dtype
 from harness.engines.vllm.worker_stats import WorkerStats
 from harness.models.families import family_of
 from harness.models.load import load_processor
 from harness.results.envinfo import device_name, package_version
 from harness.techniques.moe_routing import routing_settings
 from harness.techniques.moe_topk import moe_settings
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
 
 CPU_MAX_MEMORY_FRACTION = 0.25
 
@@ -72,29 +69,6 @@ def vllm_device() -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
-
-
-def resolve_vllm_dtype(dtype: str, device: str) -> str:
-    """``auto`` → bfloat16 on GPUs, float32 on CPU (bf16 kills the CPU worker with SIGILL here)."""
-    if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    if dtype not in _DTYPES:
-        raise ValueError(f"engine.dtype={dtype!r}: expected auto or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def float32_dot_precision(dtype: str, device: str) -> str | None:
-    """Make a float32 run's Triton matmuls float32 (``TRITON_F32_DEFAULT=ieee``) and say what they are.
-
-    vLLM's fused MoE is a Triton kernel whose ``tl.dot`` on float32 inputs defaults to TF32 on NVIDIA GPUs (10-bit
-    mantissas), while its torch matmuls stay float32 (``VLLM_FLOAT32_MATMUL_PRECISION=highest``). So
-    ``engine.dtype=float32`` on CUDA was not float32 in the experts: on the H100 (session 24) the embedded model's
-    greedy tokens left HF's at a float32 near-tie (top-two logits 0.04 apart). Set before vLLM compiles anything,
-    inherited by its worker and server processes; a user's own ``TRITON_F32_DEFAULT`` is kept. Returns the
-    precision float32 dots run at on CUDA (recorded in ``describe()``), None where the question does not arise."""
-    if dtype != "float32" or device != "cuda":
-        return None
-    return os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 class VLLMEngine(ServeMode, LoadMode, WorkerStats):

@@ -71,7 +71,7 @@ def test_vllm_visionzip_scope_request_settings():
 
 def test_float32_on_cuda_asks_triton_for_ieee_dots_and_keeps_a_users_choice(monkeypatch):
     """vLLM's fused MoE (Triton) would run float32 expert matmuls in TF32: a float32 CUDA run sets IEEE dots."""
-    from harness.engines.vllm.engine import float32_dot_precision
+    from harness.engines.vllm.precision import float32_dot_precision
 
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     assert float32_dot_precision("float32", "cpu") is None and float32_dot_precision("bfloat16", "cuda") is None
