@@ -44,11 +44,6 @@ import torch
 
 from _common import RESULTS_DIR, capture_graph, random_similarity, write_result
 
-E, K = 128, 8
-#: (rows per program, warps, launch 2's warps) of the multi-program plan's tiling sweep for SERE K=2
-#: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
-#: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
-#: launch 1's top-k reductions inside a warp
 #: the ``fused_*`` variants that call the op as vLLM does (the dispatch picks plan and tiling)
 DISPATCHED = ("fused_stock", "fused_sere2", "fused_sere1", "fused_top2", "fused_sere2_nostats")
 
@@ -63,6 +58,11 @@ def dispatched_as(name: str, tokens: int) -> str:
     return measured_as(name.removeprefix("fused_"), "one" if tokens <= ONE_PROGRAM_MAX_TOKENS else "multi", tokens)
 
 
+E, K = 128, 8
+#: (rows per program, warps, launch 2's warps) of the multi-program plan's tiling sweep for SERE K=2
+#: (``multi_sere2_t<rows>w<warps>[r<launch 2 warps>]``); sm_90 SASS (routing_op_sass.py's tool): at 2-row tiles
+#: launch 2 issues 1,449 instructions per thread at 1 warp, 1,040 at 2 and 819 at 4, and a warp per row keeps
+#: launch 1's top-k reductions inside a warp
 MULTI_TILINGS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (2, 2, 2), (2, 2, 4), (2, 1, 4), (4, 2, 4), (4, 4, 4), (8, 2, 4), (16, 4, 4)]
 #: (rows per program, warps) for the one-launch multi-program plans (stock, top-2): ``multi_{stock,top2}_t<r>w<w>``
 ONE_LAUNCH_TILINGS = [(1, 1), (2, 1), (2, 2), (4, 4)]

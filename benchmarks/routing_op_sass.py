@@ -98,8 +98,8 @@ def measured_us(paths: list[Path]) -> dict[tuple[str, int], float]:
     """(bench_routing_op variant, T) -> median µs per layer from ``bench_routing_op.py`` result files (a later
     file's figure wins; an absent file adds nothing), for the kernel code compiled here only: a file that records
     ``kernel_sources`` (session 23 on) gives the rows of the plans whose hashes match today's (a ``fused_*`` row
-    through its ``dispatched_as``, session 24 on); an older file gives its one-program rows only (that kernel's code is unchanged since them, docstrings aside; the multi-program
-    plan was rebuilt in session 22)."""
+    through its ``dispatched_as``, session 24 on); an older file gives its one-program rows only (that kernel's
+    code is unchanged since them, docstrings aside; the multi-program plan was rebuilt in session 22)."""
     from harness.kernels.fused_routing import kernel_sources
 
     now = kernel_sources()
