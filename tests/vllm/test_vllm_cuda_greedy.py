@@ -83,46 +83,33 @@ def vllm_out(requests):
 
 
 @pytest.fixture(scope="module")
-def hf_models():
-    from transformers import AutoModelForImageTextToText
+def hf_ref():
+    from vllm_lane_helpers import HFReference
 
-    return {name: AutoModelForImageTextToText.from_pretrained(str(CHECKPOINT), dtype=getattr(torch, name))
-            .to("cuda").eval() for name in ("float32", "bfloat16")}
+    return HFReference(str(CHECKPOINT), device="cuda")
 
 
 @pytest.fixture(scope="module")
-def processor():
-    from transformers import AutoProcessor
+def hf_models(hf_ref):
+    from transformers import AutoModelForImageTextToText
 
-    return AutoProcessor.from_pretrained(str(CHECKPOINT))
-
-
-def _inputs(processor, request):
-    parts = [{"type": p["type"], "text": p["text"]} if p["type"] == "text" else {"type": "image"}
-             for p in request.content]
-    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
-                                         tokenize=False)
-    return processor(text=[text], images=request.images or None, return_tensors="pt").to("cuda")
+    bf16 = AutoModelForImageTextToText.from_pretrained(str(CHECKPOINT), dtype=torch.bfloat16).to("cuda").eval()
+    return {"float32": hf_ref.model, "bfloat16": bf16}
 
 
-def test_bf16_tokens_are_hf_float32_argmax_where_robust(vllm_out, hf_models, processor, requests):
-    from vllm_lane_helpers import precision_check
+def test_bf16_tokens_are_hf_float32_argmax_where_robust(vllm_out, hf_models, hf_ref, requests):
+    from vllm_lane_helpers import assert_robust_agreement, precision_check
 
     gens, info = vllm_out
     assert info["device"] == "cuda" and info["dtype"] == "bfloat16"
-    report, total, robust = {}, 0, 0
+    checks = {}
     for r in requests:
         g = gens[r.uid]
         assert g.error is None, g.error
-        inputs = _inputs(processor, r)
+        inputs = hf_ref.inputs(r)
         assert g.prompt_tokens == inputs["input_ids"].shape[1], (r.uid, g.prompt_tokens)
-        c = precision_check(hf_models, inputs, list(g.extra["token_ids"]))
-        report[r.uid] = (len(c["tokens"]), sum(c["sensitive"]), c["failures"])
-        total += len(c["tokens"])
-        robust += len(c["tokens"]) - sum(c["sensitive"])
-    print("CUDA bf16 vLLM vs HF (tokens, precision-sensitive, failures):", report)
-    assert all(not f for _, _, f in report.values()), report
-    assert robust >= 0.5 * total, (robust, total)
+        checks[r.uid] = precision_check(hf_models, inputs, list(g.extra["token_ids"]))
+    assert_robust_agreement(checks, "CUDA bf16 vLLM vs HF")
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +126,11 @@ def sere_artifacts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sere_k", [None, 2], ids=["stock", "sere2"])
-def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, requests, monkeypatch):
+def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, hf_ref, requests, monkeypatch):
     """The CPU lane's credibility test on CUDA: same greedy tokens in float32, with and without SERE."""
     from types import SimpleNamespace
 
-    from vllm_lane_helpers import HFReference, gen_cfg
+    from vllm_lane_helpers import gen_cfg
 
     from harness import compat
     from harness.engines.hf.sere import install_sere
@@ -164,7 +151,7 @@ def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, requests, monkey
         eng.close()
     assert info["device"] == "cuda" and info["dtype"] == "float32"
     assert info["float32_dot_precision"] == os.environ.get("TRITON_F32_DEFAULT") == "ieee"  # not TF32 in the experts
-    hf = HFReference(str(CHECKPOINT), device="cuda")
+    hf = hf_ref
     none = {layer: torch.zeros(s.shape[0], dtype=torch.bool) for layer, s in sims.items()}
     changed = 0
     for r in requests:

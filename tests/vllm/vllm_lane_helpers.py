@@ -151,3 +151,16 @@ def precision_check(models, inputs, tokens) -> dict:
     return {"tokens": list(tokens), "f32_argmax": argmax.tolist(), "margin": margin.tolist(), "bf16_error": err.tolist(),
             "sensitive": sensitive.tolist(), "agree": agree.tolist(),
             "failures": [j for j in range(len(tokens)) if not sensitive[j] and not agree[j]]}
+
+
+def assert_robust_agreement(checks: dict, label: str) -> dict:
+    """The claim of :func:`precision_check` over a set of requests (``{uid: check}``): no failure at a robust
+    position, and at least half the positions robust (a check whose every position were sensitive would pass
+    anything). Returns the per-request report ``{uid: (tokens, sensitive, failures)}``, printed under ``label``."""
+    report = {uid: (len(c["tokens"]), sum(c["sensitive"]), c["failures"]) for uid, c in checks.items()}
+    print(f"{label} (tokens, precision-sensitive, failures):", report)
+    assert all(not failures for _, _, failures in report.values()), report
+    total = sum(n for n, _, _ in report.values())
+    robust = total - sum(s for _, s, _ in report.values())
+    assert total >= 2 * len(checks) and robust >= 0.5 * total, (robust, total)
+    return report
