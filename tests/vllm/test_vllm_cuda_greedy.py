@@ -83,21 +83,25 @@ def vllm_out(requests):
 
 
 @pytest.fixture(scope="module")
-def hf_ref():
+def hf_cuda():
+    """The float32 HF reference on the GPU (the conftest's ``hf_ref`` is the CPU one, of the built tiny model)."""
     from vllm_lane_helpers import HFReference
 
+    from harness import compat
+
+    compat.install()
     return HFReference(str(CHECKPOINT), device="cuda")
 
 
 @pytest.fixture(scope="module")
-def hf_models(hf_ref):
+def hf_models(hf_cuda):
     from transformers import AutoModelForImageTextToText
 
     bf16 = AutoModelForImageTextToText.from_pretrained(str(CHECKPOINT), dtype=torch.bfloat16).to("cuda").eval()
-    return {"float32": hf_ref.model, "bfloat16": bf16}
+    return {"float32": hf_cuda.model, "bfloat16": bf16}
 
 
-def test_bf16_tokens_are_hf_float32_argmax_where_robust(vllm_out, hf_models, hf_ref, requests):
+def test_bf16_tokens_are_hf_float32_argmax_where_robust(vllm_out, hf_models, hf_cuda, requests):
     from vllm_lane_helpers import assert_robust_agreement, precision_check
 
     gens, info = vllm_out
@@ -106,7 +110,7 @@ def test_bf16_tokens_are_hf_float32_argmax_where_robust(vllm_out, hf_models, hf_
     for r in requests:
         g = gens[r.uid]
         assert g.error is None, g.error
-        inputs = hf_ref.inputs(r)
+        inputs = hf_cuda.inputs(r)
         assert g.prompt_tokens == inputs["input_ids"].shape[1], (r.uid, g.prompt_tokens)
         checks[r.uid] = precision_check(hf_models, inputs, list(g.extra["token_ids"]))
     assert_robust_agreement(checks, "CUDA bf16 vLLM vs HF")
@@ -126,7 +130,7 @@ def sere_artifacts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sere_k", [None, 2], ids=["stock", "sere2"])
-def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, hf_ref, requests, monkeypatch):
+def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, hf_cuda, requests, monkeypatch):
     """The CPU lane's credibility test on CUDA: same greedy tokens in float32, with and without SERE."""
     from types import SimpleNamespace
 
@@ -151,7 +155,7 @@ def test_float32_greedy_tokens_equal_hf(sere_k, sere_artifacts, hf_ref, requests
         eng.close()
     assert info["device"] == "cuda" and info["dtype"] == "float32"
     assert info["float32_dot_precision"] == os.environ.get("TRITON_F32_DEFAULT") == "ieee"  # not TF32 in the experts
-    hf = hf_ref
+    hf = hf_cuda
     none = {layer: torch.zeros(s.shape[0], dtype=torch.bool) for layer, s in sims.items()}
     changed = 0
     for r in requests:
