@@ -27,9 +27,10 @@ off) decoding exactly 64 tokens (``ignore_eos``), **sampled** (temperature 1, on
 (the requests share the chat template's last tokens), so a step of 50 decode rows routes like a step of two and
 SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson
 arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_load`) at each QPS;
-``round(qps × seconds)`` requests per point and pass (at least ``--min-requests``). Variants are measured in pairs of servers resident on the GPU at once
-(``--pairs``, memory fraction ``--mem`` each), interleaved per point and pass (A B, then B A), each warmed with a
-burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
+``round(qps × seconds)`` requests per point and pass (at least ``--min-requests``). Variants are measured in pairs (``--pairs``): both servers resident
+on the GPU at once, interleaved per point and pass (A B, then B A), where two fit (the H200 at 30B shapes); one
+at a time on a card that holds one (``--resident auto``, the default, picks: :func:`residency`; an 80-GB H100),
+every point of a pass on one server, A B then B A; each server warmed with a burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
 (expert union per layer and step before / after) are read from the server after each run, proving the routing
 was engaged. **VL** (``--part vl``): one request = 30 new images of 448 px + 20 words of text, 1 output
 token, sent at ``--vl-qps``; the images uniform noise (``--image-content noise``, the default: incompressible, 23
@@ -115,21 +116,33 @@ def write_model(root: Path, arch: str, tiny: bool) -> tuple[Path, dict[str, Any]
     return out, write_served_model(config, out, real_pixel_range=not tiny)
 
 
-def pair_does_not_fit(config: dict[str, Any], mem: float, gpu_bytes: int, dtype_bytes: int = 2) -> str | None:
-    """Why a pair of servers of ``config`` cannot both be resident at ``mem`` of a GPU of ``gpu_bytes`` each, or
-    None. Each server gets ``mem × gpu_bytes`` and must hold its weights (the text model's parameters in bf16;
-    the KV cache takes what is left). Qwen3-30B-A3B is 61 GB: a pair fits the H200's 141 GB at 0.46 each (65 GB)
-    and never an 80-GB H100 (37 GB each) — session 24 spent two server starts (~2 minutes) learning that from
-    vLLM's "No available memory for the cache blocks"; this says it before anything starts."""
+#: gpu_memory_utilization per server when two are resident / when one is
+MEM_PAIR, MEM_ONE = 0.46, 0.90
+
+
+def residency(config: dict[str, Any], resident: str, mem: float | None, gpu_bytes: int | None,
+              dtype_bytes: int = 2) -> tuple[int, float]:
+    """(servers resident at once, ``gpu_memory_utilization`` each) for ``--resident`` / ``--mem`` on a GPU of
+    ``gpu_bytes`` (None: no GPU, the CPU smoke run: as asked, two by default). ``auto``: both of a pair when each
+    server's share holds the weights (bf16 text parameters) with 5 % to spare, else one at a time. Qwen3-30B-A3B is
+    61 GB: a pair fits the H200's 141 GB at 0.46 each, an 80-GB H100 holds one at 0.90 (session 24 learnt it from
+    vLLM's "No available memory for the cache blocks" after two minutes of start-up). Raises ValueError with the
+    reason when what was asked cannot fit."""
     from harness.models.real_shapes import text_parameters
 
+    wanted = [2, 1] if resident == "auto" else [int(resident)]
+    if gpu_bytes is None:
+        return wanted[0], mem or (MEM_PAIR if wanted[0] == 2 else MEM_ONE)
     weights = text_parameters(config) * dtype_bytes
-    share = mem * gpu_bytes
-    if share > 1.05 * weights:
-        return None
-    return (f"a pair of servers cannot be resident: each gets --mem {mem} × {gpu_bytes / 1e9:.0f} GB = "
-            f"{share / 1e9:.1f} GB, below the model's {weights / 1e9:.1f} GB of weights (bf16) and its KV cache; "
-            f"the pair protocol needs a GPU of at least {2.1 * weights / 1e9:.0f} GB (an H200 for the 30B shapes)")
+    for n in wanted:
+        share = mem or (MEM_PAIR if n == 2 else MEM_ONE)
+        if share * gpu_bytes > 1.05 * weights and n * share <= 0.95:
+            return n, share
+    n = wanted[-1]
+    share = mem or (MEM_PAIR if n == 2 else MEM_ONE)
+    raise ValueError(f"{n} server(s) cannot be resident: each gets --mem {share} x {gpu_bytes / 1e9:.0f} GB = "
+                     f"{share * gpu_bytes / 1e9:.1f} GB, below the model's {weights / 1e9:.1f} GB of weights (bf16) "
+                     f"and its KV cache" + (" (--resident auto or 1 runs one server at a time)" if n == 2 else ""))
 
 
 def write_similarity(root: Path, layers: int, experts: int) -> str:
@@ -212,10 +225,11 @@ def vl_requests(n: int, images: int, px: int, seed: int = 0, content: str = "noi
     return out
 
 
-def make_engine(model_dir: Path, variant: dict[str, Any], args, run_dir: Path, max_new: int, sim: str | None):
+def make_engine(model_dir: Path, variant: dict[str, Any], args, run_dir: Path, max_new: int, sim: str | None,
+                mem: float):
     from harness.engines.vllm.engine import VLLMEngine
 
-    engine_cfg = SimpleNamespace(dtype="auto", max_model_len=args.max_model_len, gpu_memory_utilization=args.mem,
+    engine_cfg = SimpleNamespace(dtype="auto", max_model_len=args.max_model_len, gpu_memory_utilization=mem,
                                  enforce_eager=args.eager, tensor_parallel_size=1, batch_size=1,
                                  limit_images=args.images)
     gen = SimpleNamespace(max_new_tokens=max_new, ignore_eos=True, do_sample=not args.greedy)
@@ -342,71 +356,119 @@ def fresh_requests(pool: list, n: int, warm: int) -> Callable[[int], list]:
     return at
 
 
+def schedule(pair: list[str], points: list[tuple[float, int]], passes: int, resident: int) -> list[tuple]:
+    """The order a pair is measured in: ``[(variant, pass, qps, n)]``. Pass ``p`` runs A then B when ``p`` is even
+    and B then A when odd (ABBA: a drift over the run falls on both variants alike). With both servers
+    resident the order interleaves per point (every point's passes, then the next point); with one at a time
+    (``resident=1``) per server visit (every point of pass ``p`` on the server up, then the other), so A B B A
+    costs three server starts instead of a start per point and pass."""
+    order = [(name, p) for p in range(passes) for name in (pair if p % 2 == 0 else pair[::-1])]
+    if resident >= 2:
+        return [(name, p, q, n) for q, n in points for p in range(passes)
+                for name in (pair if p % 2 == 0 else pair[::-1])]
+    return [(name, p, q, n) for name, p in order for q, n in points]
+
+
+class StartFailed(RuntimeError):
+    """A server of the pair did not start (recorded in the results' notes; the next pair still runs)."""
+
+
+class Servers:
+    """The pair's servers, ``resident`` at a time: ``up(name)`` starts ``name`` (stopping the other first when
+    only one fits) and warms it at the load it will see. ``seen`` keeps each variant's last engine, closed or
+    not: its server log (the VL LSE source) outlives it."""
+
+    def __init__(self, kind: str, make, res: Results, resident: int, warm: Callable[[Any], None]):
+        self.kind, self.make, self.res, self.resident, self.warm = kind, make, res, resident, warm
+        self.engines: dict[str, Any] = {}
+        self.seen: dict[str, Any] = {}
+        self.starts: dict[str, int] = {}
+
+    def up(self, name: str):
+        if name in self.engines:
+            return self.engines[name]
+        if len(self.engines) >= self.resident:
+            self.close()
+        try:
+            eng, start_s = self.make(name)
+        except Exception as e:  # noqa: BLE001 - recorded; the caller moves on to the next pair
+            self.res.data["notes"].append(f"{self.kind} server {name} did not start: {type(e).__name__}: "
+                                          f"{str(e).splitlines()[0][:300]}")
+            self.res.save()
+            print(f"[{self.kind}] {name}: server failed: {e}", flush=True)
+            raise StartFailed(name) from e
+        self.engines[name] = self.seen[name] = eng
+        self.starts[name] = self.starts.get(name, 0) + 1
+        entry = self.res.data["servers"].setdefault(self.kind, {}).setdefault(name, {"starts_s": []})
+        entry["starts_s"].append(start_s)
+        entry.update(startup_s=start_s, server=eng._server.describe(),
+                     describe={k: v for k, v in eng.describe().items() if k not in ("server_report",)})
+        self.res.save()
+        print(f"[{self.kind}] {name}: server up in {start_s:.0f} s", flush=True)
+        self.warm(eng)
+        server_stats(eng, reset=True)
+        return eng
+
+    def close(self) -> None:
+        for eng in self.engines.values():
+            try:
+                eng.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"close failed: {e}", flush=True)
+        self.engines.clear()
+        gc.collect()
+
+
 def measure_pairs(kind: str, pairs: list[list[str]], make, requests: Callable[[int], list],
                   points: list[tuple[float, int]], passes: int, res: Results, warm: tuple[float, int],
-                  timeout_s: float | None) -> None:
-    """Servers two at a time; per point and pass the pair interleaved (A B, then B A). ``requests(p)``: what pass
-    ``p`` sends (``-1``: the warm-up); both servers of a pair get the same list."""
+                  timeout_s: float | None, resident: int = 2) -> None:
+    """Each pair in :func:`schedule`'s order, its servers ``resident`` at a time (2: both on the GPU, interleaved
+    per point; 1: one at a time, for a card that holds one). ``requests(p)``: what pass ``p`` sends (``-1``: the
+    warm-up); both servers of a pair get the same list. A point is written as soon as both variants have run all
+    its passes, so a time-out keeps every finished point."""
     for pair in pairs:
-        engines = {}
+        servers = Servers(kind, make, res, resident,
+                          lambda eng: run_point(eng, requests(-1), warm[0], warm[1], 99, timeout_s))
+        samples: dict[tuple, list] = {(name, q): [] for name in pair for q, _ in points}
+        stats: dict[tuple, list] = {(name, q): [] for name in pair for q, _ in points}
         try:
-            for name in pair:
-                try:
-                    eng, start_s = make(name)
-                except Exception as e:  # noqa: BLE001 - recorded; the next pair still runs
-                    res.data["notes"].append(f"{kind} server {name} did not start: {type(e).__name__}: "
-                                             f"{str(e).splitlines()[0][:300]}")
-                    res.save()
-                    print(f"[{kind}] {name}: server failed: {e}", flush=True)
-                    break
-                engines[name] = eng
-                res.data["servers"].setdefault(kind, {})[name] = {
-                    "startup_s": start_s, "server": eng._server.describe(), "describe": {
-                        k: v for k, v in eng.describe().items() if k not in ("server_report",)}}
-                res.save()
-                print(f"[{kind}] {name}: server up in {start_s:.0f} s", flush=True)
-            if len(engines) < len(pair):
-                continue
-            for name, eng in engines.items():  # warm every server at the load it will see
-                run_point(eng, requests(-1), warm[0], warm[1], 99, timeout_s)
-                server_stats(eng, reset=True)
-            for qps, n in points:
-                samples: dict[str, list] = {name: [] for name in pair}
-                stats: dict[str, list] = {name: [] for name in pair}
-                for p in range(passes):
-                    order = pair if p % 2 == 0 else list(reversed(pair))
-                    for name in order:
-                        eng = engines[name]
-                        server_stats(eng, reset=True)
-                        gens, info = run_point(eng, requests(p), qps, n, p, timeout_s)
-                        samples[name] += samples_of(gens, p)
-                        stats[name].append({"info": {k: info.get(k) for k in ("duration_s", "achieved_qps",
-                                                                               "completed", "num_requests")},
-                                            "routing": server_stats(eng, reset=False),
-                                            "server_phases": info.get("server_phases"),
-                                            "outputs": output_diversity(gens)})
+            if resident >= 2:   # both up before any point is measured
                 for name in pair:
-                    key = f"{name}@{qps:g}"
-                    block = summarise(samples[name])
-                    block.update(variant=name, qps=qps, requests_per_pass=n, passes=passes, pair=pair,
-                                 runs=stats[name])
-                    if kind == "vl":
-                        block["lse_source"] = lse_source(engines[name])
-                    res.data[kind].setdefault(key, [])
-                    res.data[kind][key].append(block)
-                    res.save()
-                    t = block["ttft_ms"]
-                    line = f"[{kind}] {name} qps {qps:g} n {n}x{passes}: TTFT p50 {fmt(t['p50'])} p99 {fmt(t['p99'])}"
-                    if kind == "text":
-                        line += f"  TPOT p50 {fmt(block['tpot_ms']['p50'], 2)} p99 {fmt(block['tpot_ms']['p99'], 2)}"
-                    print(line + f" failed {block['failed']}", flush=True)
+                    servers.up(name)
+            for name, p, qps, n in schedule(pair, points, passes, resident):
+                eng = servers.up(name)
+                server_stats(eng, reset=True)
+                gens, info = run_point(eng, requests(p), qps, n, p, timeout_s)
+                samples[(name, qps)] += samples_of(gens, p)
+                stats[(name, qps)].append({"info": {k: info.get(k) for k in ("duration_s", "achieved_qps",
+                                                                              "completed", "num_requests")},
+                                           "routing": server_stats(eng, reset=False),
+                                           "server_phases": info.get("server_phases"),
+                                           "outputs": output_diversity(gens)})
+                if all(len(stats[(other, qps)]) == passes for other in pair):
+                    write_point(kind, pair, qps, n, passes, resident, samples, stats, servers, res)
+        except StartFailed:
+            continue   # recorded by Servers.up; a pair with a server missing has no comparison to report
         finally:
-            for eng in engines.values():
-                try:
-                    eng.close()
-                except Exception as e:  # noqa: BLE001
-                    print(f"close failed: {e}", flush=True)
-            gc.collect()
+            servers.close()
+
+
+def write_point(kind: str, pair: list[str], qps: float, n: int, passes: int, resident: int, samples: dict,
+                stats: dict, servers: Servers, res: Results) -> None:
+    """One finished point of a pair: each variant's summary into the results (saved) and a console line."""
+    for name in pair:
+        block = summarise(samples[(name, qps)])
+        block.update(variant=name, qps=qps, requests_per_pass=n, passes=passes, pair=pair, resident=resident,
+                     server_starts=servers.starts[name], runs=stats[(name, qps)])
+        if kind == "vl":
+            block["lse_source"] = lse_source(servers.seen[name])
+        res.data[kind].setdefault(f"{name}@{qps:g}", []).append(block)
+        res.save()
+        t = block["ttft_ms"]
+        line = f"[{kind}] {name} qps {qps:g} n {n}x{passes}: TTFT p50 {fmt(t['p50'])} p99 {fmt(t['p99'])}"
+        if kind == "text":
+            line += f"  TPOT p50 {fmt(block['tpot_ms']['p50'], 2)} p99 {fmt(block['tpot_ms']['p99'], 2)}"
+        print(line + f" failed {block['failed']}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -483,6 +545,23 @@ def phase_table(data: dict[str, Any]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def residency_sentence(residency: dict[str, Any] | None) -> str:
+    """How the pairs shared the GPU, per part (files before session 24 recorded none: two at once)."""
+    residency = residency or {}
+    said = []
+    for part in ("text", "vl"):
+        r = residency.get(part)
+        if r is None:
+            continue
+        how = ("both servers of a pair resident on the GPU at once, interleaved per point (A B, then B A)"
+               if r["servers_at_once"] >= 2 else
+               "one server at a time: every point of a pass on one server, A B then B A, "
+               "so A's second pass ran on a restarted server")
+        said.append(f"{part}: {how}, gpu_memory_utilization {r['mem_per_server']} each")
+    return ("Pairs: " + "; ".join(said) + ".") if said else \
+        "Variants run as pairs of servers resident on the GPU at once, interleaved per point (A B, B A)."
+
+
 def report(data: dict[str, Any]) -> str:
     from harness.latency.stats import intervals_overlap
 
@@ -496,8 +575,8 @@ def report(data: dict[str, Any]) -> str:
              "completions, timed as `vllm bench serve` (TTFT = first chunk − send, ITL = chunk gaps, TPOT = "
              "(E2E − TTFT)/(tokens − 1)), Poisson arrivals.", "",
              "Cells: p50 or p99 pooled over passes, [min–max of that percentile between passes]; mean (95 % "
-             "bootstrap interval over requests). Variants run as pairs of servers resident on the GPU at once, "
-             "interleaved per point (A B, B A); 'faster' only where the mean intervals do not overlap.", ""]
+             "bootstrap interval over requests). " + residency_sentence(data.get("residency")) +
+             " 'Faster' only where the mean intervals do not overlap.", ""]
     text = data.get("text") or {}
     if text:
         lines += [f"## Qwen3-30B-A3B shapes: prompt {PROMPT_TOKENS}, output {OUTPUT_TOKENS} tokens (ignore_eos)", "",
@@ -594,7 +673,11 @@ def main() -> None:
     ap.add_argument("--vl-requests", type=int, default=10, help="VL requests per pass")
     ap.add_argument("--images", type=int, default=30)
     ap.add_argument("--px", type=int, default=448)
-    ap.add_argument("--mem", type=float, default=0.46, help="gpu_memory_utilization per server (two resident)")
+    ap.add_argument("--mem", type=float, default=None,
+                    help=f"gpu_memory_utilization per server (default {MEM_PAIR} with two resident, {MEM_ONE} with one)")
+    ap.add_argument("--resident", default="auto", choices=("auto", "1", "2"),
+                    help="servers of a pair on the GPU at once: 2 (interleaved per point), 1 (one at a time, A B B A "
+                         "per pass; a card that holds one, e.g. an 80-GB H100 at 30B shapes), auto: 2 where they fit")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny shapes (CPU smoke test)")
@@ -635,23 +718,27 @@ def main() -> None:
         "image_content": args.image_content, "image_format": args.image_format,
         "jpeg_quality": args.jpeg_quality if args.image_format == "jpeg" else None,
         "vl_images": f"distinct in every request sent ({VL_WARMUP} warm-up, then --vl-requests per pass; fresh_requests)",
-        "vl_qps": args.vl_qps, "seconds_per_point": args.seconds, "passes": args.passes, "mem_per_server": args.mem,
+        "vl_qps": args.vl_qps, "seconds_per_point": args.seconds, "passes": args.passes,
         "tokenizer": "the embedded model's byte-level BPE padded with inert entries to the real vocabulary",
         "sere_similarity": "random (seeded), ρ 0, as bench_vllm_decode.py",
         "decoding": "greedy" if args.greedy else "sampled (temperature 1, one seed per request)"})
     parts = args.part.split(",")
 
-    def check_fit(config, mem):
-        why = pair_does_not_fit(config, mem, torch.cuda.get_device_properties(0).total_memory) \
-            if torch.cuda.is_available() else None
-        if why:
-            res.data["notes"].append(why)
-            raise SystemExit(f"bench_vllm_serve: {why}")
+    def plan(config, part):
+        """Servers at once and memory each for this part (recorded), or stop with the reason."""
+        try:
+            n, mem = residency(config, args.resident, args.mem,
+                               torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+        except ValueError as e:
+            res.data["notes"].append(str(e))
+            raise SystemExit(f"bench_vllm_serve: {e}") from e
+        res.data.setdefault("residency", {})[part] = {"servers_at_once": n, "mem_per_server": mem}
+        return n, mem
 
     try:
         if "text" in parts:
             model_dir, config = write_model(root, "qwen3_30b_a3b", args.tiny)
-            check_fit(config, args.mem)
+            resident, mem = plan(config, "text")
             sim = write_similarity(root, int(config["num_hidden_layers"]), int(config["num_experts"]))
             qps = [float(q) for q in args.qps.split(",")]
             points = [(q, max(args.min_requests, min(args.max_requests, round(q * args.seconds)))) for q in qps]
@@ -659,13 +746,13 @@ def main() -> None:
             pairs = [p.split(":") for p in args.pairs.split(",")]
 
             def make_text(name):
-                return make_engine(model_dir, VARIANTS[name], args, root / "runs" / name, OUTPUT_TOKENS, sim)
+                return make_engine(model_dir, VARIANTS[name], args, root / "runs" / name, OUTPUT_TOKENS, sim, mem)
 
             measure_pairs("text", pairs, make_text, lambda p: requests, points, args.passes, res,
-                          (16.0 if not args.tiny else 2.0, 32 if not args.tiny else 4), args.timeout)
+                          (16.0 if not args.tiny else 2.0, 32 if not args.tiny else 4), args.timeout, resident)
         if "vl" in parts:
             model_dir, vl_config = write_model(root, "qwen3_vl_30b_a3b", args.tiny)
-            check_fit(vl_config, args.mem)
+            resident, mem = plan(vl_config, "vl")
             # distinct images in every request sent (fresh_requests: no cache hit on either server)
             requests = fresh_requests(vl_requests(VL_WARMUP + args.vl_requests * args.passes, args.images, args.px,
                                                   content=args.image_content),
@@ -673,10 +760,10 @@ def main() -> None:
             pairs = [[f"keep{float(k):.1f}" for k in p.split(":")] for p in args.keeps.split(",")]
 
             def make_vl(name):
-                return make_engine(model_dir, {"keep": float(name[4:])}, args, root / "runs" / name, 1, None)
+                return make_engine(model_dir, {"keep": float(name[4:])}, args, root / "runs" / name, 1, None, mem)
 
             measure_pairs("vl", pairs, make_vl, requests, [(args.vl_qps, args.vl_requests)], args.passes, res,
-                          (args.vl_qps, VL_WARMUP), args.timeout)
+                          (args.vl_qps, VL_WARMUP), args.timeout, resident)
     except SystemExit as e:  # the SIGTERM handler above: say in the results that the run was cut short
         if isinstance(e.code, int) and e.code > 128:
             res.data["notes"].append(f"stopped by signal {e.code - 128} (a time limit) before every point was "

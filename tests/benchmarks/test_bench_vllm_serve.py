@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from harness.engines.base import Generation
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -101,10 +103,96 @@ def test_server_phases_pool_over_passes_by_requests_and_print_where_ttft_goes():
     assert b.phase_table({"text": {}}) == []
 
 
-def test_a_pair_of_30b_servers_fits_an_h200_and_not_an_h100():
+def test_30b_servers_pair_on_an_h200_and_take_turns_on_an_h100():
     from harness.models.real_shapes import shapes_config
 
     config = shapes_config("qwen3_30b_a3b")
-    assert b.pair_does_not_fit(config, 0.46, 150_000_000_000) is None           # H200: 0.46 × 150 GB = 69 GB
-    why = b.pair_does_not_fit(config, 0.46, 85_000_000_000)                       # H100: 39 GB < 61 GB of weights
-    assert why and "61.1 GB of weights" in why and "H200" in why
+    assert b.residency(config, "auto", None, 150_000_000_000) == (2, b.MEM_PAIR)   # H200: 0.46 x 150 GB = 69 GB
+    assert b.residency(config, "auto", None, 85_000_000_000) == (1, b.MEM_ONE)     # H100: one at 0.90 = 76 GB
+    with pytest.raises(ValueError, match="61.1 GB of weights.*one server at a time"):
+        b.residency(config, "2", None, 85_000_000_000)                             # asked for two: refused
+    with pytest.raises(ValueError, match="1 server"):
+        b.residency(config, "auto", None, 40_000_000_000)                          # not even one
+    assert b.residency(config, "auto", None, None) == (2, b.MEM_PAIR)              # no GPU (CPU smoke): as asked
+    assert b.residency(config, "1", 0.8, None) == (1, 0.8)
+
+
+def test_the_schedule_is_abba_per_point_with_two_servers_and_per_visit_with_one():
+    points = [(64.0, 2), (16.0, 3)]
+    two = b.schedule(["off", "sere2"], points, 2, resident=2)
+    assert two[:4] == [("off", 0, 64.0, 2), ("sere2", 0, 64.0, 2), ("sere2", 1, 64.0, 2), ("off", 1, 64.0, 2)]
+    one = b.schedule(["off", "sere2"], points, 2, resident=1)
+    assert [(v, p) for v, p, _, _ in one] == [("off", 0)] * 2 + [("sere2", 0)] * 2 + [("sere2", 1)] * 2 + \
+        [("off", 1)] * 2
+    assert sorted(two) == sorted(one)   # the same measurements, another order
+
+
+class _Server:
+    log_path = None
+
+    def describe(self):
+        return {}
+
+
+class _Engine:
+    def __init__(self, name, log):
+        self.name, self.log, self._server, self.closed = name, log, _Server(), False
+
+    def describe(self):
+        return {"engine": "fake"}
+
+    def close(self):
+        self.closed = True
+        self.log.append(("close", self.name))
+
+
+@pytest.mark.parametrize("resident,starts", [(2, {"off": 1, "sere2": 1}), (1, {"off": 2, "sere2": 1})])
+def test_pairs_run_with_the_servers_the_card_holds_and_write_each_point_when_done(monkeypatch, tmp_path, resident,
+                                                                                   starts):
+    log, up = [], set()
+
+    def make(name):
+        assert len(up) < resident, f"{name} started while {up} still held the GPU"
+        log.append(("start", name))
+        up.add(name)
+        eng = _Engine(name, log)
+        orig = eng.close
+        eng.close = lambda: (up.discard(name), orig())
+        return eng, 1.0
+
+    def run_point(eng, requests, qps, n, seed, timeout_s):
+        assert not eng.closed
+        log.append(("run", eng.name, seed, qps))
+        return [], {}
+
+    monkeypatch.setattr(b, "run_point", run_point)
+    monkeypatch.setattr(b, "server_stats", lambda eng, reset: None)
+    monkeypatch.setattr(b, "summarise", lambda samples: {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "failed": 0,
+                                                         "tpot_ms": {"p50": 1.0, "p99": 2.0}})
+    res = b.Results(tmp_path / "r.json", {})
+    b.measure_pairs("text", [["off", "sere2"]], make, lambda p: [], [(64.0, 2), (16.0, 2)], 2, res, (1.0, 1), None,
+                    resident)
+    runs = [e[1:] for e in log if e[0] == "run" and e[2] != 99]             # 99: the warm-up's seed
+    assert sorted(runs) == sorted((v, p, q) for v in ("off", "sere2") for p in (0, 1) for q in (64.0, 16.0))
+    assert {name: len(e["starts_s"]) for name, e in res.data["servers"]["text"].items()} == starts
+    assert set(res.data["text"]) == {"off@64", "sere2@64", "off@16", "sere2@16"}
+    assert all(block["resident"] == resident and block["passes"] == 2 for blocks in res.data["text"].values()
+               for block in blocks)
+    assert not up                                                          # every server stopped at the end
+
+
+def test_a_server_that_does_not_start_is_a_note_and_the_next_pair_runs(monkeypatch, tmp_path):
+    def make(name):
+        if name == "sere1":
+            raise RuntimeError("vllm serve exited with status 1")
+        return _Engine(name, []), 1.0
+
+    monkeypatch.setattr(b, "run_point", lambda *a: ([], {}))
+    monkeypatch.setattr(b, "server_stats", lambda eng, reset: None)
+    monkeypatch.setattr(b, "summarise", lambda samples: {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "failed": 0,
+                                                         "tpot_ms": {"p50": 1.0, "p99": 2.0}})
+    res = b.Results(tmp_path / "r.json", {})
+    b.measure_pairs("text", [["off", "sere1"], ["off", "top2"]], make, lambda p: [], [(4.0, 1)], 2, res,
+                    (1.0, 1), None, 1)
+    assert any("sere1 did not start" in note for note in res.data["notes"])
+    assert set(res.data["text"]) == {"off@4", "top2@4"}
