@@ -67,6 +67,17 @@ def use_cuda(args: argparse.Namespace, interpret: bool = False) -> bool | None:
     return cuda
 
 
+def card_slug(device_name: str | None = None) -> str:
+    """The card in a result file's default name (``h100``, ``h200``, ``a100``; ``cpu`` without a GPU): a run on
+    one card must not overwrite another card's committed figures under a name that says the other card."""
+    import re
+
+    if device_name is None:
+        device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    words = [w for w in re.split(r"[^a-z0-9]+", device_name.lower()) if w and w not in ("nvidia", "tesla", "geforce")]
+    return words[0] if words else "gpu"
+
+
 def results_path(name: str, smoke: bool) -> Path:
     """``results/benchmarks/<name>``, or the temp dir for a smoke run (a smoke run never overwrites a result)."""
     return (Path(tempfile.gettempdir()) if smoke else RESULTS_DIR) / name

@@ -26,7 +26,7 @@ rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-
 = all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>[r<launch 2
 warps>]``, ``multi_{stock,top2}_t<rows>w<warps>``); ``--baseline-multi FILE`` adds another version of the
 multi-program plan's module (``base_multi_*``), timed in the same rounds.
-``--variants`` times a subset. Writes ``results/benchmarks/routing_op_h200.json`` (or ``--out``). Imports
+``--variants`` times a subset. Writes ``results/benchmarks/routing_op_<card>.json`` (``h200``, ``h100``; or ``--out``). Imports
 torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from _common import RESULTS_DIR, capture_graph, random_similarity, write_result
+from _common import RESULTS_DIR, capture_graph, card_slug, random_similarity, write_result
 
 #: the ``fused_*`` variants that call the op as vLLM does (the dispatch picks plan and tiling)
 DISPATCHED = ("fused_stock", "fused_sere2", "fused_sere1", "fused_top2", "fused_sere2_nostats")
@@ -326,8 +326,9 @@ def main() -> None:
     ap.add_argument("--baseline-multi", type=Path, default=None,
                     help="another version of harness/kernels/fused_routing_multi.py: its plan is timed beside "
                          "today's in the same rounds as base_multi_{stock,sere2,sere2_nostats,top2,sere2_mixed}")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_op_h200.json")
+    ap.add_argument("--out", type=Path, default=None, help="default results/benchmarks/routing_op_<card>.json")
     args = ap.parse_args()
+    args.out = args.out or RESULTS_DIR / f"routing_op_{card_slug()}.json"
     baseline = load_baseline(args.baseline_multi) if args.baseline_multi else None
     tokens = [int(t) for t in args.tokens.split(",")]
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"

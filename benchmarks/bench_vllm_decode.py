@@ -14,7 +14,7 @@ The variant order runs stock first and last, so drift between engines shows as t
 disagreeing. With SERE / top-2 the plugin's device counters are read per B (expert union per layer and
 step before / after): proof that the routing was engaged under CUDA graphs.
 
-Prints a table and writes ``results/benchmarks/vllm_decode_h200.json`` (``--out``). Random weights route
+Prints a table and writes ``results/benchmarks/vllm_decode_<card>.json`` (``h200``, ``h100``; ``--out``). Random weights route
 near-uniformly, unlike a trained model: times only, no quality (``weights: random-init (vLLM dummy)``).
 Needs a CUDA vLLM (``../shared/device/vllm_stage.sh``) and the harness importable (``PYTHONPATH``).
 """
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
-    ap.add_argument("--out", default=os.path.join(REPO, "results", "benchmarks", "vllm_decode_h200.json"))
+    ap.add_argument("--out", default=None, help="default results/benchmarks/vllm_decode_<card>.json (h100, h200)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -179,6 +179,10 @@ def main() -> None:
         env.update(torch=torch.__version__, vllm=vllm.__version__, device=torch.cuda.get_device_name())
     except Exception:  # noqa: BLE001
         pass
+    if args.out is None:   # the card read after the children ran (this process never initialised CUDA before)
+        from _common import card_slug
+
+        args.out = os.path.join(REPO, "results", "benchmarks", f"vllm_decode_{card_slug(env.get('device'))}.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"benchmark": "vllm_decode", "env": env, "model": "qwen3_30b_a3b shapes",

@@ -687,7 +687,7 @@ def main() -> None:
                          "cycle, and the batch then routes like a much smaller one (docs/vllm.md)")
     ap.add_argument("--site", default=None, help="where to write the entry-point dist-info (default: tmp)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
-    ap.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "vllm_serve_h200"))
+    ap.add_argument("--out", default=None, help="default results/benchmarks/vllm_serve_<card> (.json, .md)")
     args = ap.parse_args()
     # a time limit's SIGTERM (a device call, a job) ends the run through its `finally` blocks: the points measured
     # so far are written with the Markdown table, and the servers are stopped (a killed run's servers also stop
@@ -706,6 +706,10 @@ def main() -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor()})"
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-serve-"))
+    if args.out is None:
+        from _common import card_slug
+
+        args.out = str(REPO / "results" / "benchmarks" / f"vllm_serve_{card_slug()}")
     out = Path(args.out)
     res = Results(out.with_suffix(".json"), {
         "benchmark": "vllm_serve", "argv": " ".join(sys.argv[1:]),

@@ -130,3 +130,12 @@ def test_tiny_model_builds_seeded_and_decodes_from_the_same_prefix():
         dec.rewind()
         dec.step()
     assert torch.equal(dec.ids, one)
+
+
+def test_a_result_file_is_named_after_the_card_that_ran_it():
+    assert c.card_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert c.card_slug("NVIDIA H200") == "h200"
+    assert c.card_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert c.card_slug("cpu") == "cpu" and c.card_slug("") == "gpu"
+    if not torch.cuda.is_available():
+        assert c.card_slug() == "cpu"
