@@ -26,8 +26,8 @@ rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-
 = all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>[r<launch 2
 warps>]``, ``multi_{stock,top2}_t<rows>w<warps>``); ``--baseline-multi FILE`` adds another version of the
 multi-program plan's module (``base_multi_*``), timed in the same rounds.
-``--variants`` times a subset. Writes ``results/benchmarks/routing_op_<card>.json`` (``h200``, ``h100``; or ``--out``). Imports
-torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
+``--variants`` times a subset. Writes ``results/benchmarks/routing_op_<card>.json`` (``h200``, ``h100``; or
+``--out``). Imports torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
 """
 
 from __future__ import annotations

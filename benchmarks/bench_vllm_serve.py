@@ -27,10 +27,11 @@ off) decoding exactly 64 tokens (``ignore_eos``), **sampled** (temperature 1, on
 (the requests share the chat template's last tokens), so a step of 50 decode rows routes like a step of two and
 SERE has nothing to save (session 12's H200 run; ``output_diversity`` records it per run), sent at Poisson
 arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_load`) at each QPS;
-``round(qps × seconds)`` requests per point and pass (at least ``--min-requests``). Variants are measured in pairs (``--pairs``): both servers resident
-on the GPU at once, interleaved per point and pass (A B, then B A), where two fit (the H200 at 30B shapes); one
-at a time on a card that holds one (``--resident auto``, the default, picks: :func:`residency`; an 80-GB H100),
-every point of a pass on one server, A B then B A; each server warmed with a burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
+``round(qps × seconds)`` requests per point and pass (at least ``--min-requests``). Variants are measured in
+pairs (``--pairs``): both servers resident on the GPU at once, interleaved per point and pass (A B, then B A),
+where two fit (the H200 at 30B shapes); one at a time on a card that holds one (``--resident auto``, the default,
+picks: :func:`residency`; an 80-GB H100), every point of a pass on one server, A B then B A; each server warmed
+with a burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
 (expert union per layer and step before / after) are read from the server after each run, proving the routing
 was engaged. **VL** (``--part vl``): one request = 30 new images of 448 px + 20 words of text, 1 output
 token, sent at ``--vl-qps``; the images uniform noise (``--image-content noise``, the default: incompressible, 23
@@ -362,11 +363,12 @@ def schedule(pair: list[str], points: list[tuple[float, int]], passes: int, resi
     resident the order interleaves per point (every point's passes, then the next point); with one at a time
     (``resident=1``) per server visit (every point of pass ``p`` on the server up, then the other), so A B B A
     costs three server starts instead of a start per point and pass."""
-    order = [(name, p) for p in range(passes) for name in (pair if p % 2 == 0 else pair[::-1])]
+    def abba(p: int) -> list[str]:
+        return pair if p % 2 == 0 else pair[::-1]
+
     if resident >= 2:
-        return [(name, p, q, n) for q, n in points for p in range(passes)
-                for name in (pair if p % 2 == 0 else pair[::-1])]
-    return [(name, p, q, n) for name, p in order for q, n in points]
+        return [(name, p, q, n) for q, n in points for p in range(passes) for name in abba(p)]
+    return [(name, p, q, n) for p in range(passes) for name in abba(p) for q, n in points]
 
 
 class StartFailed(RuntimeError):
