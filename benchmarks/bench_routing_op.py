@@ -52,10 +52,10 @@ def dispatched_as(name: str, tokens: int) -> str:
     """The forced variant's name (``one_sere2_w1``, ``multi_sere2_t1w1r2``, ...) of the kernels the dispatch
     compiles for ``fused_<variant>`` at ``tokens`` rows: recorded with each ``fused_*`` row, so that
     ``routing_op_sass.py`` can set it beside the compiled code of the same plan and tiling."""
-    from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS
+    from harness.kernels.fused_routing import dispatched_plan
     from routing_op_sass import measured_as
 
-    return measured_as(name.removeprefix("fused_"), "one" if tokens <= ONE_PROGRAM_MAX_TOKENS else "multi", tokens)
+    return measured_as(name.removeprefix("fused_"), dispatched_plan(tokens), tokens)
 
 
 E, K = 128, 8

@@ -26,8 +26,8 @@ program per row tile, the second launch as the grid barrier SERE's step-wide set
 P is a reduction over the whole step and pass 2 needs all of it: one program sees all of it, and a step that
 fits one tile keeps everything in registers (no store/reload between the passes, one launch). Its cost grows
 with T (SERE K=2 on the H200: 5.2 µs per layer at T=4, 23 at 64, 80 at 256), so beyond
-:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (SERE K=2 7.8–9.4 µs from 8 to 256
-rows, H100, session 23).
+:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (SERE K=2 6.7–7.9 µs from 16 to 256
+rows, H100, session 24: results/benchmarks/routing_op_h100_s24.json).
 The tile functions both plans run are in ``harness.kernels.fused_routing_tiles``. The torch reference runs
 only where Triton does not.
 
@@ -59,7 +59,7 @@ from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _co
                                                  _reroute_slots, _route_table, _topk_tile)
 
 __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing", "fused_routing_reference",
-           "fused_routing_triton", "kernel_sources", "one_program_warps"]
+           "fused_routing_triton", "dispatched_plan", "kernel_sources", "one_program_warps"]
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
@@ -236,7 +236,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                             or spec.top_k > spec.topk_groups * (num_experts // spec.groups)):
         raise ValueError(f"routing: top-{spec.top_k} of {num_experts} experts in {spec.topk_groups} of "
                          f"{spec.groups} groups (the kernel needs equal groups, a power-of-two count, enough experts)")
-    if multi if multi is not None else t > ONE_PROGRAM_MAX_TOKENS:
+    if multi if multi is not None else dispatched_plan(t) == "multi":
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
                             block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps)
@@ -264,6 +264,13 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         num_warps=num_warps or one_program_warps(block_t, block_e),
     )
     return weights, ids
+
+
+def dispatched_plan(num_tokens: int) -> str:
+    """The launch plan the dispatch picks for a step of ``num_tokens`` rows (``one`` or ``multi``): by rows only,
+    so SERE on and off reduce alike. One place for the rule, read by the op and by the benchmark that records
+    which plan each of its ``fused_*`` timings ran."""
+    return "one" if num_tokens <= ONE_PROGRAM_MAX_TOKENS else "multi"
 
 
 def kernel_sources() -> dict[str, str]:

@@ -37,7 +37,9 @@ small tiles (sm_90: 1,056 instructions per thread with the counters up to 64 row
 4,943), and top-K's counters need no second launch. Timed (H100, session 23, µs per layer, one row per
 program): SERE K=2 8.26 against the old plan's 16.22 at 64 rows and 9.35 against 16.44 at 256; top-2 in one
 launch 6.77 against the old two launches' 6.60 at 64 rows (the counters' arrival costs what the second launch
-did) and 7.48 against 9.71 at 256 (results/benchmarks/routing_op_h100_s23.json, docs/vllm.md).
+did) and 7.48 against 9.71 at 256 (results/benchmarks/routing_op_h100_s23.json, docs/vllm.md). With the last
+program's exchanges relaxed (``_finish_step``; H100, session 24, same rounds as the acq_rel version): top-2 4.06
+against 6.86 at 64 rows (stock 2.57), SERE K=2 6.83 against 8.21 (results/benchmarks/routing_op_h100_s24.json).
 Semantics: :func:`harness.kernels.fused_routing_reference.fused_routing_reference`, equal
 ids, weights and counters (tests/kernels/test_fused_routing.py). Imports: torch and triton only.
 """
