@@ -53,7 +53,7 @@ import triton.language as tl
 
 from harness.kernels._triton import source_text_key, triton_runs
 from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
-from harness.kernels.fused_routing_multi import fused_routing_multi
+from harness.kernels.fused_routing_multi import fused_routing_multi, multi_tile, one_launch_sere
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _nearest_in_p,
                                                  _reroute_slots, _route_table, _topk_tile)
@@ -205,12 +205,14 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
                          num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None,
-                         reroute_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         reroute_warps: int | None = None, grid_wait: bool | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
     (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
     :data:`ONE_PROGRAM_MAX_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
     all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes);
-    ``reroute_warps`` the multi-program plan's launch 2 warps."""
+    ``reroute_warps`` the multi-program plan's launch 2 warps, ``grid_wait`` its SERE in one launch or two
+    (``fused_routing_multi.fused_routing_multi``)."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -239,7 +241,8 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     if multi if multi is not None else dispatched_plan(t) == "multi":
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
-                            block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps)
+                            block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps,
+                            grid_wait=grid_wait)
         return weights, ids
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_t = block_t or _tile_rows(t, block_e)
@@ -266,11 +269,18 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     return weights, ids
 
 
-def dispatched_plan(num_tokens: int) -> str:
-    """The launch plan the dispatch picks for a step of ``num_tokens`` rows (``one`` or ``multi``): by rows only,
-    so SERE on and off reduce alike. One place for the rule, read by the op and by the benchmark that records
-    which plan each of its ``fused_*`` timings ran."""
-    return "one" if num_tokens <= ONE_PROGRAM_MAX_TOKENS else "multi"
+def dispatched_plan(num_tokens: int, sere: bool = False, device: torch.device | str | None = None) -> str:
+    """The launch plan the dispatch picks for a step of ``num_tokens`` rows: ``one`` program or the ``multi``-program
+    plan by rows only, so SERE on and off reduce alike; with ``sere`` (a step SERE re-routes) on ``device``, the
+    multi-program plan in one launch (``grid``) where ``fused_routing_multi.one_launch_sere`` allows it. One place
+    for the rule, read by the benchmark that records which plan each of its ``fused_*`` timings ran."""
+    if num_tokens <= ONE_PROGRAM_MAX_TOKENS:
+        return "one"
+    if sere and device is not None:
+        rows = multi_tile(num_tokens, 128)[0]   # rows per program: by the step's rows alone
+        if one_launch_sere(triton.cdiv(num_tokens, rows), torch.device(device)):
+            return "grid"
+    return "multi"
 
 
 def kernel_sources() -> dict[str, str]:

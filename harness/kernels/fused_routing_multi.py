@@ -24,8 +24,17 @@ needs all of it; a second launch is the grid-wide barrier:
 The scratch (:func:`step_scratch`) is allocated zeroed once per device and experts block and left zeroed
 by every call (the last program exchanges each word with 0), so the op stays one or two kernel nodes in a CUDA
 graph — no memset node, no host synchronisation. Arrival is CUTLASS's semaphore pattern (``_arrive``: a CTA
-barrier, then one thread's acq_rel atomic); no program ever waits for another, so Triton's interpreter, which
-runs programs one after another, runs the same code. Any number of rows.
+barrier, then one thread's acq_rel atomic). Any number of rows.
+
+One launch for SERE (session 25): every step pays a launch's fixed cost (~2.4 µs per kernel node in a CUDA graph
+on the H100: vLLM's own ``topk_softmax`` costs 2.4–2.9 µs), so two launches cannot meet the issue's 5 µs per
+layer (SERE K=2 5.6–5.8 µs at 16–64 rows without the counters, H100, session 24). Where every program of the grid
+can be resident at once (:func:`grid_wait_programs`: a program per SM), launch 1 does launch 2's work itself:
+each program OR-s its sets, waits until the whole grid has (:func:`_wait_for_all`, one thread polling the
+arrivals), re-routes its tile from registers (no store and reload of the ids) and stores them; the last to
+leave adds the counters and zeroes the scratch. Triton's interpreter runs a grid's programs one after another,
+so there the wait is allowed over one program only (CI runs it that way; the wait across programs is tested
+on CUDA). Larger grids (more programs than SMs: beyond 132 rows on an H100) keep two launches.
 
 Before (session 9's plan, timed on the H200): launch 1 wrote one word per (tile, expert) with plain stores;
 every program of launch 2 OR-ed the whole step's words (T/BLOCK_T per expert) and one extra program, at the 4
@@ -50,11 +59,13 @@ import torch
 import triton
 import triton.language as tl
 
+from harness.kernels._triton import interpreting
 from harness.kernels.fused_routing_reference import RoutingSpec
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _reroute_slots,
                                                  _route_table, _topk_tile)
 
-__all__ = ["KERNELS", "fused_routing_multi", "multi_tile", "step_scratch"]
+__all__ = ["KERNELS", "ONE_LAUNCH_SERE", "fused_routing_multi", "grid_wait_programs", "multi_tile",
+           "one_launch_sere", "step_scratch"]
 
 @triton.jit
 def _arrive(scratch_ptr, n_programs, BLOCK_E: tl.constexpr):
@@ -90,20 +101,36 @@ def _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
         _add_counters(topk_cnt_ptr, n_tr, (flags >> 2) & 1, k_after, k_after, n_tr * (TOPK - KT), TOPK - KT)
 
 
+@triton.jit
+def _wait_for_all(count_ptr, n_programs):
+    """The one-launch plan's grid-wide barrier: arrive (CUTLASS's semaphore pattern, as :func:`_arrive`), then
+    one thread polls the arrivals with acquire atomics until every program of the grid has arrived, and a CTA
+    barrier holds the rest of the program until it has. Safe only while every program of the grid is resident
+    at once (:func:`grid_wait_programs`); never in Triton's interpreter, which runs programs one after another."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(count_ptr, 1, sem="acq_rel") + 1
+    while seen < n_programs:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["T", "n_tiles"])  # one compilation per tiling, not per step length
 def _multi_topk_kernel(
     logits_ptr, dec_ptr, real_ptr, w_ptr, ids_ptr, bias_ptr, scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
-    T, n_tiles, E, scale, s_lt, s_le, s_wt, s_wk, s_it, s_ik,
+    sim_ptr, prot_ptr, T, n_tiles, E, scale, rho, s_lt, s_le, s_wt, s_wk, s_it, s_ik, s_se, s_sp,
     TOPK: tl.constexpr, KT: tl.constexpr, KP: tl.constexpr, WIDTH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORM: tl.constexpr, TRUNC: tl.constexpr, TRUNC_ALL: tl.constexpr, SERE: tl.constexpr,
     HAS_DEC: tl.constexpr, HAS_REAL: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     NG: tl.constexpr, GSIZE: tl.constexpr, TG: tl.constexpr,
     FLAGS: tl.constexpr, FINISH: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
+    GRID_WAIT: tl.constexpr, VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr, LANES: tl.constexpr,
 ):
     """Launch 1: pass 1 on tile ``program_id``, ids and weights stored; with ``FLAGS`` the tile's expert
     sets are OR-ed into the step scratch and its row counts added; with ``FINISH`` (no launch 2 follows) the
-    last program adds the counters."""
+    last program adds the counters. ``GRID_WAIT`` (SERE, the one-launch plan): after OR-ing its sets each
+    program waits for the whole grid's (:func:`_wait_for_all`), re-routes its tile from registers and stores
+    the ids — launch 2's work without a second launch."""
     tile = tl.program_id(0)
     t0 = tile * BLOCK_T
     ids, dec, prim, s_before, k_before, k_after, need, n_dec, n_tr = _topk_tile(
@@ -112,8 +139,10 @@ def _multi_topk_kernel(
         SIGMOID, HAS_BIAS, NG, GSIZE, TG)
     rows = t0 + tl.arange(0, BLOCK_T)
     slots = tl.arange(0, BLOCK_K)
-    tl.store(ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik, ids,
-             mask=(rows[:, None] < T) & (slots[None, :] < TOPK))
+    ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
+    ok = (rows[:, None] < T) & (slots[None, :] < TOPK)
+    if not GRID_WAIT:
+        tl.store(ptrs, ids, mask=ok)
     if FLAGS:
         e = tl.arange(0, BLOCK_E)
         word = prim
@@ -124,10 +153,18 @@ def _multi_topk_kernel(
         tl.atomic_or(scratch_ptr + e, word, mask=word != 0, sem="relaxed")
         tl.atomic_add(scratch_ptr + BLOCK_E, n_dec.to(tl.int32), mask=n_dec > 0, sem="relaxed")
         tl.atomic_add(scratch_ptr + BLOCK_E + 1, n_tr.to(tl.int32), mask=n_tr > 0, sem="relaxed")
+    if GRID_WAIT:
+        _wait_for_all(scratch_ptr + BLOCK_E + 4, n_tiles)
+        if _tile_has_decode(dec_ptr, tile, T, BLOCK_T, LANES):
+            ids = _reroute_against_step(ids, dec, scratch_ptr, sim_ptr, prot_ptr, E, rho, s_se, s_sp, KP, WIDTH,
+                                        BLOCK_T, BLOCK_E, BLOCK_K, VEC_CELLS, HAS_PROT, SERE_STATS)
+        tl.store(ptrs, ids, mask=ok)
     if FINISH:
         if _arrive(scratch_ptr, n_tiles, BLOCK_E):
             _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS,
                          TOPK_STATS)
+            if GRID_WAIT:   # every program is past the wait: its arrivals can go back to zero for the next call
+                tl.atomic_xchg(scratch_ptr + BLOCK_E + 4, 0, sem="relaxed")
 
 
 @triton.jit
@@ -143,6 +180,42 @@ def _secondary_sources(ids, dec, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T:
     return need
 
 
+@triton.jit
+def _tile_has_decode(dec_ptr, pid, T, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
+    """Whether tile ``pid`` has a decode row, reduced over a [LANES >= 32] vector: a reduction that wide is one
+    REDUX into a uniform register, so the compiler knows a branch on it is taken by the whole warp (a 2-row
+    reduction is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective
+    block)."""
+    lanes = tl.arange(0, LANES)
+    lane = pid * BLOCK_T + lanes
+    lane_ok = (lanes < BLOCK_T) & (lane < T)
+    return tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0
+
+
+@triton.jit
+def _reroute_against_step(ids, dec, scratch_ptr, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                          KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr,
+                          SERE_STATS: tl.constexpr):
+    """Pass 2 on one tile against the step's P (one [BLOCK_E] read of the scratch, at L2: ``.cg``, never a line
+    an earlier call left in this SM's L1), every secondary slot in one gather on small tiles
+    (``_reroute_slots``), else once per source expert of the tile (``_route_table``); adds what it moved and
+    kept to the scratch. Written once for launch 2 and the one-launch plan."""
+    e = tl.arange(0, BLOCK_E)
+    prim = tl.load(scratch_ptr + e, cache_modifier=".cg") & 1
+    if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
+        ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                          KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+    else:                                          # else once per source expert of the tile
+        need = _secondary_sources(ids, dec, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+        table = _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+        ids, moved, kept = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+    if SERE_STATS:
+        tl.atomic_or(scratch_ptr + e, kept << 4, mask=kept > 0, sem="relaxed")
+        tl.atomic_add(scratch_ptr + BLOCK_E + 2, moved.to(tl.int32), mask=moved > 0, sem="relaxed")
+    return ids
+
+
 @triton.jit(do_not_specialize=["T", "n_tiles"])
 def _multi_reroute_kernel(
     dec_ptr, sim_ptr, prot_ptr, ids_ptr, scratch_ptr, sere_cnt_ptr, topk_cnt_ptr,
@@ -152,36 +225,20 @@ def _multi_reroute_kernel(
     VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr, SERE_STATS: tl.constexpr, TOPK_STATS: tl.constexpr,
     LANES: tl.constexpr,
 ):
-    """Launch 2 (SERE): program ``pid`` re-routes its tile against the step's P (one [BLOCK_E] load of the
-    scratch), adds what it moved and kept, and the last program to finish adds the counters (module doc)."""
+    """Launch 2 (SERE): program ``pid`` re-routes its tile against the step's P, adds what it moved and kept,
+    and the last program to finish adds the counters (module doc)."""
     pid = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
-    dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
-    # whether the tile has a decode row, reduced over a [LANES >= 32] vector: a reduction that wide is one REDUX
-    # into a uniform register, so the compiler knows the branch is taken by the whole warp (a 2-row reduction
-    # is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective block)
-    lanes = tl.arange(0, LANES)
-    lane = pid * BLOCK_T + lanes
-    lane_ok = (lanes < BLOCK_T) & (lane < T)
-    if tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0:
-        prim = tl.load(scratch_ptr + e) & 1
+    if _tile_has_decode(dec_ptr, pid, T, BLOCK_T, LANES):
+        dec = row_ok & (tl.load(dec_ptr + rows, mask=row_ok, other=0) != 0)
         slots = tl.arange(0, BLOCK_K)
         ptrs = ids_ptr + rows[:, None].to(tl.int64) * s_it + slots[None, :] * s_ik
         ok = row_ok[:, None] & (slots[None, :] < TOPK)
         ids = tl.load(ptrs, mask=ok, other=0)
-        if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
-            ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
-                                              KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
-        else:                                          # else once per source expert of the tile
-            need = _secondary_sources(ids, dec, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
-            table = _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
-            ids, moved, kept = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+        ids = _reroute_against_step(ids, dec, scratch_ptr, sim_ptr, prot_ptr, E, rho, s_se, s_sp, KP, WIDTH,
+                                    BLOCK_T, BLOCK_E, BLOCK_K, VEC_CELLS, HAS_PROT, SERE_STATS)
         tl.store(ptrs, ids, mask=ok)
-        if SERE_STATS:
-            tl.atomic_or(scratch_ptr + e, kept << 4, mask=kept > 0, sem="relaxed")
-            tl.atomic_add(scratch_ptr + BLOCK_E + 2, moved.to(tl.int32), mask=moved > 0, sem="relaxed")
     if _arrive(scratch_ptr, n_tiles, BLOCK_E):
         _finish_step(scratch_ptr, sere_cnt_ptr, topk_cnt_ptr, TOPK, KT, KP, WIDTH, BLOCK_E, SERE_STATS, TOPK_STATS)
 
@@ -207,8 +264,40 @@ def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int, int]:
     return block_t, warps, max(warps, 2)
 
 
+#: SERE's plan beyond the one-program kernel's steps: one launch whose programs wait for each other
+#: (:func:`_wait_for_all`) where the grid fits (:func:`grid_wait_programs`), else two launches
+ONE_LAUNCH_SERE = False
+
+
+def grid_wait_programs(device: torch.device) -> int:
+    """How many programs a grid-wide wait may span on ``device``: one per SM on CUDA (a program of this plan
+    is one to four warps with few registers, so an SM always has room for one: every program of such a grid
+    is resident at once, and no program can wait on one that never starts; kernels of other streams only delay
+    the start). One in Triton's interpreter, which runs a grid's programs one after another (a second program
+    would wait forever); none elsewhere. An MPS or green-context share of the SMs is not seen here."""
+    if device.type == "cuda" and not interpreting() and torch.cuda.is_available():
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 1 if interpreting() else 0
+
+
+def one_launch_sere(n_tiles: int, device: torch.device) -> bool:
+    """The dispatch's choice for SERE on a multi-program step: one launch (:data:`ONE_LAUNCH_SERE`) where its
+    grid of ``n_tiles`` programs can wait for itself on ``device``."""
+    return ONE_LAUNCH_SERE and n_tiles <= grid_wait_programs(device)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 #: the step scratch of each (device, experts block): [BLOCK_E] expert-set words, then (decode rows, counted rows,
-#: moved slots, arrivals); zero between calls (the last program of each call zeroes it)
+#: moved slots, arrivals, the one-launch plan's arrivals at its wait) and 3 spare words; zero between calls (the
+#: last program of each call zeroes it)
 _STEP_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
@@ -222,7 +311,7 @@ def step_scratch(device: torch.device, block_e: int) -> torch.Tensor:
     key = (device.type, device.index, block_e)
     buf = _STEP_SCRATCH.get(key)
     if buf is None:
-        buf = _STEP_SCRATCH[key] = torch.zeros(block_e + 4, dtype=torch.int32, device=device)
+        buf = _STEP_SCRATCH[key] = torch.zeros(block_e + 8, dtype=torch.int32, device=device)
     return buf
 
 
@@ -231,14 +320,16 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
                         topk_counters: torch.Tensor | None, sim: torch.Tensor | None, prot: torch.Tensor | None,
                         bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
                         block_t: int | None = None, num_warps: int | None = None,
-                        reroute_warps: int | None = None) -> None:
+                        reroute_warps: int | None = None, grid_wait: bool | None = None) -> None:
     """Launch the kernels (module doc) into ``weights`` / ``ids``; the arguments are those
     ``fused_routing.fused_routing_triton`` has checked and moved to the device. ``vec_cells``: up to this many
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
     decides once per source expert (``_route_table``, an [E, E] masked load, given at least 4 warps: its
     registers). ``block_t`` / ``num_warps`` override :func:`multi_tile` (the benchmark's tiling rows),
     ``reroute_warps`` launch 2's warps (default on small tiles: :func:`multi_tile`'s with its tiling, launch 1's
-    with a caller's; at least 4 on the table path)."""
+    with a caller's; at least 4 on the table path). ``grid_wait``: SERE in one launch whose programs wait for
+    each other (:func:`_wait_for_all`; launch 1's warps) or in two; None: one launch where
+    :data:`ONE_LAUNCH_SERE` and the grid is small enough (:func:`grid_wait_programs`)."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
     auto_t, auto_w, auto_w2 = multi_tile(t, block_e)
@@ -250,6 +341,11 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
     sere_stats = spec.k_primary is not None and sere_counters is not None
     topk_stats = spec.trunc_k is not None and topk_counters is not None
     flags = sere_run or sere_stats or topk_stats
+    fits = n_tiles <= grid_wait_programs(logits.device)
+    if grid_wait and not fits:
+        raise ValueError(f"routing: a grid-wide wait over {n_tiles} programs on {logits.device} (at most "
+                         f"{grid_wait_programs(logits.device)} can be resident at once here)")
+    one_launch = sere_run and (grid_wait if grid_wait is not None else one_launch_sere(n_tiles, logits.device))
     scratch = step_scratch(logits.device, block_e) if flags else ids
     dummy = ids
     meta = dict(TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
@@ -257,25 +353,28 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
                 SERE_STATS=sere_stats, TOPK_STATS=topk_stats)
     counters = (sere_counters if sere_counters is not None else dummy,
                 topk_counters if topk_counters is not None else dummy)
+    sere = dict(VEC_CELLS=vec_cells, HAS_PROT=prot is not None, LANES=max(block_e, block_t, 32))
+    sim_strides = (sim.stride(0), sim.stride(1)) if sim is not None else (0, 0)
     try:
         _multi_topk_kernel[(n_tiles,)](
             logits, decode_rows if decode_rows is not None else dummy,
             real_rows if real_rows is not None else dummy, weights, ids, bias if bias is not None else weights,
-            scratch, *counters, t, n_tiles, num_experts, float(spec.scaling), logits.stride(0), logits.stride(1),
-            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+            scratch, *counters, sim if sim is not None else dummy, prot if prot is not None else dummy,
+            t, n_tiles, num_experts, float(spec.scaling), float(spec.rho), logits.stride(0), logits.stride(1),
+            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), *sim_strides,
             RENORM=spec.renormalize, TRUNC=spec.trunc_k is not None, TRUNC_ALL=spec.trunc_all,
             SERE=spec.k_primary is not None, HAS_DEC=decode_rows is not None, HAS_REAL=real_rows is not None,
             SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NG=spec.groups, GSIZE=num_experts // spec.groups,
-            TG=spec.topk_groups, FLAGS=flags, FINISH=flags and not sere_run, num_warps=num_warps, **meta)
-        if not sere_run:
+            TG=spec.topk_groups, FLAGS=flags, FINISH=flags and (one_launch or not sere_run),
+            GRID_WAIT=one_launch, num_warps=num_warps, **sere, **meta)
+        if one_launch or not sere_run:
             return
         small = block_t * meta["BLOCK_K"] * block_e <= vec_cells
         _multi_reroute_kernel[(n_tiles,)](
             decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
-            t, n_tiles, num_experts, float(spec.rho), sim.stride(0), sim.stride(1), ids.stride(0), ids.stride(1),
-            VEC_CELLS=vec_cells, HAS_PROT=prot is not None, LANES=max(block_e, block_t, 32),
+            t, n_tiles, num_experts, float(spec.rho), *sim_strides, ids.stride(0), ids.stride(1),
             num_warps=reroute_warps or ((small_w2 or num_warps) if small else max(num_warps, 4)),
-            **meta)
+            **sere, **meta)
     except BaseException:
         if flags:       # a launch that did not run would leave the scratch half-written for the next call
             scratch.zero_()

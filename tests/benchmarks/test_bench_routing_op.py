@@ -40,12 +40,21 @@ def test_compile_in_parallel_runs_one_warm_process_per_length_and_stops_on_a_fai
     assert "compile T=16 failed" in capsys.readouterr().err
 
 
-def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling():
+def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(monkeypatch):
+    import harness.kernels.fused_routing_multi as multi
     from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS
 
-    assert bro.dispatched_as("fused_sere2", 1) == "one_sere2_w1"
-    assert bro.dispatched_as("fused_top2", 2) == "one_top2_w2"
-    assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS) == "one_stock"
-    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1) == "multi_sere2_t1w1r2"
-    assert bro.dispatched_as("fused_top2", 64) == "multi_top2_t1w1"
+    assert bro.dispatched_as("fused_sere2", 1, "cpu") == "one_sere2_w1"
+    assert bro.dispatched_as("fused_top2", 2, "cpu") == "one_top2_w2"
+    assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS, "cpu") == "one_stock"
+    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "multi_sere2_t1w1r2"
+    assert bro.dispatched_as("fused_top2", 64, "cpu") == "multi_top2_t1w1"
+    # a card of 132 SMs: SERE's step of up to 132 one-row programs runs in one launch, stock and top-2 as before
+    monkeypatch.setattr(multi, "grid_wait_programs", lambda device: 132 if device.type == "cuda" else 0)
+    monkeypatch.setattr(multi, "ONE_LAUNCH_SERE", True)
+    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
+    assert bro.dispatched_as("fused_sere2_nostats", 132, "cuda") == "grid_sere2_nostats"
+    assert bro.dispatched_as("fused_sere2", 133, "cuda") == "multi_sere2_t1w1r2"
+    assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
+    assert bro.dispatched_as("fused_sere2", 4, "cuda") == "one_sere2"
     assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}

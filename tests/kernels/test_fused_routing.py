@@ -150,17 +150,20 @@ def _scratches():
 
 
 def test_multi_program_plan_leaves_its_scratch_zeroed_between_calls():
-    """The two launches share a persistent scratch (no memset node in a CUDA graph): the step's expert sets,
-    row counts and arrivals. Each call's last program zeroes it, so calls of every spec and length in a row on
+    """The launches share a persistent scratch (no memset node in a CUDA graph): the step's expert sets,
+    row counts and arrivals (at the one-launch plan's wait too). Each call's last program zeroes it, so calls of every spec and length in a row on
     one scratch each give the reference's routing and counters — a word left over from the call before would
     put its experts into the next step's P (SERE would move slots the reference keeps) or its rows into the
     next counters."""
     cases = [(9, 32, "top4-sere-k2", 2), (37, 32, "sere-k2", 4), (1, 32, "sere-k1-rho", None),
-             (16, 32, "top2", 4), (9, 32, "top3-all", 2), (70, 32, "sere-k2", 16), (5, 32, "stock", 2)]
+             (16, 32, "top2", 4), (9, 32, "top3-all", 2), (70, 32, "sere-k2", 16), (5, 32, "stock", 2),
+             (9, 32, "top4-sere-k2", "one launch"), (37, 32, "sere-k1-rho", "one launch")]
     for i, (t, e, name, block_t) in enumerate(cases * 2):
         logits, sim, protected, decode, real = make_case(t, e, seed=100 + i)
         decode[0] = True
-        check_against_reference(logits, spec_of(name, sim, protected), decode, real, multi=True, block_t=block_t)
+        tiling = one_launch_tiling(t) if block_t == "one launch" else {"multi": True, "block_t": block_t,
+                                                                         "grid_wait": False}
+        check_against_reference(logits, spec_of(name, sim, protected), decode, real, **tiling)
         assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"call {i} ({name}, T={t}) left its scratch"
 
 
@@ -187,10 +190,51 @@ def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
             return launch
     monkeypatch.setattr(fused_routing_multi_module, "_multi_reroute_kernel", Broken())
     with pytest.raises(RuntimeError, match="launch failed"):
-        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2)
+        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2, grid_wait=False)
     assert _scratches() and all(int(b.abs().sum()) == 0 for b in _scratches())
     monkeypatch.undo()
     check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
+
+
+def one_launch_tiling(t: int) -> dict:
+    """The one-launch SERE plan's tiling for a test: on CUDA the dispatch's (a program per row: the grid-wide
+    wait across up to 70 programs); in the interpreter, which runs a grid's programs one after another, the
+    whole step in one program (a second would wait forever), so the wait, the re-route from registers and the
+    departure still run."""
+    if DEVICE == "cuda":
+        return {"multi": True, "grid_wait": True}
+    return {"multi": True, "grid_wait": True, "block_t": 1 << max(0, (t - 1).bit_length())}
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
+@pytest.mark.parametrize("shape", [(1, 16), (9, 32), (16, 128), (70, 64)], ids=lambda s: "T{}-E{}".format(*s))
+def test_one_launch_sere_matches_reference(shape, name):
+    """SERE in one launch (each program waits for the whole grid's P, then re-routes its tile from registers)
+    gives the reference's ids, weights and counters, and the two-launch plan on the same tiling gives the same."""
+    t, e = shape
+    logits, sim, protected, decode, real = make_case(t, e, seed=t * 7 + e)
+    decode[0] = True
+    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
+    tiling = one_launch_tiling(t)
+    want_s = check_against_reference(logits, spec, decode, real, **tiling)
+    check_against_reference(logits, spec, decode, real, **{**tiling, "grid_wait": False})
+    assert all(int(b.abs().sum()) == 0 for b in _scratches())
+    if t > 1 and name == "sere-k2":
+        assert want_s[COUNTERS.index("moved")] > 0
+
+
+def test_one_launch_sere_is_refused_where_its_grid_cannot_be_resident():
+    """A grid-wide wait over more programs than can be resident at once would hang; the op refuses it (in the
+    interpreter: any second program) and the dispatch, left to choose, takes two launches for such a grid."""
+    logits, sim, protected, decode, real = make_case(9, 32, seed=41)
+    spec = spec_of("sere-k2", sim, protected)
+    if DEVICE == "cuda":   # a program per row: more than any GPU has SMs
+        logits, sim, protected, decode, real = make_case(4096, 32, seed=41)
+        spec = spec_of("sere-k2", sim, protected)
+    with pytest.raises(ValueError, match="grid-wide wait"):
+        fused_routing_triton(logits, spec, decode, real, multi=True, grid_wait=True, block_t=1)
+    check_against_reference(logits, spec, decode, real, multi=True, block_t=1)
+    assert all(int(b.abs().sum()) == 0 for b in _scratches())
 
 
 @pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
