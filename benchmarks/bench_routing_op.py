@@ -280,6 +280,7 @@ def markdown(doc: dict) -> str:
     cell = {(r["tokens"], r["variant"]): r["us_per_layer"] for r in rows}
     lines = [f"# Routing op, µs per layer ({doc['env'].get('device')}, {doc['protocol']})", "",
              f"env: {json.dumps(doc['env'])}; dispatch: {json.dumps(doc['dispatch'])}", "",
+             *([f"note: {doc['note']}", ""] if doc.get("note") else []),
              "| variant | " + " | ".join(f"T={t}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
     for n in names:
         vals = (f"{cell[(t, n)]:.2f}" if (t, n) in cell else "–" for t in tokens)
@@ -358,8 +359,9 @@ def main() -> None:
             print(f"smoke T={t}: every variant ran, fused == reference")
         return
     keep = {v for v in args.variants.split(",") if v} | {"vllm_topk_softmax", "torch_topk"}
-    if args.variants and not args.warm_only:   # a misspelt name fails here, before any GPU time (names depend on T: shortest and longest)
-        known = {n for t in (min(tokens), max(tokens)) for n in build_variants(t, 1, "cpu", baseline)}
+    if args.variants and not args.warm_only:   # a misspelt name fails here, before any kernel runs (names depend on
+        # T, shortest and longest, and on the device: grid_* where the grid can wait for itself)
+        known = {n for t in (min(tokens), max(tokens)) for n in build_variants(t, 1, device, baseline)}
         unknown = keep - known - {"vllm_topk_softmax", "torch_topk"}
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
@@ -379,6 +381,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
+        from harness.kernels.fused_routing_multi import ONE_LAUNCH_SERE
         from harness.kernels.fused_routing import kernel_sources
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
@@ -387,6 +390,7 @@ def main() -> None:
                "after a warm-up round; median over rounds, 95% bootstrap CI",
                # what the fused_* rows dispatched with (one_* / multi_* force a plan)
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
+                            "one_launch_sere": ONE_LAUNCH_SERE,
                             "mixed_decodes": MIXED_DECODES},
                "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
                # which kernel code the one_* / multi_* rows timed (a hash of each plan's kernel sources):

@@ -63,11 +63,12 @@ __all__ = ["COUNTERS", "ONE_PROGRAM_MAX_TOKENS", "RoutingSpec", "fused_routing",
 
 #: steps of at most this many rows run the one-program kernel, longer ones the multi-program plan
 #: (``fused_routing_multi``). Chosen by rows only, never by technique, so SERE on and off give identical weights.
-#: H100, session 23, µs per layer, one program against the rebuilt multi-program plan at one row per program
-#: (results/benchmarks/routing_op_h100_s23.json): SERE K=2 7.76 / 7.76 at 8 rows, 10.0 / 8.1 at 16; stock
-#: 2.78 / 2.47 and 3.23 / 2.48; top-2 4.33 / 6.10 and 5.92 / 6.60; at 4 rows and fewer one program wins every
-#: technique (SERE 5.2 against 7.7). 8 is where SERE's two plans meet; top-2 alone would keep one program to 16
-ONE_PROGRAM_MAX_TOKENS = 8
+#: H100, session 25, µs per layer, one program against the multi-program plan at one row per program
+#: (results/benchmarks/routing_op_h100_s25_t4to8.json, the same in routing_op_h100_s25.json): at 4 rows one program
+#: wins or ties every technique (SERE K=2 5.20 / 6.23, top-2 3.34 / 3.76, stock 2.43 / 2.46); at 5, 6, 7 and 8 rows
+#: the multi-program plan wins every one (SERE 7.67–7.72 / 6.29–6.32, top-2 4.27–4.32 / 3.77–3.78, stock
+#: 2.76–2.77 / 2.46–2.48): from 5 rows the one program's tile is 8 rows (a power of two) and costs what 8 rows do.
+ONE_PROGRAM_MAX_TOKENS = 4
 #: rows x slots x experts up to which a tile re-routes SERE's secondary slots all at once (``_reroute_slots``):
 #: 4 rows at top-8 of 128 experts; beyond, the per-slot loop (one program) or the per-expert table (one program
 #: per tile) keeps registers in bounds

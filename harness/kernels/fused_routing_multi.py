@@ -34,7 +34,9 @@ each program OR-s its sets, waits until the whole grid has (:func:`_wait_for_all
 arrivals), re-routes its tile from registers (no store and reload of the ids) and stores them; the last to
 leave adds the counters and zeroes the scratch. Triton's interpreter runs a grid's programs one after another,
 so there the wait is allowed over one program only (CI runs it that way; the wait across programs is tested
-on CUDA). Larger grids (more programs than SMs: beyond 132 rows on an H100) keep two launches.
+on CUDA). Larger grids (more programs than SMs: beyond 132 rows on an H100) keep two launches. Measured on the
+H100 it does not pay (:data:`ONE_LAUNCH_SERE`): the dispatch keeps two launches; ``grid_wait=True`` and
+bench_routing_op.py's ``grid_*`` rows keep the plan timeable on other cards.
 
 Before (session 9's plan, timed on the H200): launch 1 wrote one word per (tile, expert) with plain stores;
 every program of launch 2 OR-ed the whole step's words (T/BLOCK_T per expert) and one extra program, at the 4
@@ -265,7 +267,11 @@ def multi_tile(num_tokens: int, block_e: int) -> tuple[int, int, int]:
 
 
 #: SERE's plan beyond the one-program kernel's steps: one launch whose programs wait for each other
-#: (:func:`_wait_for_all`) where the grid fits (:func:`grid_wait_programs`), else two launches
+#: (:func:`_wait_for_all`) where the grid fits (:func:`grid_wait_programs`), else two launches. Off: timed on the
+#: H100 (session 25, µs per layer, results/benchmarks/routing_op_h100_s25.json), one launch is slower than two at
+#: every step length, even of one program, where nobody waits: SERE K=2 6.23 / 6.19 at 1 row, 6.51 / 6.29 at 4,
+#: 6.98 / 6.73 at 16, 6.99 / 6.87 at 64, 7.24 / 7.19 at 128; without the counters 6.32 / 5.61 at 16. A kernel
+#: boundary inside a CUDA graph costs less than the release fence, the arrival and the poll's round trips.
 ONE_LAUNCH_SERE = False
 
 

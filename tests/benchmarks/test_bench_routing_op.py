@@ -58,3 +58,15 @@ def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(mon
     assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
     assert bro.dispatched_as("fused_sere2", 4, "cuda") == "one_sere2"
     assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}
+
+
+def test_one_launch_rows_exist_where_the_grid_can_wait_for_itself(monkeypatch):
+    """``grid_*`` (SERE in one launch) is timed only on a device whose SMs hold the step's grid; ``two_*`` (the
+    same tiling in two launches) everywhere, so the two sit side by side where both can run."""
+    import harness.kernels.fused_routing_multi as multi
+
+    monkeypatch.setattr(multi, "grid_wait_programs", lambda device: 8)
+    fits = bro.build_variants(8, 1, "cpu")
+    too_long = bro.build_variants(9, 1, "cpu")
+    assert {"grid_sere2", "grid_sere2_nostats", "grid_sere1", "grid_sere2_mixed", "two_sere2"} <= set(fits)
+    assert "grid_sere2" not in too_long and "two_sere2" in too_long
