@@ -223,6 +223,25 @@ def test_one_launch_sere_matches_reference(shape, name):
         assert want_s[COUNTERS.index("moved")] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a wait across programs needs a GPU")
+def test_one_launch_sere_over_a_full_grid_on_cuda():
+    """On a GPU the one-launch plan's wait spans up to one program per SM: every step length up to that grid gives
+    the reference's ids and counters call after call, and leaves the scratch (sets, sums, both arrival counters)
+    zeroed for the next call — a leftover arrival would let the next call's programs pass the wait before the
+    whole step's P is in (session 25 ran these checks on the H100 as a script before timing the plan)."""
+    from harness.kernels.fused_routing_multi import grid_wait_programs
+
+    g = torch.Generator().manual_seed(0)
+    sim = torch.rand(128, 128, generator=g).to(DEVICE)
+    for t in sorted({1, 2, 9, 16, 33, 64, 70, 128, grid_wait_programs(torch.device(DEVICE))}):
+        for rep in range(20):
+            logits = (torch.randn(t, 128, generator=g) * 2).to(DEVICE)
+            decode = (torch.rand(t, generator=g) < 0.8).to(DEVICE)
+            spec = RoutingSpec(8, True, k_primary=1 + rep % 2, rho=0.0, similarity=sim)
+            check_against_reference(logits, spec, decode, None, multi=True, grid_wait=True)
+            assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"T={t}, call {rep} left its scratch"
+
+
 def test_one_launch_sere_is_refused_where_its_grid_cannot_be_resident():
     """A grid-wide wait over more programs than can be resident at once would hang; the op refuses it (in the
     interpreter: any second program) and the dispatch, left to choose, takes two launches for such a grid."""
