@@ -27,7 +27,8 @@ rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-
 warps>]`` in two launches, ``multi_{stock,top2}_t<rows>w<warps>``); SERE's multi-program plan on the dispatch's
 tiling in one launch whose programs wait for each other (``grid_sere2``, ``grid_sere2_nostats``, ``grid_sere1``,
 ``grid_sere2_mixed``: where the grid fits the card, ``fused_routing_multi.grid_wait_programs``) and in two
-(``two_sere2``, ``two_sere2_nostats``, ``two_sere2_mixed``); ``--baseline-multi FILE`` adds another version of
+(``two_sere2``, ``two_sere2_nostats``, ``two_sere2_mixed``) and in two without arrivals (``epoch_sere2``,
+``epoch_sere2_nostats``, ``epoch_sere1``, ``epoch_sere2_mixed``: ``fused_routing_epoch``); ``--baseline-multi FILE`` adds another version of
 the multi-program plan's module (``base_multi_*``), timed in the same rounds.
 ``--variants`` times a subset. Writes ``results/benchmarks/routing_op_<card>.json`` (``h200``, ``h100``; or
 ``--out``). Imports torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
@@ -203,9 +204,15 @@ def build_variants(tokens: int, layers: int, device: str, baseline=None):
         variants["grid_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True, multi=True,
                                        grid_wait=True)
         variants["grid_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=True)
-    variants["two_sere2"] = fused(sere2, True, multi=True, grid_wait=False)
-    variants["two_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=False)
-    variants["two_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=False)
+    # SERE's two launches without arrivals (epoch-tagged sets; the counters in a third, one-program launch)
+    variants["epoch_sere2"] = fused(sere2, True, multi=True, grid_wait=False, epoch=True)
+    variants["epoch_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=False, epoch=True)
+    variants["epoch_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True, multi=True,
+                                    grid_wait=False, epoch=True)
+    variants["epoch_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=False, epoch=True)
+    variants["two_sere2"] = fused(sere2, True, multi=True, grid_wait=False, epoch=False)
+    variants["two_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=False, epoch=False)
+    variants["two_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=False, epoch=False)
     if tokens <= 16:  # fewer warps than the default (4 up to 8 rows): with no more warps than rows, the top-k's
         for w in (1, 2):  # reductions stay inside a warp (sm_90 SASS, stock at T=1: 1 barrier with 1 warp, 53 with 4)
             variants[f"one_stock_w{w}"] = fused(RoutingSpec(K, True), False, multi=False, num_warps=w)
@@ -217,7 +224,7 @@ def build_variants(tokens: int, layers: int, device: str, baseline=None):
     for tile_rows, warps, warps_2 in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
         name = f"multi_sere2_t{tile_rows}w{warps}" + (f"r{warps_2}" if warps_2 != warps else "")
         variants[name] = fused(sere2, True, multi=True, block_t=tile_rows, num_warps=warps, reroute_warps=warps_2,
-                               grid_wait=False)
+                               grid_wait=False, epoch=False)
     for tile_rows, warps in ONE_LAUNCH_TILINGS:
         variants[f"multi_stock_t{tile_rows}w{warps}"] = fused(RoutingSpec(K, True), False, multi=True,
                                                               block_t=tile_rows, num_warps=warps)
@@ -381,7 +388,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
-        from harness.kernels.fused_routing_multi import ONE_LAUNCH_SERE
+        from harness.kernels.fused_routing_multi import EPOCH_SERE, ONE_LAUNCH_SERE
         from harness.kernels.fused_routing import kernel_sources
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
@@ -390,7 +397,7 @@ def main() -> None:
                "after a warm-up round; median over rounds, 95% bootstrap CI",
                # what the fused_* rows dispatched with (one_* / multi_* force a plan)
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
-                            "one_launch_sere": ONE_LAUNCH_SERE,
+                            "one_launch_sere": ONE_LAUNCH_SERE, "epoch_sere": EPOCH_SERE,
                             "mixed_decodes": MIXED_DECODES},
                "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
                # which kernel code the one_* / multi_* rows timed (a hash of each plan's kernel sources):

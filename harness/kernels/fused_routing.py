@@ -51,9 +51,11 @@ import torch
 import triton
 import triton.language as tl
 
+import harness.kernels.fused_routing_multi as multi_plan
 from harness.kernels._triton import source_text_key, triton_runs
+from harness.kernels.fused_routing_epoch import EPOCH_KERNELS
 from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
-from harness.kernels.fused_routing_multi import fused_routing_multi, multi_tile, one_launch_sere
+from harness.kernels.fused_routing_multi import fused_routing_multi
 from harness.kernels.fused_routing_reference import COUNTERS, RoutingSpec, fused_routing_reference
 from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _nearest_in_p,
                                                  _reroute_slots, _route_table, _topk_tile)
@@ -206,14 +208,14 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
                          num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None,
-                         reroute_warps: int | None = None, grid_wait: bool | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         reroute_warps: int | None = None, grid_wait: bool | None = None,
+                         epoch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
     (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
     :data:`ONE_PROGRAM_MAX_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
     all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes);
-    ``reroute_warps`` the multi-program plan's launch 2 warps, ``grid_wait`` its SERE in one launch or two
-    (``fused_routing_multi.fused_routing_multi``)."""
+    ``reroute_warps`` the multi-program plan's launch 2 warps, ``grid_wait`` its SERE in one launch or two,
+    ``epoch`` its two launches without arrivals (``fused_routing_multi.fused_routing_multi``)."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -243,7 +245,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
                             block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps,
-                            grid_wait=grid_wait)
+                            grid_wait=grid_wait, epoch=epoch)
         return weights, ids
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_t = block_t or _tile_rows(t, block_e)
@@ -273,14 +275,17 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
 def dispatched_plan(num_tokens: int, sere: bool = False, device: torch.device | str | None = None) -> str:
     """The launch plan the dispatch picks for a step of ``num_tokens`` rows: ``one`` program or the ``multi``-program
     plan by rows only, so SERE on and off reduce alike; with ``sere`` (a step SERE re-routes) on ``device``, the
-    multi-program plan in one launch (``grid``) where ``fused_routing_multi.one_launch_sere`` allows it. One place
-    for the rule, read by the benchmark that records which plan each of its ``fused_*`` timings ran."""
+    multi-program plan in one launch (``grid``) where ``fused_routing_multi.one_launch_sere`` allows it, else its
+    two launches without arrivals (``epoch``) where ``fused_routing_multi.EPOCH_SERE``. One place for the rule,
+    read by the benchmark that records which plan each of its ``fused_*`` timings ran."""
     if num_tokens <= ONE_PROGRAM_MAX_TOKENS:
         return "one"
     if sere and device is not None:
-        rows = multi_tile(num_tokens, 128)[0]   # rows per program: by the step's rows alone
-        if one_launch_sere(triton.cdiv(num_tokens, rows), torch.device(device)):
+        rows = multi_plan.multi_tile(num_tokens, 128)[0]   # rows per program: by the step's rows alone
+        if multi_plan.one_launch_sere(triton.cdiv(num_tokens, rows), torch.device(device)):
             return "grid"
+    if sere and multi_plan.EPOCH_SERE:
+        return "epoch"
     return "multi"
 
 
@@ -289,7 +294,8 @@ def kernel_sources() -> dict[str, str]:
     of its kernels and the tile functions they share). A timing records it, so an analysis of the compiled code
     (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
     return {"one": source_text_key(_fused_routing_kernel, _topk_tile),
-            "multi": source_text_key(*MULTI_KERNELS, _topk_tile)}
+            "multi": source_text_key(*MULTI_KERNELS, _topk_tile),
+            "epoch": source_text_key(*EPOCH_KERNELS, _topk_tile)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

@@ -62,11 +62,11 @@ import triton
 import triton.language as tl
 
 from harness.kernels._triton import interpreting
+from harness.kernels.fused_routing_epoch import fused_routing_epoch
 from harness.kernels.fused_routing_reference import RoutingSpec
-from harness.kernels.fused_routing_tiles import (_add_counters, _apply_tile, _column, _flags, _reroute_slots,
-                                                 _route_table, _topk_tile)
+from harness.kernels.fused_routing_tiles import _add_counters, _reroute_tile_with, _tile_has_decode, _topk_tile
 
-__all__ = ["KERNELS", "ONE_LAUNCH_SERE", "fused_routing_multi", "grid_wait_programs", "multi_tile",
+__all__ = ["EPOCH_SERE", "KERNELS", "ONE_LAUNCH_SERE", "fused_routing_multi", "grid_wait_programs", "multi_tile",
            "one_launch_sere", "step_scratch"]
 
 @triton.jit
@@ -170,31 +170,6 @@ def _multi_topk_kernel(
 
 
 @triton.jit
-def _secondary_sources(ids, dec, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_E] int32: experts some decode row of the tile names in a secondary slot (those need a decision)."""
-    e = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    need = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(KP, WIDTH):
-        src = _column(ids, slots, j)
-        need = tl.maximum(need, _flags(e[None, :] == src[:, None], dec))
-    return need
-
-
-@triton.jit
-def _tile_has_decode(dec_ptr, pid, T, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
-    """Whether tile ``pid`` has a decode row, reduced over a [LANES >= 32] vector: a reduction that wide is one
-    REDUX into a uniform register, so the compiler knows a branch on it is taken by the whole warp (a 2-row
-    reduction is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective
-    block)."""
-    lanes = tl.arange(0, LANES)
-    lane = pid * BLOCK_T + lanes
-    lane_ok = (lanes < BLOCK_T) & (lane < T)
-    return tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0
-
-
-@triton.jit
 def _reroute_against_step(ids, dec, scratch_ptr, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
                           KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_K: tl.constexpr, VEC_CELLS: tl.constexpr, HAS_PROT: tl.constexpr,
@@ -205,13 +180,8 @@ def _reroute_against_step(ids, dec, scratch_ptr, sim_ptr, prot_ptr, E, rho, s_se
     kept to the scratch. Written once for launch 2 and the one-launch plan."""
     e = tl.arange(0, BLOCK_E)
     prim = tl.load(scratch_ptr + e, cache_modifier=".cg") & 1
-    if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
-        ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
-                                          KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
-    else:                                          # else once per source expert of the tile
-        need = _secondary_sources(ids, dec, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
-        table = _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
-        ids, moved, kept = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+    ids, moved, kept = _reroute_tile_with(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp, KP, WIDTH,
+                                          BLOCK_T, BLOCK_E, BLOCK_K, VEC_CELLS, HAS_PROT)
     if SERE_STATS:
         tl.atomic_or(scratch_ptr + e, kept << 4, mask=kept > 0, sem="relaxed")
         tl.atomic_add(scratch_ptr + BLOCK_E + 2, moved.to(tl.int32), mask=moved > 0, sem="relaxed")
@@ -292,6 +262,10 @@ def one_launch_sere(n_tiles: int, device: torch.device) -> bool:
     return ONE_LAUNCH_SERE and n_tiles <= grid_wait_programs(device)
 
 
+#: SERE's two launches without arrivals (``fused_routing_epoch``: epoch-tagged expert sets, a third one-program
+#: launch for the statistics) instead of this module's arrival-and-zero scratch, where SERE takes two launches
+EPOCH_SERE = False
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -326,7 +300,8 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
                         topk_counters: torch.Tensor | None, sim: torch.Tensor | None, prot: torch.Tensor | None,
                         bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
                         block_t: int | None = None, num_warps: int | None = None,
-                        reroute_warps: int | None = None, grid_wait: bool | None = None) -> None:
+                        reroute_warps: int | None = None, grid_wait: bool | None = None,
+                        epoch: bool | None = None) -> None:
     """Launch the kernels (module doc) into ``weights`` / ``ids``; the arguments are those
     ``fused_routing.fused_routing_triton`` has checked and moved to the device. ``vec_cells``: up to this many
     rows x slots x experts a tile re-routes every secondary slot in one gather (``_reroute_slots``), beyond it
@@ -335,7 +310,8 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
     ``reroute_warps`` launch 2's warps (default on small tiles: :func:`multi_tile`'s with its tiling, launch 1's
     with a caller's; at least 4 on the table path). ``grid_wait``: SERE in one launch whose programs wait for
     each other (:func:`_wait_for_all`; launch 1's warps) or in two; None: one launch where
-    :data:`ONE_LAUNCH_SERE` and the grid is small enough (:func:`grid_wait_programs`)."""
+    :data:`ONE_LAUNCH_SERE` and the grid is small enough (:func:`grid_wait_programs`). ``epoch``: SERE's two
+    launches without arrivals (``fused_routing_epoch``; where no one launch is chosen); None: :data:`EPOCH_SERE`."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
     auto_t, auto_w, auto_w2 = multi_tile(t, block_e)
@@ -352,6 +328,13 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
         raise ValueError(f"routing: a grid-wide wait over {n_tiles} programs on {logits.device} (at most "
                          f"{grid_wait_programs(logits.device)} can be resident at once here)")
     one_launch = sere_run and (grid_wait if grid_wait is not None else one_launch_sere(n_tiles, logits.device))
+    small = block_t * triton.next_power_of_2(spec.top_k) * block_e <= vec_cells
+    warps_2 = reroute_warps or ((small_w2 or num_warps) if small else max(num_warps, 4))
+    if sere_run and not one_launch and (epoch if epoch is not None else EPOCH_SERE):
+        fused_routing_epoch(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
+                            weights, ids, vec_cells=vec_cells, block_t=block_t, num_warps=num_warps,
+                            reroute_warps=warps_2)
+        return
     scratch = step_scratch(logits.device, block_e) if flags else ids
     dummy = ids
     meta = dict(TOPK=spec.top_k, KT=spec.trunc_k or spec.top_k, KP=spec.k_primary or 0, WIDTH=spec.width,
@@ -375,12 +358,10 @@ def fused_routing_multi(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
             GRID_WAIT=one_launch, num_warps=num_warps, **sere, **meta)
         if one_launch or not sere_run:
             return
-        small = block_t * meta["BLOCK_K"] * block_e <= vec_cells
         _multi_reroute_kernel[(n_tiles,)](
             decode_rows, sim, prot if prot is not None else dummy, ids, scratch, *counters,
             t, n_tiles, num_experts, float(spec.rho), *sim_strides, ids.stride(0), ids.stride(1),
-            num_warps=reroute_warps or ((small_w2 or num_warps) if small else max(num_warps, 4)),
-            **sere, **meta)
+            num_warps=warps_2, **sere, **meta)
     except BaseException:
         if flags:       # a launch that did not run would leave the scratch half-written for the next call
             scratch.zero_()

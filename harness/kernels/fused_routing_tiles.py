@@ -231,6 +231,48 @@ def _apply_tile(ids, dec, table, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T:
 
 
 @triton.jit
+def _secondary_sources(ids, dec, KP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_E] int32: experts some decode row of the tile names in a secondary slot (those need a decision)."""
+    e = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    need = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(KP, WIDTH):
+        src = _column(ids, slots, j)
+        need = tl.maximum(need, _flags(e[None, :] == src[:, None], dec))
+    return need
+
+
+@triton.jit
+def _tile_has_decode(dec_ptr, pid, T, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
+    """Whether tile ``pid`` has a decode row, reduced over a [LANES >= 32] vector: a reduction that wide is one
+    REDUX into a uniform register, so the compiler knows a branch on it is taken by the whole warp (a 2-row
+    reduction is shuffles; the branch then counts as divergent and every shuffle inside it runs in a collective
+    block)."""
+    lanes = tl.arange(0, LANES)
+    lane = pid * BLOCK_T + lanes
+    lane_ok = (lanes < BLOCK_T) & (lane < T)
+    return tl.max(tl.where(lane_ok & (tl.load(dec_ptr + lane, mask=lane_ok, other=0) != 0), 1, 0), axis=0) > 0
+
+
+@triton.jit
+def _reroute_tile_with(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp, KP: tl.constexpr, WIDTH: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, VEC_CELLS: tl.constexpr,
+                       HAS_PROT: tl.constexpr):
+    """Pass 2 of one program's tile of a multi-program plan against the step's P (``prim``): every secondary slot
+    in one gather on small tiles (:func:`_reroute_slots`), else once per source expert of the tile
+    (:func:`_route_table`). Returns the new ids, the moved-slot count and the kept sources' flags."""
+    if BLOCK_T * BLOCK_K * BLOCK_E <= VEC_CELLS:   # small tile: every slot's gather in one load
+        ids, moved, kept = _reroute_slots(ids, dec, prim, sim_ptr, prot_ptr, E, rho, s_se, s_sp,
+                                          KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K, HAS_PROT)
+    else:                                          # else once per source expert of the tile
+        need = _secondary_sources(ids, dec, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+        table = _route_table(prim, need, sim_ptr, prot_ptr, E, rho, s_se, s_sp, BLOCK_E, HAS_PROT)
+        ids, moved, kept = _apply_tile(ids, dec, table, KP, WIDTH, BLOCK_T, BLOCK_E, BLOCK_K)
+    return ids, moved, kept
+
+
+@triton.jit
 def _add_counters(ptr, rows, before, after, primary, moved, secondary_per_row):
     o = tl.arange(0, 8)
     vals = tl.where(o == 0, (rows > 0).to(tl.int64), 0)

@@ -57,6 +57,13 @@ def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(mon
     assert bro.dispatched_as("fused_sere2", 133, "cuda") == "multi_sere2_t1w1r2"
     assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
     assert bro.dispatched_as("fused_sere2", 4, "cuda") == "one_sere2"
+    # SERE's two launches without arrivals, where chosen and no one launch is
+    monkeypatch.setattr(multi, "EPOCH_SERE", True)
+    assert bro.dispatched_as("fused_sere2", 133, "cuda") == "epoch_sere2"
+    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
+    monkeypatch.setattr(multi, "ONE_LAUNCH_SERE", False)
+    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "epoch_sere2"
+    assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
     assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}
 
 

@@ -1,0 +1,122 @@
+"""SERE's multi-program plan without arrivals (harness.kernels.fused_routing_epoch): the reference's ids, weights
+and counters on every SERE spec and tiling (Triton's interpreter on CPU, CUDA where there is one), call after call
+on one scratch — an epoch that did not advance, or a sum left over, would put one step's experts or rows into the
+next step's P or counters — and a failed launch leaves no step behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness.kernels.fused_routing_epoch as epoch_module
+from harness.kernels.fused_routing import COUNTERS, RoutingSpec, fused_routing_triton
+from test_fused_routing import DEVICE, SPECS, check_against_reference, make_case, spec_of
+
+SERE_SPECS = [n for n in SPECS if "k_primary" in SPECS[n]]
+
+
+def _words(experts: int = 32):
+    """The plan's scratch of a 32-expert block (the tests' steps of other sizes keep their own)."""
+    return [w for w in epoch_module._EPOCH_SCRATCH.values() if w.numel() == 5 * experts + 8]
+
+
+@pytest.mark.parametrize("name", SERE_SPECS)
+@pytest.mark.parametrize("shape,block_t", [((1, 16), None), ((9, 32), None), ((9, 32), 2), ((40, 64), 8),
+                                           ((70, 128), 16)], ids=lambda v: str(v))
+def test_epoch_plan_matches_reference(shape, block_t, name):
+    """Small tiles (every slot in one gather) and tall ones (the per-expert table), with and without each
+    statistic, equal the reference; the two-launch arrival plan on the same tiling too."""
+    t, e = shape
+    logits, sim, protected, decode, real = make_case(t, e, seed=t * 5 + e)
+    decode[0] = True
+    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
+    for stats in (True, False):
+        want_s = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+        got_s = torch.zeros_like(want_s)
+        check_against_reference(logits, spec, decode, real, multi=True, epoch=True, block_t=block_t,
+                                grid_wait=False)
+        # without counters: ids and weights only (the counters' launch does not run)
+        from harness.kernels.fused_routing import fused_routing_reference
+        ww, wid = fused_routing_reference(logits, spec, decode, real, want_s if stats else None)
+        gw, gid = fused_routing_triton(logits, spec, decode, real, got_s if stats else None, multi=True,
+                                       epoch=True, block_t=block_t, grid_wait=False)
+        assert torch.equal(gid, wid)
+        torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-6)
+        assert got_s.tolist() == want_s.tolist()
+
+
+def test_epoch_plan_call_after_call_on_one_scratch():
+    """Steps of every SERE spec, length and decode pattern in a row, with and without counters, each equal the
+    reference: each step's sets are told apart by its epoch alone (nothing is zeroed between steps), and the
+    counters' sums start from zero every time."""
+    cases = [(9, 32, "top4-sere-k2", 2, True), (37, 32, "sere-k2", 4, False), (16, 32, "sere-k1-rho", 1, True),
+             (70, 32, "sere-k2", 16, True), (5, 32, "top4-sere-k2", 1, False), (3, 32, "sere-k2", 1, True)]
+    epochs = []
+    for i, (t, e, name, block_t, stats) in enumerate(cases * 2):
+        logits, sim, protected, decode, real = make_case(t, e, seed=300 + i)
+        decode[i % t] = True
+        spec = spec_of(name, sim, protected)
+        if stats:
+            check_against_reference(logits, spec, decode, real, multi=True, epoch=True, block_t=block_t,
+                                    grid_wait=False)
+        else:
+            from harness.kernels.fused_routing import fused_routing_reference
+            ww, wid = fused_routing_reference(logits, spec, decode, real)
+            gw, gid = fused_routing_triton(logits, spec, decode, real, multi=True, epoch=True, block_t=block_t,
+                                           grid_wait=False)
+            assert torch.equal(gid, wid), f"call {i} ({name}, T={t})"
+        (words,) = _words()
+        head = words[5 * 32:].tolist()
+        assert head[0] == head[1], "the step was not closed"
+        assert head[2:5] == [0, 0, 0], "the counters' sums were left for the next step"
+        epochs.append(head[0])
+    assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs)
+
+
+def test_epoch_plan_forgets_a_failed_step(monkeypatch):
+    """A launch 2 that never ran leaves launch 1's marks under an epoch the next step would reuse: the scratch
+    is zeroed, and the next step gives the reference's routing."""
+    logits, sim, protected, decode, real = make_case(9, 32, seed=5)
+    decode[:] = True
+    spec = spec_of("sere-k2", sim, protected)
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("launch failed")
+            return launch
+    monkeypatch.setattr(epoch_module, "_epoch_reroute_kernel", Broken())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        fused_routing_triton(logits, spec, decode, real, multi=True, epoch=True, block_t=2, grid_wait=False)
+    assert _words() and all(int(w.abs().sum()) == 0 for w in _words())
+    monkeypatch.undo()
+    other = make_case(9, 32, seed=6)
+    other[3][:] = True
+    check_against_reference(other[0], spec, other[3], other[4], multi=True, epoch=True, block_t=2, grid_wait=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("t", [9, 70, 512])
+def test_epoch_plan_is_capturable_in_a_cuda_graph(t):
+    """Replays of a captured step advance the epoch on the device: each replay's P is its own step's."""
+    logits, sim, protected, decode, real = make_case(t, 128, seed=t)
+    spec = spec_of("top4-sere-k2", sim, protected)
+    counters = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
+    static = logits.clone()
+    kw = dict(multi=True, epoch=True, grid_wait=False)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_routing_triton(static, spec, decode, real, counters.clone(), **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gid = fused_routing_triton(static, spec, decode, real, counters, **kw)
+    from harness.kernels.fused_routing import fused_routing_reference
+    want_s = torch.zeros_like(counters)
+    for fresh in (logits.flip(0).contiguous(), logits.roll(1, dims=1).contiguous(), logits):
+        static.copy_(fresh)
+        graph.replay()
+        want_w, want_id = fused_routing_reference(fresh, spec, decode, real, want_s)
+        assert torch.equal(gid, want_id)
+        torch.testing.assert_close(gw, want_w, rtol=1e-6, atol=1e-6)
+    assert counters.tolist() == want_s.tolist() and counters[0] == 3
