@@ -7,8 +7,10 @@ Why (issue 23). Inside vLLM the harness's routing function ran a chain of ~25 sm
 cast). Under vLLM's CUDA graphs no Python runs, but every one of those kernels still runs: ~70 µs per layer,
 ~3.5 ms per step on Qwen3-30B-A3B shapes — SERE made single-request decode 1.86× slower and plain top-2 was
 slower than stock top-8. vLLM's own softmax top-k is one kernel. This op is one kernel too on small steps
-(T <= :data:`ONE_PROGRAM_MAX_TOKENS`), and two on larger ones (``harness.kernels.fused_routing_multi``: one
-program per row tile, the second launch as the grid barrier SERE's step-wide set P needs). One program:
+(T <= :data:`ONE_PROGRAM_MAX_TOKENS`), and on larger ones one for stock and top-K (``harness.kernels.
+fused_routing_multi``: one program per row tile) and two for SERE (``harness.kernels.fused_routing_epoch``: the
+second launch as the grid barrier SERE's step-wide set P needs; a third, one program, for its counters when a run
+keeps them). One program:
 
     one program (grid 1), row tiles of BLOCK_T tokens × BLOCK_E experts
     pass 1, per tile: logits → fp32 softmax → top-k by k rounds of "largest, lowest id on ties" →
@@ -26,8 +28,9 @@ program per row tile, the second launch as the grid barrier SERE's step-wide set
 P is a reduction over the whole step and pass 2 needs all of it: one program sees all of it, and a step that
 fits one tile keeps everything in registers (no store/reload between the passes, one launch). Its cost grows
 with T (SERE K=2 on the H200: 5.2 µs per layer at T=4, 23 at 64, 80 at 256), so beyond
-:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plan takes the step (SERE K=2 6.7–7.9 µs from 16 to 256
-rows, H100, session 24: results/benchmarks/routing_op_h100_s24.json).
+:data:`ONE_PROGRAM_MAX_TOKENS` rows the multi-program plans take the step (SERE K=2 on the H200, session 25,
+results/benchmarks/routing_op_h200_s25.json: 4.5–5.1 µs per layer from 8 to 256 rows without its counters,
+5.9–8.0 with them; stock 2.4–2.5).
 The tile functions both plans run are in ``harness.kernels.fused_routing_tiles``. The torch reference runs
 only where Triton does not.
 

@@ -38,6 +38,12 @@ on CUDA). Larger grids (more programs than SMs: beyond 132 rows on an H100) keep
 H100 it does not pay (:data:`ONE_LAUNCH_SERE`): the dispatch keeps two launches; ``grid_wait=True`` and
 bench_routing_op.py's ``grid_*`` rows keep the plan timeable on other cards.
 
+What does pay (session 25): no arrivals at all. ``harness.kernels.fused_routing_epoch`` tags the step's expert
+sets with an epoch instead of zeroing them, so launch 2 ends at its store and the counters take a third,
+one-program launch only when a run keeps them (:data:`EPOCH_SERE`, on). This module's two launches remain for
+SERE where that plan is switched off, and its launch 1 is every non-SERE step's plan (stock, top-K and its
+counters in one launch).
+
 Before (session 9's plan, timed on the H200): launch 1 wrote one word per (tile, expert) with plain stores;
 every program of launch 2 OR-ed the whole step's words (T/BLOCK_T per expert) and one extra program, at the 4
 warps its [E, E] table needed, re-derived the counters: launch 2 cost ~10–13 µs with the counters (~6.5–11
@@ -263,8 +269,12 @@ def one_launch_sere(n_tiles: int, device: torch.device) -> bool:
 
 
 #: SERE's two launches without arrivals (``fused_routing_epoch``: epoch-tagged expert sets, a third one-program
-#: launch for the statistics) instead of this module's arrival-and-zero scratch, where SERE takes two launches
-EPOCH_SERE = False
+#: launch for the statistics) instead of this module's arrival-and-zero scratch, where SERE takes two launches.
+#: On: H200, session 25, µs per layer, epoch / arrival plan on the same tiling (results/benchmarks/
+#: routing_op_h200_s25.json): SERE K=2 without counters 4.50 / 5.35 at 8 rows, 4.71 / 5.42 at 16, 4.78 / 5.53 at 64,
+#: 4.96 / 5.69 at 128, 5.05 / 5.99 at 256; with counters 5.88 / 6.46, 6.12 / 6.54, 6.50 / 6.68 (64), 7.06 / 6.98
+#: (128), 7.99 / 7.78 (256); a serving-like step (6 decodes, the rest prefill) 5.89–6.11 / 6.44–6.53
+EPOCH_SERE = True
 
 _SM_COUNT: dict[int, int] = {}
 

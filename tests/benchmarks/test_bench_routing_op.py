@@ -47,9 +47,15 @@ def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(mon
     assert bro.dispatched_as("fused_sere2", 1, "cpu") == "one_sere2_w1"
     assert bro.dispatched_as("fused_top2", 2, "cpu") == "one_top2_w2"
     assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS, "cpu") == "one_stock"
-    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "multi_sere2_t1w1r2"
     assert bro.dispatched_as("fused_top2", 64, "cpu") == "multi_top2_t1w1"
-    # a card of 132 SMs: SERE's step of up to 132 one-row programs runs in one launch, stock and top-2 as before
+    # SERE beyond one program: two launches without arrivals (the default), or with them where switched off
+    monkeypatch.setattr(multi, "EPOCH_SERE", True)
+    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "epoch_sere2"
+    assert bro.dispatched_as("fused_sere2_nostats", 64, "cpu") == "epoch_sere2_nostats"
+    monkeypatch.setattr(multi, "EPOCH_SERE", False)
+    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "multi_sere2_t1w1r2"
+    # a card of 132 SMs with one launch switched on: SERE's step of up to 132 one-row programs runs in one launch
+    # (before either two-launch plan), stock and top-2 as before
     monkeypatch.setattr(multi, "grid_wait_programs", lambda device: 132 if device.type == "cuda" else 0)
     monkeypatch.setattr(multi, "ONE_LAUNCH_SERE", True)
     assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
@@ -57,13 +63,9 @@ def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(mon
     assert bro.dispatched_as("fused_sere2", 133, "cuda") == "multi_sere2_t1w1r2"
     assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
     assert bro.dispatched_as("fused_sere2", 4, "cuda") == "one_sere2"
-    # SERE's two launches without arrivals, where chosen and no one launch is
     monkeypatch.setattr(multi, "EPOCH_SERE", True)
     assert bro.dispatched_as("fused_sere2", 133, "cuda") == "epoch_sere2"
     assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
-    monkeypatch.setattr(multi, "ONE_LAUNCH_SERE", False)
-    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "epoch_sere2"
-    assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
     assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}
 
 

@@ -86,7 +86,9 @@ SHAPES = [(1, 16), (5, 32), (16, 128), (70, 64), (9, 60)]
 # and the multi-program one (T=1: one program; T=9: 5 programs of 2 rows; T=70: 5 of 16 rows, few enough for
 # the interpreter; its default tiling at 70 rows is the next tests')
 PLANS = {"one": lambda t: {"multi": False, "block_t": 16 if t > 16 else None},
-         "multi": lambda t: {"multi": True, "block_t": 16 if t > 16 else None}}
+         "multi": lambda t: {"multi": True, "block_t": 16 if t > 16 else None},
+         # SERE's two launches with the arrival-and-zero scratch (the dispatch's are epoch-tagged: its own tests)
+         "arrivals": lambda t: {"multi": True, "block_t": 16 if t > 16 else None, "epoch": False}}
 
 
 def check_against_reference(logits, spec, decode, real, **kwargs):
@@ -120,7 +122,8 @@ def test_multi_program_plan_over_many_tiles():
     move slots the reference keeps)."""
     logits, sim, protected, decode, real = make_case(37, 128, seed=17)
     spec = spec_of("top4-sere-k2", sim, protected)
-    want_s = check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
+    for epoch in (False, True):
+        want_s = check_against_reference(logits, spec, decode, real, multi=True, block_t=2, epoch=epoch)
     assert want_s[COUNTERS.index("moved")] > 0
 
 
@@ -162,7 +165,7 @@ def test_multi_program_plan_leaves_its_scratch_zeroed_between_calls():
         logits, sim, protected, decode, real = make_case(t, e, seed=100 + i)
         decode[0] = True
         tiling = one_launch_tiling(t) if block_t == "one launch" else {"multi": True, "block_t": block_t,
-                                                                         "grid_wait": False}
+                                                                         "grid_wait": False, "epoch": False}
         check_against_reference(logits, spec_of(name, sim, protected), decode, real, **tiling)
         assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"call {i} ({name}, T={t}) left its scratch"
 
@@ -173,8 +176,10 @@ def test_multi_program_tile_taller_than_the_expert_block_finds_its_decode_rows()
     logits, sim, protected, decode, real = make_case(40, 16, seed=29)
     decode[:] = False
     decode[20:28] = True
-    want_s = check_against_reference(logits, spec_of("sere-k2", sim, protected), decode, real, multi=True, block_t=32)
-    assert want_s[COUNTERS.index("moved")] > 0
+    for epoch in (False, True):   # both launch 2s (arrivals, epochs) share the test
+        want_s = check_against_reference(logits, spec_of("sere-k2", sim, protected), decode, real, multi=True,
+                                         block_t=32, epoch=epoch)
+        assert want_s[COUNTERS.index("moved")] > 0
 
 
 def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
@@ -190,10 +195,10 @@ def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
             return launch
     monkeypatch.setattr(fused_routing_multi_module, "_multi_reroute_kernel", Broken())
     with pytest.raises(RuntimeError, match="launch failed"):
-        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2, grid_wait=False)
+        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2, grid_wait=False, epoch=False)
     assert _scratches() and all(int(b.abs().sum()) == 0 for b in _scratches())
     monkeypatch.undo()
-    check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
+    check_against_reference(logits, spec, decode, real, multi=True, block_t=2, epoch=False)
 
 
 def one_launch_tiling(t: int) -> dict:
@@ -217,7 +222,7 @@ def test_one_launch_sere_matches_reference(shape, name):
     spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
     tiling = one_launch_tiling(t)
     want_s = check_against_reference(logits, spec, decode, real, **tiling)
-    check_against_reference(logits, spec, decode, real, **{**tiling, "grid_wait": False})
+    check_against_reference(logits, spec, decode, real, **{**tiling, "grid_wait": False, "epoch": False})
     assert all(int(b.abs().sum()) == 0 for b in _scratches())
     if t > 1 and name == "sere-k2":
         assert want_s[COUNTERS.index("moved")] > 0
