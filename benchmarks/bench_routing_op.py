@@ -24,12 +24,9 @@ or 2 warps at T <= 16 (``one_{stock,sere2,top2}_w{1,2}``: ``routing_op_sass.py``
 one- or two-row step put 34–59 barriers on the longest dependency chain, no more warps than rows 0–14); tiling
 rows of the one-program kernel (``fused_sere2_w4``, ``fused_sere2_loop`` = slot-by-slot re-route, ``fused_sere2_vec``
 = all slots in one gather at every size) and of the multi-program plan (``multi_sere2_t<rows>w<warps>[r<launch 2
-warps>]`` in two launches, ``multi_{stock,top2}_t<rows>w<warps>``); SERE's multi-program plan on the dispatch's
-tiling in one launch whose programs wait for each other (``grid_sere2``, ``grid_sere2_nostats``, ``grid_sere1``,
-``grid_sere2_mixed``: where the grid fits the card, ``fused_routing_multi.grid_wait_programs``) and in two
-(``two_sere2``, ``two_sere2_nostats``, ``two_sere2_mixed``) and in two without arrivals (``epoch_sere2``,
-``epoch_sere2_nostats``, ``epoch_sere1``, ``epoch_sere2_mixed``: ``fused_routing_epoch``); ``--baseline-multi FILE`` adds another version of
-the multi-program plan's module (``base_multi_*``), timed in the same rounds.
+warps>]``, ``multi_{stock,top2}_t<rows>w<warps>``); ``--baseline-multi FILE`` adds another version of the
+multi-program plan's module (``base_multi_*``), timed in the same rounds (session 25's result files name today's
+multi-program SERE plan ``epoch_*`` and the two it was timed against ``two_*`` and ``grid_*``: docs/vllm.md).
 ``--variants`` times a subset. Writes ``results/benchmarks/routing_op_<card>.json`` (``h200``, ``h100``; or
 ``--out``). Imports torch, triton, the harness's kernel and technique modules (and vLLM's op when installed).
 """
@@ -52,16 +49,14 @@ from _common import RESULTS_DIR, capture_graph, card_slug, random_similarity, wr
 DISPATCHED = ("fused_stock", "fused_sere2", "fused_sere1", "fused_top2", "fused_sere2_nostats")
 
 
-def dispatched_as(name: str, tokens: int, device: str) -> str:
+def dispatched_as(name: str, tokens: int) -> str:
     """The forced variant's name (``one_sere2_w1``, ``multi_sere2_t1w1r2``, ...) of the kernels the dispatch
-    compiles for ``fused_<variant>`` at ``tokens`` rows on ``device`` (``grid_sere2``: SERE's one-launch plan):
-    recorded with each ``fused_*`` row, so that ``routing_op_sass.py`` can set it beside the compiled code of the
-    same plan and tiling."""
+    compiles for ``fused_<variant>`` at ``tokens`` rows: recorded with each ``fused_*`` row, so that
+    ``routing_op_sass.py`` can set it beside the compiled code of the same plan and tiling."""
     from harness.kernels.fused_routing import dispatched_plan
     from routing_op_sass import measured_as
 
-    variant = name.removeprefix("fused_")
-    return measured_as(variant, dispatched_plan(tokens, sere="sere" in variant, device=device), tokens)
+    return measured_as(name.removeprefix("fused_"), dispatched_plan(tokens), tokens)
 
 
 E, K = 128, 8
@@ -196,23 +191,6 @@ def build_variants(tokens: int, layers: int, device: str, baseline=None):
     # the statistics' own cost in each plan (launch 2's extra program and the 4 warps it needs: routing_op_sass.md)
     variants["one_sere2_nostats"] = fused(sere2, False, multi=False)
     variants["multi_sere2_nostats"] = fused(sere2, False, multi=True)
-    # SERE's multi-program plan in one launch (a grid-wide wait) and in two, forced, on the dispatch's tiling
-    from harness.kernels.fused_routing_multi import grid_wait_programs, multi_tile
-    if -(-tokens // multi_tile(tokens, E)[0]) <= grid_wait_programs(torch.device(device)):
-        variants["grid_sere2"] = fused(sere2, True, multi=True, grid_wait=True)
-        variants["grid_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=True)
-        variants["grid_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True, multi=True,
-                                       grid_wait=True)
-        variants["grid_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=True)
-    # SERE's two launches without arrivals (epoch-tagged sets; the counters in a third, one-program launch)
-    variants["epoch_sere2"] = fused(sere2, True, multi=True, grid_wait=False, epoch=True)
-    variants["epoch_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=False, epoch=True)
-    variants["epoch_sere1"] = fused(RoutingSpec(K, True, k_primary=1, rho=0.0, similarity=sim), True, multi=True,
-                                    grid_wait=False, epoch=True)
-    variants["epoch_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=False, epoch=True)
-    variants["two_sere2"] = fused(sere2, True, multi=True, grid_wait=False, epoch=False)
-    variants["two_sere2_nostats"] = fused(sere2, False, multi=True, grid_wait=False, epoch=False)
-    variants["two_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True, grid_wait=False, epoch=False)
     if tokens <= 16:  # fewer warps than the default (4 up to 8 rows): with no more warps than rows, the top-k's
         for w in (1, 2):  # reductions stay inside a warp (sm_90 SASS, stock at T=1: 1 barrier with 1 warp, 53 with 4)
             variants[f"one_stock_w{w}"] = fused(RoutingSpec(K, True), False, multi=False, num_warps=w)
@@ -223,8 +201,7 @@ def build_variants(tokens: int, layers: int, device: str, baseline=None):
     variants["multi_sere2_mixed"] = fused(sere2, True, dec=mixed, multi=True)
     for tile_rows, warps, warps_2 in MULTI_TILINGS:    # the multi-program tiling sweep (default: multi_tile)
         name = f"multi_sere2_t{tile_rows}w{warps}" + (f"r{warps_2}" if warps_2 != warps else "")
-        variants[name] = fused(sere2, True, multi=True, block_t=tile_rows, num_warps=warps, reroute_warps=warps_2,
-                               grid_wait=False, epoch=False)
+        variants[name] = fused(sere2, True, multi=True, block_t=tile_rows, num_warps=warps, reroute_warps=warps_2)
     for tile_rows, warps in ONE_LAUNCH_TILINGS:
         variants[f"multi_stock_t{tile_rows}w{warps}"] = fused(RoutingSpec(K, True), False, multi=True,
                                                               block_t=tile_rows, num_warps=warps)
@@ -366,9 +343,8 @@ def main() -> None:
             print(f"smoke T={t}: every variant ran, fused == reference")
         return
     keep = {v for v in args.variants.split(",") if v} | {"vllm_topk_softmax", "torch_topk"}
-    if args.variants and not args.warm_only:   # a misspelt name fails here, before any kernel runs (names depend on
-        # T, shortest and longest, and on the device: grid_* where the grid can wait for itself)
-        known = {n for t in (min(tokens), max(tokens)) for n in build_variants(t, 1, device, baseline)}
+    if args.variants and not args.warm_only:   # a misspelt name fails here, before any GPU time (names depend on T: shortest and longest)
+        known = {n for t in (min(tokens), max(tokens)) for n in build_variants(t, 1, "cpu", baseline)}
         unknown = keep - known - {"vllm_topk_softmax", "torch_topk"}
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
@@ -388,7 +364,6 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             pass
         from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS, VEC_CELLS
-        from harness.kernels.fused_routing_multi import EPOCH_SERE, ONE_LAUNCH_SERE
         from harness.kernels.fused_routing import kernel_sources
 
         doc = {"benchmark": "routing_op", "env": env, "experts": E, "top_k": K, "layers": args.layers,
@@ -397,7 +372,6 @@ def main() -> None:
                "after a warm-up round; median over rounds, 95% bootstrap CI",
                # what the fused_* rows dispatched with (one_* / multi_* force a plan)
                "dispatch": {"one_program_max_tokens": ONE_PROGRAM_MAX_TOKENS, "vec_cells": VEC_CELLS,
-                            "one_launch_sere": ONE_LAUNCH_SERE, "epoch_sere": EPOCH_SERE,
                             "mixed_decodes": MIXED_DECODES},
                "baseline_multi": str(args.baseline_multi) if args.baseline_multi else None,
                # which kernel code the one_* / multi_* rows timed (a hash of each plan's kernel sources):
@@ -429,7 +403,7 @@ def main() -> None:
             lo, hi = bootstrap_ci(vals)
             row = {"tokens": t, "variant": name, "us_per_layer": med, "ci95": [lo, hi], "rounds": vals}
             if name in DISPATCHED:  # the forced variant of the plan and tiling the dispatch compiled for it
-                row["dispatched_as"] = dispatched_as(name, t, device)
+                row["dispatched_as"] = dispatched_as(name, t)
             rows.append(row)
             print(f"T={t:4d} {name:22s} {med:7.2f} µs/layer  [{lo:.2f}, {hi:.2f}]", flush=True)
         save()

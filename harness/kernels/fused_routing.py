@@ -54,7 +54,6 @@ import torch
 import triton
 import triton.language as tl
 
-import harness.kernels.fused_routing_multi as multi_plan
 from harness.kernels._triton import source_text_key, triton_runs
 from harness.kernels.fused_routing_epoch import EPOCH_KERNELS
 from harness.kernels.fused_routing_multi import KERNELS as MULTI_KERNELS
@@ -211,14 +210,12 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
                          real_rows: torch.Tensor | None = None, sere_counters: torch.Tensor | None = None,
                          topk_counters: torch.Tensor | None = None, *, block_t: int | None = None,
                          num_warps: int | None = None, vec_cells: int | None = None, multi: bool | None = None,
-                         reroute_warps: int | None = None, grid_wait: bool | None = None,
-                         epoch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         reroute_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton op; arguments as :func:`fused_routing_reference`. ``multi``: the multi-program plan
     (``harness.kernels.fused_routing_multi``) or the one-program kernel (module doc); None: by
     :data:`ONE_PROGRAM_MAX_TOKENS`. ``block_t`` / ``num_warps`` override the tiling and ``vec_cells`` the one-program
     all-slots-at-once re-route's limit (0: never; the benchmark and the tests compare both plans and re-routes);
-    ``reroute_warps`` the multi-program plan's launch 2 warps, ``grid_wait`` its SERE in one launch or two,
-    ``epoch`` its two launches without arrivals (``fused_routing_multi.fused_routing_multi``)."""
+    ``reroute_warps`` the warps of SERE's re-route launch on the multi-program plan."""
     if logits.dim() != 2:
         raise ValueError(f"routing: logits must be [T, E], got {tuple(logits.shape)}")
     t, num_experts = logits.shape
@@ -247,8 +244,7 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     if multi if multi is not None else dispatched_plan(t) == "multi":
         fused_routing_multi(logits, spec, decode_rows, real_rows, sere_counters, topk_counters, sim, prot, bias,
                             weights, ids, vec_cells=VEC_CELLS if vec_cells is None else vec_cells,
-                            block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps,
-                            grid_wait=grid_wait, epoch=epoch)
+                            block_t=block_t, num_warps=num_warps, reroute_warps=reroute_warps)
         return weights, ids
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_t = block_t or _tile_rows(t, block_e)
@@ -275,21 +271,12 @@ def fused_routing_triton(logits: torch.Tensor, spec: RoutingSpec, decode_rows: t
     return weights, ids
 
 
-def dispatched_plan(num_tokens: int, sere: bool = False, device: torch.device | str | None = None) -> str:
-    """The launch plan the dispatch picks for a step of ``num_tokens`` rows: ``one`` program or the ``multi``-program
-    plan by rows only, so SERE on and off reduce alike; with ``sere`` (a step SERE re-routes) on ``device``, the
-    multi-program plan in one launch (``grid``) where ``fused_routing_multi.one_launch_sere`` allows it, else its
-    two launches without arrivals (``epoch``) where ``fused_routing_multi.EPOCH_SERE``. One place for the rule,
-    read by the benchmark that records which plan each of its ``fused_*`` timings ran."""
-    if num_tokens <= ONE_PROGRAM_MAX_TOKENS:
-        return "one"
-    if sere and device is not None:
-        rows = multi_plan.multi_tile(num_tokens, 128)[0]   # rows per program: by the step's rows alone
-        if multi_plan.one_launch_sere(triton.cdiv(num_tokens, rows), torch.device(device)):
-            return "grid"
-    if sere and multi_plan.EPOCH_SERE:
-        return "epoch"
-    return "multi"
+def dispatched_plan(num_tokens: int) -> str:
+    """The launch plan the dispatch picks for a step of ``num_tokens`` rows (``one`` or ``multi``): by rows only,
+    so SERE on and off reduce alike (the multi-program plan runs SERE's step in ``fused_routing_epoch`` on its own
+    tiling). One place for the rule, read by the op and by the benchmark that records which plan each of its
+    ``fused_*`` timings ran."""
+    return "one" if num_tokens <= ONE_PROGRAM_MAX_TOKENS else "multi"
 
 
 def kernel_sources() -> dict[str, str]:
@@ -297,8 +284,7 @@ def kernel_sources() -> dict[str, str]:
     of its kernels and the tile functions they share). A timing records it, so an analysis of the compiled code
     (benchmarks/routing_op_sass.py) pairs a figure only with the code it timed."""
     return {"one": source_text_key(_fused_routing_kernel, _topk_tile),
-            "multi": source_text_key(*MULTI_KERNELS, _topk_tile),
-            "epoch": source_text_key(*EPOCH_KERNELS, _topk_tile)}
+            "multi": source_text_key(*MULTI_KERNELS, *EPOCH_KERNELS, _topk_tile)}
 
 
 # -------------------------------------------------------------------------------------------- dispatch

@@ -1,14 +1,15 @@
 """SERE's multi-program routing plan without arrivals: the step's expert sets as epoch-tagged words
 (``harness.kernels.fused_routing``'s plan for SERE steps beyond the one-program kernel, when chosen).
 
-Why (issue 23, session 25). In the two-launch plan (``fused_routing_multi``) launch 2 ends in a chain of dependent
-memory round trips: the step scratch's expert-set words (written as atomic ORs), the tile's ids, the similarity
-rows, the store, then an acq_rel arrival (a fence that waits for the store and the statistics' atomics) and, in
-the last program, the exchanges that read and zero the scratch and the counters' update. Timed on the H100 the
-plan cost 5.2–5.9 µs per layer for SERE K=2 without statistics and 6.2–7.2 with them, against 2.4–2.6 for the
-stock routing; fusing the two launches with a grid-wide wait was slower still (the fence and the poll cost more
-than a kernel boundary inside a CUDA graph: ``fused_routing_multi.ONE_LAUNCH_SERE``). The arrivals exist only to
-zero the scratch for the next call and to find the program that adds the counters. Here nothing is zeroed:
+Why (issue 23, session 25). The multi-program plan's first SERE launch 2 (``fused_routing_multi`` until session
+25) ended in a chain of dependent memory round trips: the step scratch's expert-set words (written as atomic
+ORs), the tile's ids, the similarity rows, the store, then an acq_rel arrival (a fence that waits for the store
+and the statistics' atomics) and, in the last program, the exchanges that read and zeroed the scratch and the
+counters' update: 5.2–6.0 µs per layer for SERE K=2 without statistics and 6.2–7.8 with them, against 2.3–2.6
+for the stock routing (H100 and H200). Fusing the two launches with a grid-wide wait was slower still (the fence
+and the poll cost more than a kernel boundary inside a CUDA graph; built and timed in session 25, commit
+8ccfe87). The arrivals existed only to zero the scratch for the next call and to find the program that adds the
+counters. Here nothing is zeroed:
 
     words: int64, per expert, the epoch of the last step that put it in P (and, with statistics, in SERE's
            before-set, its kept set, and top-K's before- and after-sets); C1 = the epoch of the last finished
@@ -25,9 +26,12 @@ zero the scratch for the next call and to find the program that adds the counter
 Each launch reads only what an earlier launch wrote (a kernel boundary orders it), and writes C1 only where no
 program of the same launch reads it, so no program waits for another and no atomics order anything; Triton's
 interpreter runs the same code. Older epochs in the words never match C2 (int64: no wrap). A launch that fails
-leaves C2's words behind: the scratch is zeroed then (C1 = 0 again, every word older). Semantics: equal ids,
-weights and counters to :func:`harness.kernels.fused_routing_reference.fused_routing_reference`
-(tests/kernels/test_fused_routing_epoch.py). Imports: torch and triton only.
+leaves C2's words behind: the scratch is zeroed then (C1 = 0 again, every word older). Timed on the H200 against
+the arrival plan (session 25, results/benchmarks/routing_op_h200_s25.json, ``epoch_*`` / ``two_*`` rows): SERE K=2
+without counters 4.50–5.05 µs per layer from 8 to 256 rows against 5.35–5.99; with them 5.88–6.55 against
+6.46–6.68 up to 70 rows, 7.06 / 6.98 at 128 and 7.99 / 7.78 at 256. Semantics: equal ids, weights and counters
+to :func:`harness.kernels.fused_routing_reference.fused_routing_reference` (tests/kernels/test_fused_routing_epoch.py).
+Imports: torch and triton only.
 """
 
 from __future__ import annotations
@@ -177,8 +181,8 @@ def fused_routing_epoch(logits: torch.Tensor, spec: RoutingSpec, decode_rows: to
                         bias: torch.Tensor | None, weights: torch.Tensor, ids: torch.Tensor, *, vec_cells: int,
                         block_t: int, num_warps: int, reroute_warps: int) -> None:
     """Launch the plan (module doc) for a SERE step (``decode_rows`` given) into ``weights`` / ``ids``, on the
-    multi-program plan's tiling (the caller's: ``fused_routing_multi`` passes its own, so pass 1 reduces in the
-    same order as the stock routing's and the weights are identical)."""
+    multi-program plan's tiling (``fused_routing_multi`` passes its own, so pass 1 reduces in the same order as
+    the stock routing's and SERE on and off give identical weights)."""
     t, num_experts = logits.shape
     block_e = max(16, triton.next_power_of_2(num_experts))
     n_tiles = triton.cdiv(t, block_t)

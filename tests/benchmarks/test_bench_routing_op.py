@@ -40,42 +40,12 @@ def test_compile_in_parallel_runs_one_warm_process_per_length_and_stops_on_a_fai
     assert "compile T=16 failed" in capsys.readouterr().err
 
 
-def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling(monkeypatch):
-    import harness.kernels.fused_routing_multi as multi
+def test_each_dispatched_row_names_the_forced_variant_of_its_plan_and_tiling():
     from harness.kernels.fused_routing import ONE_PROGRAM_MAX_TOKENS
 
-    assert bro.dispatched_as("fused_sere2", 1, "cpu") == "one_sere2_w1"
-    assert bro.dispatched_as("fused_top2", 2, "cpu") == "one_top2_w2"
-    assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS, "cpu") == "one_stock"
-    assert bro.dispatched_as("fused_top2", 64, "cpu") == "multi_top2_t1w1"
-    # SERE beyond one program: two launches without arrivals (the default), or with them where switched off
-    monkeypatch.setattr(multi, "EPOCH_SERE", True)
-    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "epoch_sere2"
-    assert bro.dispatched_as("fused_sere2_nostats", 64, "cpu") == "epoch_sere2_nostats"
-    monkeypatch.setattr(multi, "EPOCH_SERE", False)
-    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1, "cpu") == "multi_sere2_t1w1r2"
-    # a card of 132 SMs with one launch switched on: SERE's step of up to 132 one-row programs runs in one launch
-    # (before either two-launch plan), stock and top-2 as before
-    monkeypatch.setattr(multi, "grid_wait_programs", lambda device: 132 if device.type == "cuda" else 0)
-    monkeypatch.setattr(multi, "ONE_LAUNCH_SERE", True)
-    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
-    assert bro.dispatched_as("fused_sere2_nostats", 132, "cuda") == "grid_sere2_nostats"
-    assert bro.dispatched_as("fused_sere2", 133, "cuda") == "multi_sere2_t1w1r2"
-    assert bro.dispatched_as("fused_top2", 64, "cuda") == "multi_top2_t1w1"
-    assert bro.dispatched_as("fused_sere2", 4, "cuda") == "one_sere2"
-    monkeypatch.setattr(multi, "EPOCH_SERE", True)
-    assert bro.dispatched_as("fused_sere2", 133, "cuda") == "epoch_sere2"
-    assert bro.dispatched_as("fused_sere2", 64, "cuda") == "grid_sere2"
+    assert bro.dispatched_as("fused_sere2", 1) == "one_sere2_w1"
+    assert bro.dispatched_as("fused_top2", 2) == "one_top2_w2"
+    assert bro.dispatched_as("fused_stock", ONE_PROGRAM_MAX_TOKENS) == "one_stock"
+    assert bro.dispatched_as("fused_sere2", ONE_PROGRAM_MAX_TOKENS + 1) == "multi_sere2_t1w1r2"
+    assert bro.dispatched_as("fused_top2", 64) == "multi_top2_t1w1"
     assert set(bro.DISPATCHED) <= {f"fused_{v}" for v in ("stock", "sere2", "sere1", "top2", "sere2_nostats")}
-
-
-def test_one_launch_rows_exist_where_the_grid_can_wait_for_itself(monkeypatch):
-    """``grid_*`` (SERE in one launch) is timed only on a device whose SMs hold the step's grid; ``two_*`` (the
-    same tiling in two launches) everywhere, so the two sit side by side where both can run."""
-    import harness.kernels.fused_routing_multi as multi
-
-    monkeypatch.setattr(multi, "grid_wait_programs", lambda device: 8)
-    fits = bro.build_variants(8, 1, "cpu")
-    too_long = bro.build_variants(9, 1, "cpu")
-    assert {"grid_sere2", "grid_sere2_nostats", "grid_sere1", "grid_sere2_mixed", "two_sere2"} <= set(fits)
-    assert "grid_sere2" not in too_long and "two_sere2" in too_long

@@ -145,6 +145,7 @@ def test_real_kernels_compiled_for_sm90_on_this_machine(tmp_path):
     assert add["critical_path"]["on_path_global_load"] == 1        # two loads side by side
     assert gather["global_load"] >= 2 and add["global_load"] >= 2 and gather["loops"] == 0
     assert "gather" in gather["by_function"]
-    # the op's own dispatch drove the compilation: one kernel, or the multi-program plan's two launches in order
+    # the op's own dispatch drove the compilation: one kernel, or SERE's multi-program plan in order (pass 1, the
+    # re-route, the counters' one-program launch)
     assert doc["launches"] == {"False": ["_fused_routing_kernel"],
-                               "True": ["_multi_topk_kernel", "_multi_reroute_kernel"]}
+                               "True": ["_epoch_topk_kernel", "_epoch_reroute_kernel", "_epoch_stats_kernel"]}

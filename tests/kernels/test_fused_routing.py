@@ -86,9 +86,7 @@ SHAPES = [(1, 16), (5, 32), (16, 128), (70, 64), (9, 60)]
 # and the multi-program one (T=1: one program; T=9: 5 programs of 2 rows; T=70: 5 of 16 rows, few enough for
 # the interpreter; its default tiling at 70 rows is the next tests')
 PLANS = {"one": lambda t: {"multi": False, "block_t": 16 if t > 16 else None},
-         "multi": lambda t: {"multi": True, "block_t": 16 if t > 16 else None},
-         # SERE's two launches with the arrival-and-zero scratch (the dispatch's are epoch-tagged: its own tests)
-         "arrivals": lambda t: {"multi": True, "block_t": 16 if t > 16 else None, "epoch": False}}
+         "multi": lambda t: {"multi": True, "block_t": 16 if t > 16 else None}}
 
 
 def check_against_reference(logits, spec, decode, real, **kwargs):
@@ -117,13 +115,11 @@ def test_kernel_matches_reference(plan, shape, name):
 
 
 def test_multi_program_plan_over_many_tiles():
-    """Launch 2 reduces the step's words in chunks of 16 tiles at 128 experts: 19 tiles of 2 rows take two
-    chunks, and P must hold the primary experts of the decode rows of every tile (one tile's P alone would
-    move slots the reference keeps)."""
+    """P must hold the primary experts of the decode rows of every one of 19 tiles of 2 rows (one tile's P
+    alone would move slots the reference keeps)."""
     logits, sim, protected, decode, real = make_case(37, 128, seed=17)
     spec = spec_of("top4-sere-k2", sim, protected)
-    for epoch in (False, True):
-        want_s = check_against_reference(logits, spec, decode, real, multi=True, block_t=2, epoch=epoch)
+    want_s = check_against_reference(logits, spec, decode, real, multi=True, block_t=2)
     assert want_s[COUNTERS.index("moved")] > 0
 
 
@@ -153,112 +149,28 @@ def _scratches():
 
 
 def test_multi_program_plan_leaves_its_scratch_zeroed_between_calls():
-    """The launches share a persistent scratch (no memset node in a CUDA graph): the step's expert sets,
-    row counts and arrivals (at the one-launch plan's wait too). Each call's last program zeroes it, so calls of every spec and length in a row on
-    one scratch each give the reference's routing and counters — a word left over from the call before would
-    put its experts into the next step's P (SERE would move slots the reference keeps) or its rows into the
-    next counters."""
+    """Top-K's counters go through a persistent scratch (no memset node in a CUDA graph): the step's expert
+    sets, counted rows and arrivals. Each call's last program zeroes it, so calls of every spec and length in a
+    row each give the reference's routing and counters — a word left over from the call before would put its
+    experts or rows into the next counters (SERE's steps, between them, keep their own epoch-tagged words:
+    tests/kernels/test_fused_routing_epoch.py)."""
     cases = [(9, 32, "top4-sere-k2", 2), (37, 32, "sere-k2", 4), (1, 32, "sere-k1-rho", None),
-             (16, 32, "top2", 4), (9, 32, "top3-all", 2), (70, 32, "sere-k2", 16), (5, 32, "stock", 2),
-             (9, 32, "top4-sere-k2", "one launch"), (37, 32, "sere-k1-rho", "one launch")]
+             (16, 32, "top2", 4), (9, 32, "top3-all", 2), (70, 32, "sere-k2", 16), (5, 32, "stock", 2)]
     for i, (t, e, name, block_t) in enumerate(cases * 2):
         logits, sim, protected, decode, real = make_case(t, e, seed=100 + i)
         decode[0] = True
-        tiling = one_launch_tiling(t) if block_t == "one launch" else {"multi": True, "block_t": block_t,
-                                                                         "grid_wait": False, "epoch": False}
-        check_against_reference(logits, spec_of(name, sim, protected), decode, real, **tiling)
+        check_against_reference(logits, spec_of(name, sim, protected), decode, real, multi=True, block_t=block_t)
         assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"call {i} ({name}, T={t}) left its scratch"
 
 
 def test_multi_program_tile_taller_than_the_expert_block_finds_its_decode_rows():
-    """Launch 2 asks whether a tile has a decode row over a vector of max(experts block, rows) lanes: a 32-row
-    tile of 16 experts whose decode rows are all past row 16 still re-routes them."""
+    """SERE's re-route launch asks whether a tile has a decode row over a vector of max(experts block, rows)
+    lanes: a 32-row tile of 16 experts whose decode rows are all past row 16 still re-routes them."""
     logits, sim, protected, decode, real = make_case(40, 16, seed=29)
     decode[:] = False
     decode[20:28] = True
-    for epoch in (False, True):   # both launch 2s (arrivals, epochs) share the test
-        want_s = check_against_reference(logits, spec_of("sere-k2", sim, protected), decode, real, multi=True,
-                                         block_t=32, epoch=epoch)
-        assert want_s[COUNTERS.index("moved")] > 0
-
-
-def test_multi_program_plan_zeroes_its_scratch_when_a_launch_fails(monkeypatch):
-    """A launch 2 that never ran (here: it raises) must not leave launch 1's words for the next call."""
-    logits, sim, protected, decode, real = make_case(9, 32, seed=5)
-    decode[:] = True
-    spec = spec_of("sere-k2", sim, protected)
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("launch failed")
-            return launch
-    monkeypatch.setattr(fused_routing_multi_module, "_multi_reroute_kernel", Broken())
-    with pytest.raises(RuntimeError, match="launch failed"):
-        fused_routing_triton(logits, spec, decode, real, multi=True, block_t=2, grid_wait=False, epoch=False)
-    assert _scratches() and all(int(b.abs().sum()) == 0 for b in _scratches())
-    monkeypatch.undo()
-    check_against_reference(logits, spec, decode, real, multi=True, block_t=2, epoch=False)
-
-
-def one_launch_tiling(t: int) -> dict:
-    """The one-launch SERE plan's tiling for a test: on CUDA the dispatch's (a program per row: the grid-wide
-    wait across up to 70 programs); in the interpreter, which runs a grid's programs one after another, the
-    whole step in one program (a second would wait forever), so the wait, the re-route from registers and the
-    departure still run."""
-    if DEVICE == "cuda":
-        return {"multi": True, "grid_wait": True}
-    return {"multi": True, "grid_wait": True, "block_t": 1 << max(0, (t - 1).bit_length())}
-
-
-@pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
-@pytest.mark.parametrize("shape", [(1, 16), (9, 32), (16, 128), (70, 64)], ids=lambda s: "T{}-E{}".format(*s))
-def test_one_launch_sere_matches_reference(shape, name):
-    """SERE in one launch (each program waits for the whole grid's P, then re-routes its tile from registers)
-    gives the reference's ids, weights and counters, and the two-launch plan on the same tiling gives the same."""
-    t, e = shape
-    logits, sim, protected, decode, real = make_case(t, e, seed=t * 7 + e)
-    decode[0] = True
-    spec = spec_of(name, sim, protected, top_k=min(8, e // 2))
-    tiling = one_launch_tiling(t)
-    want_s = check_against_reference(logits, spec, decode, real, **tiling)
-    check_against_reference(logits, spec, decode, real, **{**tiling, "grid_wait": False, "epoch": False})
-    assert all(int(b.abs().sum()) == 0 for b in _scratches())
-    if t > 1 and name == "sere-k2":
-        assert want_s[COUNTERS.index("moved")] > 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a wait across programs needs a GPU")
-def test_one_launch_sere_over_a_full_grid_on_cuda():
-    """On a GPU the one-launch plan's wait spans up to one program per SM: every step length up to that grid gives
-    the reference's ids and counters call after call, and leaves the scratch (sets, sums, both arrival counters)
-    zeroed for the next call — a leftover arrival would let the next call's programs pass the wait before the
-    whole step's P is in (session 25 ran these checks on the H100 as a script before timing the plan)."""
-    from harness.kernels.fused_routing_multi import grid_wait_programs
-
-    g = torch.Generator().manual_seed(0)
-    sim = torch.rand(128, 128, generator=g).to(DEVICE)
-    for t in sorted({1, 2, 9, 16, 33, 64, 70, 128, grid_wait_programs(torch.device(DEVICE))}):
-        for rep in range(20):
-            logits = (torch.randn(t, 128, generator=g) * 2).to(DEVICE)
-            decode = (torch.rand(t, generator=g) < 0.8).to(DEVICE)
-            spec = RoutingSpec(8, True, k_primary=1 + rep % 2, rho=0.0, similarity=sim)
-            check_against_reference(logits, spec, decode, None, multi=True, grid_wait=True)
-            assert all(int(b.abs().sum()) == 0 for b in _scratches()), f"T={t}, call {rep} left its scratch"
-
-
-def test_one_launch_sere_is_refused_where_its_grid_cannot_be_resident():
-    """A grid-wide wait over more programs than can be resident at once would hang; the op refuses it (in the
-    interpreter: any second program) and the dispatch, left to choose, takes two launches for such a grid."""
-    logits, sim, protected, decode, real = make_case(9, 32, seed=41)
-    spec = spec_of("sere-k2", sim, protected)
-    if DEVICE == "cuda":   # a program per row: more than any GPU has SMs
-        logits, sim, protected, decode, real = make_case(4096, 32, seed=41)
-        spec = spec_of("sere-k2", sim, protected)
-    with pytest.raises(ValueError, match="grid-wide wait"):
-        fused_routing_triton(logits, spec, decode, real, multi=True, grid_wait=True, block_t=1)
-    check_against_reference(logits, spec, decode, real, multi=True, block_t=1)
-    assert all(int(b.abs().sum()) == 0 for b in _scratches())
+    want_s = check_against_reference(logits, spec_of("sere-k2", sim, protected), decode, real, multi=True, block_t=32)
+    assert want_s[COUNTERS.index("moved")] > 0
 
 
 @pytest.mark.parametrize("name", [n for n in SPECS if "k_primary" in SPECS[n]])
