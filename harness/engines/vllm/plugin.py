@@ -161,9 +161,9 @@ def _patch_factory(artifacts: Any, module: Any = None) -> None:
 
 def refuse_micro_batching(parallel_config: Any = None) -> None:
     """Refuse vLLM's micro-batch overlap (``--enable-dbo`` / ``ubatch_size`` > 1) for a layer the plugin routes:
-    the routing op's multi-program plan keeps one step scratch per device (``fused_routing_multi.step_scratch``)
-    and relies on a device's MoE layers routing one after another, while overlapped micro-batches run two
-    batches' layers at once. ``parallel_config``: vLLM's (default: the current config's); none found, nothing to
+    the routing op's multi-program plans keep one step scratch per device (``fused_routing_multi.step_scratch``,
+    ``fused_routing_epoch.epoch_scratch``: one step's epoch at a time) and rely on a device's MoE layers routing
+    one after another, while overlapped micro-batches run two batches' layers at once. ``parallel_config``: vLLM's (default: the current config's); none found, nothing to
     refuse (vLLM builds its layers inside ``set_current_vllm_config``)."""
     if parallel_config is None:
         try:
