@@ -272,8 +272,9 @@ def test_reference_is_capturable_in_a_cuda_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 @pytest.mark.parametrize("t", [ONE_PROGRAM_MAX_TOKENS + 1, 70, 512])
 def test_multi_program_plan_is_capturable_in_a_cuda_graph(t):
-    """vLLM replays the op inside its CUDA graphs: the two launches and their scratch (``torch.empty`` in the
-    op) are captured, replays follow new logits, and each replay adds one call to the counters."""
+    """vLLM replays the op inside its CUDA graphs: SERE's launches (three with counters) and their persistent
+    scratch are captured, replays follow new logits — each replay's P is its own step's, the epoch advancing on
+    the device (``fused_routing_epoch``) — and each replay adds one call to the counters."""
     logits, sim, protected, decode, real = make_case(t, 128, seed=t)
     spec = spec_of("top4-sere-k2", sim, protected)
     counters = torch.zeros(len(COUNTERS), dtype=torch.long, device=DEVICE)
