@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import harness.kernels.fused_routing_epoch as epoch_module
-from harness.kernels.fused_routing import COUNTERS, fused_routing_reference, fused_routing_triton
-from test_fused_routing import DEVICE, SPECS, check_against_reference, make_case, spec_of
+from harness.kernels.fused_routing import fused_routing_reference, fused_routing_triton
+from test_fused_routing import SPECS, check_against_reference, make_case, spec_of
 
 SERE_SPECS = [n for n in SPECS if "k_primary" in SPECS[n]]
 
