@@ -406,7 +406,9 @@ class Servers:
         entry.update(startup_s=start_s, server=eng._server.describe(),
                      describe={k: v for k, v in eng.describe().items() if k not in ("server_report",)})
         self.res.save()
-        print(f"[{self.kind}] {name}: server up in {start_s:.0f} s", flush=True)
+        phases = entry["server"].get("startup_phases") or {}
+        said = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in phases.items())
+        print(f"[{self.kind}] {name}: server up in {start_s:.0f} s" + (f" (vLLM: {said})" if said else ""), flush=True)
         self.warm(eng)
         server_stats(eng, reset=True)
         return eng
@@ -688,6 +690,9 @@ def main() -> None:
                          "request) because random weights decoded greedily send every request down one short token "
                          "cycle, and the batch then routes like a much smaller one (docs/vllm.md)")
     ap.add_argument("--site", default=None, help="where to write the entry-point dist-info (default: tmp)")
+    ap.add_argument("--server-logs", default=None,
+                    help="keep each server's run directory (its vllm_serve.log) under this folder, e.g. a GPU "
+                         "call's $OUT (default: a temporary folder); the JSON records each start's phases either way")
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--out", default=None, help="default results/benchmarks/vllm_serve_<card> (.json, .md)")
     args = ap.parse_args()
@@ -708,6 +713,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor()})"
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-serve-"))
+    runs = Path(args.server_logs) if args.server_logs else root / "runs"   # the servers' run dirs and logs
     if args.out is None:
         from _common import card_slug
 
@@ -752,7 +758,7 @@ def main() -> None:
             pairs = [p.split(":") for p in args.pairs.split(",")]
 
             def make_text(name):
-                return make_engine(model_dir, VARIANTS[name], args, root / "runs" / name, OUTPUT_TOKENS, sim, mem)
+                return make_engine(model_dir, VARIANTS[name], args, runs / name, OUTPUT_TOKENS, sim, mem)
 
             measure_pairs("text", pairs, make_text, lambda p: requests, points, args.passes, res,
                           (16.0 if not args.tiny else 2.0, 32 if not args.tiny else 4), args.timeout, resident)
@@ -766,7 +772,7 @@ def main() -> None:
             pairs = [[f"keep{float(k):.1f}" for k in p.split(":")] for p in args.keeps.split(",")]
 
             def make_vl(name):
-                return make_engine(model_dir, {"keep": float(name[4:])}, args, root / "runs" / name, 1, None, mem)
+                return make_engine(model_dir, {"keep": float(name[4:])}, args, runs / name, 1, None, mem)
 
             measure_pairs("vl", pairs, make_vl, requests, [(args.vl_qps, args.vl_requests)], args.passes, res,
                           (args.vl_qps, VL_WARMUP), args.timeout, resident)

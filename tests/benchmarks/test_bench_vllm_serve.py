@@ -196,3 +196,28 @@ def test_a_server_that_does_not_start_is_a_note_and_the_next_pair_runs(monkeypat
                     (1.0, 1), None, 1)
     assert any("sere1 did not start" in note for note in res.data["notes"])
     assert set(res.data["text"]) == {"off@4", "top2@4"}
+
+
+def test_each_start_records_and_prints_where_its_start_up_went(monkeypatch, tmp_path, capsys):
+    """A server's start-up phases (vLLM's own log lines, ``harness.engines.vllm.server_startup``) go into the
+    results beside its wall time and into the progress line, per start."""
+    class Timed(_Server):
+        def describe(self):
+            return {"startup_s": 181.0, "startup_phases": {"torch_compile_s": 41.2, "cuda_graphs_s": 38.0,
+                                                           "engine_init_s": 89.6}}
+
+    def make(name):
+        eng = _Engine(name, [])
+        eng._server = Timed()
+        return eng, 181.0
+
+    monkeypatch.setattr(b, "run_point", lambda *a: ([], {}))
+    monkeypatch.setattr(b, "server_stats", lambda eng, reset: None)
+    monkeypatch.setattr(b, "summarise", lambda samples: {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "failed": 0,
+                                                         "tpot_ms": {"p50": 1.0, "p99": 2.0}})
+    res = b.Results(tmp_path / "r.json", {})
+    b.measure_pairs("text", [["off", "sere2"]], make, lambda p: [], [(4.0, 1)], 1, res, (1.0, 1), None, 1)
+    off = res.data["servers"]["text"]["off"]
+    assert off["starts_s"] == [181.0] and off["server"]["startup_phases"]["engine_init_s"] == 89.6
+    assert "off: server up in 181 s (vLLM: torch compile 41 s, cuda graphs 38 s, engine init 90 s)" in \
+        capsys.readouterr().out

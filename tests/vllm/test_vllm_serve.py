@@ -38,6 +38,7 @@ def served(request, tiny_model_path, artifacts, tmp_path_factory):
     trace = run_dir / "trace.jsonl"
     with pytest.MonkeyPatch.context() as env:  # the user's key: the started server takes it, an attach sends it
         env.setenv("VLLM_API_KEY", f"test-key-{request.param}")
+        env.setenv("VLLM_LOGGING_LEVEL", "INFO")   # the server's log file gets vLLM's start-up phase lines
         eng = VLLMEngine(tiny_model_path, engine_cfg(max_model_len=512), gen_cfg(MAX_NEW), max_images_per_prompt=2,
                          load_cfg=_load("auto"), sere_cfg=sere, sere_trace=str(trace) if sere else None,
                          run_dir=str(run_dir))
@@ -77,6 +78,9 @@ def test_load_timings_as_vllm_bench_serve(served, requests_text_images):
     gens, info = served.engine.run_load(text + images, _load("auto"), timeout_s=300)
     assert info["completed"] == N and all(g.error is None for g in gens), [g.error for g in gens]
     assert info["client"] == CLIENT and info["server"]["started_by_harness"] is True
+    # where the start-up went, read off this server's own log (vLLM's lines, harness.engines.vllm.server_startup)
+    phases = info["server"]["startup_phases"]
+    assert 0 < phases["engine_init_s"] <= info["server"]["startup_s"], phases
     for g in gens:
         itl = g.extra["itl_ms"]
         assert 0 < g.ttft_ms <= g.e2e_ms and len(itl) == g.extra["chunks"] - 1 and all(x >= 0 for x in itl)

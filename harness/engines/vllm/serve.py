@@ -49,6 +49,7 @@ from typing import Any
 from harness.engines.vllm.client import auth_headers
 from harness.engines.vllm.endpoint import STATS_PATH, TECHNIQUES_PATH, plugins_allowlist
 from harness.engines.vllm.serve_main import PARENT_PID_ENV
+from harness.engines.vllm.server_startup import startup_phases
 from harness.engines.vllm.settings import ALL_ENV
 from harness.redact import mask_argv, mask_env
 
@@ -167,6 +168,7 @@ class VLLMServer:
         self.proc, self.log_path, self.command, self.startup_s = proc, log_path, command, startup_s
         self.api_key = api_key  # sent with every request; never recorded (describe() leaves it out)
         self._model: str | None = None
+        self.log_offset = 0  # where this start's output begins in the log (starts of one run dir append to it)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @classmethod
@@ -206,6 +208,7 @@ class VLLMServer:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://{host}:{port}", proc, log_path, cmd, api_key=env[API_KEY_ENV])
+        server.log_offset = offset
         try:
             server.wait_healthy(timeout_s)
         except RuntimeError as e:
@@ -297,4 +300,6 @@ class VLLMServer:
         return {"url": self.url, "started_by_harness": self.started_here, "log": str(self.log_path) if
                 self.log_path else None, "command": mask_argv(self.command) if self.command else None,
                 "api_key": self.api_key is not None,
-                "startup_s": round(self.startup_s, 3) if self.startup_s is not None else None}
+                "startup_s": round(self.startup_s, 3) if self.startup_s is not None else None,
+                # where the start-up went, as vLLM logged it (harness.engines.vllm.server_startup)
+                "startup_phases": startup_phases(self.log_path, self.log_offset) if self.proc is not None else {}}
