@@ -168,7 +168,9 @@ class VLLMServer:
         self.proc, self.log_path, self.command, self.startup_s = proc, log_path, command, startup_s
         self.api_key = api_key  # sent with every request; never recorded (describe() leaves it out)
         self._model: str | None = None
-        self.log_offset = 0  # where this start's output begins in the log (starts of one run dir append to it)
+        # where this start's start-up went, as vLLM logged it (harness.engines.vllm.server_startup): read once,
+        # when the server is healthy (every phase line comes before that); empty for a server found running
+        self.startup_phases: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @classmethod
@@ -208,7 +210,6 @@ class VLLMServer:
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://{host}:{port}", proc, log_path, cmd, api_key=env[API_KEY_ENV])
-        server.log_offset = offset
         try:
             server.wait_healthy(timeout_s)
         except RuntimeError as e:
@@ -220,6 +221,7 @@ class VLLMServer:
             server.stop()
             raise
         server.startup_s = time.perf_counter() - t0
+        server.startup_phases = startup_phases(log_path, offset)   # this start's part of the log only
         return server
 
     @classmethod
@@ -301,5 +303,4 @@ class VLLMServer:
                 self.log_path else None, "command": mask_argv(self.command) if self.command else None,
                 "api_key": self.api_key is not None,
                 "startup_s": round(self.startup_s, 3) if self.startup_s is not None else None,
-                # where the start-up went, as vLLM logged it (harness.engines.vllm.server_startup)
-                "startup_phases": startup_phases(self.log_path, self.log_offset) if self.proc is not None else {}}
+                "startup_phases": self.startup_phases}

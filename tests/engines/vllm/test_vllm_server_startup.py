@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.engines.vllm import serve
 from harness.engines.vllm.serve import VLLMServer
 from harness.engines.vllm.server_startup import startup_phases
 
@@ -49,11 +50,24 @@ def test_no_log_no_phases(tmp_path: Path):
     assert startup_phases(None) == {} and startup_phases(tmp_path / "absent.log") == {}
 
 
-def test_a_started_servers_description_carries_its_phases(tmp_path: Path):
-    log = tmp_path / "vllm_serve.log"
-    log.write_text(FIRST_START + SECOND_START)
-    server = VLLMServer("http://127.0.0.1:1", proc=object(), log_path=log, command=["vllm", "serve"], startup_s=95.0)
-    server.log_offset = len(FIRST_START.encode())
-    got = server.describe()
-    assert got["startup_s"] == 95.0 and got["startup_phases"]["engine_init_s"] == 40.10
-    assert VLLMServer("http://127.0.0.1:1").describe()["startup_phases"] == {}   # attached: not ours to read
+def test_a_start_reads_its_phases_once_from_its_own_part_of_the_log(tmp_path: Path, monkeypatch):
+    """``VLLMServer._start_on`` reads the phases when the server is healthy, from the byte where this start's
+    output begins (a second start of one run dir appends to the same log), and ``describe()`` reports them."""
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    (log_dir / serve.LOG_NAME).write_text(FIRST_START)      # an earlier start's lines: not this one's
+
+    class Proc:
+        def poll(self):
+            return None
+
+    def popen(cmd, stdout, **kw):
+        stdout.write(SECOND_START.encode())
+        stdout.flush()
+        return Proc()
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(VLLMServer, "wait_healthy", lambda self, timeout_s: None)
+    server = VLLMServer._start_on("/m", {}, {}, log_dir, 5.0, "127.0.0.1", 1, None)
+    assert server.startup_phases == {"weights_s": 4.50, "torch_compile_s": 12.0, "engine_init_s": 40.10}
+    assert server.describe()["startup_phases"] == server.startup_phases
+    assert VLLMServer("http://127.0.0.1:1").describe()["startup_phases"] == {}   # found running: not ours
