@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,9 @@ def child(args) -> None:
             row["routing_steps_counted"] = st.get("steps")
         out["batches"][str(b)] = row
         print(f"[{args.child}] B={b}: {row['per_step_ms']:.2f} ms/step {row['ci95']}", flush=True)
+    import vllm
+
+    out["env"] = {"torch": torch.__version__, "vllm": vllm.__version__, "device": torch.cuda.get_device_name()}
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -136,32 +140,75 @@ def main() -> None:
         return child(args)
     root = tempfile.mkdtemp(prefix="bench_vllm_decode_")
     model, sim = write_model(root, args.layers)
-    results = []
-    for name in args.variants.split(","):
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
-               "VLLM_USE_FLASHINFER_SAMPLER": "0", **VARIANTS[name]}
-        if "HARNESS_SERE_K" in env:
-            env.update(HARNESS_SERE_SIMILARITY=sim, HARNESS_SERE_RHO="0.0")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, __file__, "--child", name, "--model", model, "--batches",
-               ",".join(map(str, args.batches)), "--reps", str(args.reps)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        got = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not got:
-            print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
-            results.append({"variant": name, "error": proc.stderr[-2000:]})
-            continue
-        res = json.loads(got[0])
-        print(f"[{name}] engine start {res['engine_start_s']:.0f} s", flush=True)
-        results.append(res)
+    results: list[dict] = []
+    state = {"cut": None}
+
+    def on_term(signum, frame):  # a time limit's SIGTERM: keep what was measured (the JSON is written per variant)
+        state["cut"] = f"stopped by signal {signum}"
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        for name in args.variants.split(","):
+            results.append(run_variant(name, args, model, sim))
+            write_results(args, results, state["cut"])
+    except KeyboardInterrupt:
+        state["cut"] = state["cut"] or "interrupted"
+        print(f"cut: {state['cut']}; {len(results)} variant(s) measured", flush=True)
+    print_table(results, args.batches)
+    write_results(args, results, state["cut"])
+
+
+def run_variant(name: str, args, model: str, sim: str) -> dict:
+    """One variant in a fresh child process; its per-B lines stream through as they are measured."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0", **VARIANTS[name]}
+    if "HARNESS_SERE_K" in env:
+        env.update(HARNESS_SERE_SIMILARITY=sim, HARNESS_SERE_RHO="0.0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, __file__, "--child", name, "--model", model, "--batches",
+           ",".join(map(str, args.batches)), "--reps", str(args.reps)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        err_tail = []
+        import threading
+
+        def drain_stderr():
+            for line in proc.stderr:
+                err_tail.append(line)
+                del err_tail[:-200]
+
+        t = threading.Thread(target=drain_stderr, daemon=True)
+        t.start()
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[") and not line.startswith("RESULT "):
+                print(line, end="", flush=True)
+        proc.wait()
+        t.join(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    got = [line[7:] for line in lines if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not got:
+        print(f"[{name}] failed (exit {proc.returncode}):\n{''.join(lines)[-3000:]}\n{''.join(err_tail)[-6000:]}",
+              flush=True)
+        return {"variant": name, "error": "".join(err_tail)[-2000:]}
+    res = json.loads(got[0])
+    print(f"[{name}] engine start {res['engine_start_s']:.0f} s", flush=True)
+    return res
+
+
+def print_table(results: list[dict], batches: list[int]) -> None:
     stock = [r for r in results if r.get("variant") == "stock" and "batches" in r]
-    print(f"\n{'variant':16s}" + "".join(f"{'B=' + str(b):>26s}" for b in args.batches))
+    print(f"\n{'variant':16s}" + "".join(f"{'B=' + str(b):>26s}" for b in batches))
     for r in results:
         if "batches" not in r:
             print(f"{r['variant']:16s} failed")
             continue
         cells = []
-        for b in args.batches:
+        for b in batches:
             row = r["batches"][str(b)]
             cell = f"{row['per_step_ms']:.2f} [{row['ci95'][0]:.2f},{row['ci95'][1]:.2f}]"
             if stock and r["variant"] != "stock":
@@ -171,29 +218,31 @@ def main() -> None:
                 cell += f" {speed:.2f}x" + ("" if sig else " n.s.")
             cells.append(f"{cell:>26s}")
         print(f"{r['variant']:16s}" + "".join(cells))
-    env = {"python": sys.version.split()[0]}
-    try:
-        import torch
-        import vllm
 
-        env.update(torch=torch.__version__, vllm=vllm.__version__, device=torch.cuda.get_device_name())
-    except Exception:  # noqa: BLE001
-        pass
-    if args.out is None:   # the card read after the children ran (this process never initialised CUDA before)
+
+def write_results(args, results: list[dict], cut: str | None) -> None:
+    """Written after every variant, so a run cut by a time limit keeps what it measured."""
+    env = {"python": sys.version.split()[0]}
+    env.update(next((r["env"] for r in results if "env" in r), {}))   # read in the children: this process stays off CUDA
+    out = args.out
+    if out is None:
         from _common import card_slug
 
-        args.out = os.path.join(REPO, "results", "benchmarks", f"vllm_decode_{card_slug(env.get('device'))}.json")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "vllm_decode", "env": env, "model": "qwen3_30b_a3b shapes",
-                   "layers": args.layers or 48, "dtype": "bfloat16", "weights": "random-init (vLLM dummy)",
-                   "cuda_graphs": True, "prompt_tokens": PROMPT, "decode_steps": STEPS, "reps": args.reps,
-                   "protocol": "per variant a fresh engine; warm-up of each length; per pair (t65 - t1)/64; "
-                               "median, 95% bootstrap CI; stock first and last (drift check); speed-up against "
-                               "the faster stock run, n.s. when the intervals overlap either stock run",
-                   "results": results}, f, indent=1)
-    print("wrote", args.out)
-
+        out = os.path.join(REPO, "results", "benchmarks", f"vllm_decode_{card_slug(env.get('device'))}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    doc = {"benchmark": "vllm_decode", "env": env, "model": "qwen3_30b_a3b shapes",
+           "layers": args.layers or 48, "dtype": "bfloat16", "weights": "random-init (vLLM dummy)",
+           "cuda_graphs": True, "prompt_tokens": PROMPT, "decode_steps": STEPS, "reps": args.reps,
+           "variants_asked": args.variants.split(","),
+           "protocol": "per variant a fresh engine; warm-up of each length; per pair (t65 - t1)/64; "
+                       "median, 95% bootstrap CI; stock first and last (drift check); speed-up against "
+                       "the faster stock run, n.s. when the intervals overlap either stock run",
+           "results": results}
+    if cut:
+        doc["cut"] = cut
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("wrote", out, flush=True)
 
 if __name__ == "__main__":
     main()
