@@ -31,7 +31,9 @@ arrivals (``vllm bench serve``'s rule: :func:`harness.engines.vllm.load.drive_lo
 pairs (``--pairs``): both servers resident on the GPU at once, interleaved per point and pass (A B, then B A),
 where two fit (the H200 at 30B shapes); one at a time on a card that holds one (``--resident auto``, the default,
 picks: :func:`residency`; an 80-GB H100), every point of a pass on one server, A B then B A; each server warmed
-with a burst first. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
+first: text servers with one request, then bursts of concurrent requests whose steps reach every fused-MoE tile
+bucket beyond CUDA-graph capture (``load.warmup_bursts``; session 26: without them a Triton JIT stalled one
+measured pass at QPS 64), then 32 requests at QPS 16. SERE uses a random similarity artifact (ρ 0, as ``bench_vllm_decode.py``); its statistics
 (expert union per layer and step before / after) are read from the server after each run, proving the routing
 was engaged. **VL** (``--part vl``): one request = 30 new images of 448 px + 20 words of text, 1 output
 token, sent at ``--vl-qps``; the images uniform noise (``--image-content noise``, the default: incompressible, 23
@@ -270,9 +272,12 @@ def lse_source(eng) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def run_point(eng, requests, qps: float, n: int, seed: int, timeout_s: float | None) -> tuple[list, dict]:
-    gens, info = eng.run_load(requests, {"qps": qps, "num_requests": n, "warmup": 0, "seed": seed,
-                                         "endpoint": "auto"}, timeout_s=timeout_s)
+def run_point(eng, requests, qps: float, n: int, seed: int, timeout_s: float | None,
+              bursts: bool = False) -> tuple[list, dict]:
+    """One measured run (or, ``bursts``, the warm-up: one request, then ``load.warmup_bursts``' bursts of
+    concurrent requests, then the ``n`` at ``qps``). No point's own run bursts: the warm-up did, once per server."""
+    gens, info = eng.run_load(requests, {"qps": qps, "num_requests": n, "warmup": 1 if bursts else 0, "seed": seed,
+                                         "endpoint": "auto", "warmup_bursts": bursts}, timeout_s=timeout_s)
     return gens, info
 
 
@@ -432,7 +437,8 @@ def measure_pairs(kind: str, pairs: list[list[str]], make, requests: Callable[[i
     its passes, so a time-out keeps every finished point."""
     for pair in pairs:
         servers = Servers(kind, make, res, resident,
-                          lambda eng: run_point(eng, requests(-1), warm[0], warm[1], 99, timeout_s))
+                          lambda eng: run_point(eng, requests(-1), warm[0], warm[1], 99, timeout_s,
+                                                bursts=kind == "text"))
         samples: dict[tuple, list] = {(name, q): [] for name in pair for q, _ in points}
         stats: dict[tuple, list] = {(name, q): [] for name in pair for q, _ in points}
         try:

@@ -128,6 +128,9 @@ class LoadConfig:
     num_requests: Optional[int] = None  # None = one pass over the dataset; more cycles through it
     burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
     warmup: int = 2  # requests sent and discarded before measuring
+    # then bursts of concurrent requests (also discarded) whose steps reach every fused-MoE tile bucket beyond
+    # CUDA-graph capture, so no Triton JIT lands in a measured pass; null = on for CUDA (harness/engines/vllm/load.py)
+    warmup_bursts: Optional[bool] = None
     seed: int = 0
     # --- vllm serve load mode (harness/engines/vllm/serve_mode.py, docs/vllm.md) ---
     # null = AsyncLLM in process; "auto" = the harness starts `vllm serve` with the run's techniques;

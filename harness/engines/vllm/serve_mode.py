@@ -34,7 +34,7 @@ from harness.config.access import setting as _get
 from harness.engines.base import Generation, Request
 from harness.engines.vllm.client import (auth_headers, chat_messages, chat_payload, completion_payload, sample_seed,
                                          stream_chat)
-from harness.engines.vllm.load import drive_load, load_settings
+from harness.engines.vllm.load import drive_load, load_settings, warmup_bursts_on
 from harness.engines.vllm.server_phases import histogram_totals, phase_means, wait_for_requests, with_client_ttft
 from harness.engines.vllm.settings import MoeSettings, SereSettings, VisionZipSettings
 from harness.engines.vllm.techniques import plugin_env, SereSetup
@@ -212,7 +212,8 @@ class ServeMode:
                  timeout_s: float | None = None) -> tuple[list[Generation], dict[str, Any]]:
         if self._server is None:
             return super().run_load(requests, load_cfg, timeout_s)  # type: ignore[misc]
-        settings = load_settings(load_cfg if load_cfg is not None else self.load_cfg, requests)
+        load_cfg = load_cfg if load_cfg is not None else self.load_cfg
+        settings = load_settings(load_cfg, requests)
         url = self._request_url
         payloads = [self._payload(r, index=i, load_cfg=load_cfg) for i, r in enumerate(requests)]
 
@@ -223,7 +224,8 @@ class ServeMode:
                 return r
 
             return await drive_load(self, requests, stream, *settings, timeout_s=timeout_s, client=CLIENT,
-                                    after_warmup=lambda: before.append(self._phase_totals()))
+                                    after_warmup=lambda: before.append(self._phase_totals()),
+                                    bursts=warmup_bursts_on(load_cfg, self.device))
 
         before: list[dict | str] = []  # the server's counters after the warm-up (load.warmup requests)
         gens, info = asyncio.run(self._with_session(main))
