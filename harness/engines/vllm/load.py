@@ -147,14 +147,14 @@ class LoadMode:
 WARMUP_STEP_TOKENS = (576, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
-def burst_sizes(prompt_tokens: int, targets: tuple[int, ...] = WARMUP_STEP_TOKENS, cap: int = 256) -> list[int]:
+def burst_sizes(prompt_tokens: int, targets: tuple[int, ...] | None = None, cap: int = 256) -> list[int]:
     """Concurrent requests per warm-up burst, so that each burst's first step prefills about one of ``targets``
     tokens. Why (H200, session 26): steps beyond the CUDA-graph sizes run eagerly, and the first step of a new
     size bucket JIT-compiles vLLM's ``fused_moe_kernel`` for its tile configuration (seconds): under QPS 64 that
     happened in the middle of a measured pass and stalled every request behind it (TTFT p99 4.7 s, TPOT p99 99
     ms; the other pass of the same server 145 ms / 20 ms). A warm-up at a low rate never makes such steps."""
     per = max(1, int(prompt_tokens))
-    return sorted({min(cap, max(2, math.ceil(t / per))) for t in targets})
+    return sorted({min(cap, max(2, math.ceil(t / per))) for t in (targets or WARMUP_STEP_TOKENS)})
 
 
 def warmup_bursts_on(load_cfg: Any, device: str) -> bool:
