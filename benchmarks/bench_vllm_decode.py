@@ -156,8 +156,8 @@ def main() -> None:
     except KeyboardInterrupt:
         state["cut"] = state["cut"] or "interrupted"
         print(f"cut: {state['cut']}; {len(results)} variant(s) measured", flush=True)
+        write_results(args, results, state["cut"])   # the loop wrote every finished variant; record the cut
     print_table(results, args.batches)
-    write_results(args, results, state["cut"])
 
 
 def run_variant(name: str, args, model: str, sim: str) -> dict:
